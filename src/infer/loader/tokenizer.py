@@ -1,0 +1,108 @@
+"""`Tokenizer`: the one place that touches transformers' tokenizer classes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """A thin, stable wrapper around a HF fast tokenizer.
+
+    ``model_path`` is a checkpoint directory with tokenizer files. For other sources
+    (a GGUF file) use `Tokenizer.from_hf` with a tokenizer built elsewhere.
+    """
+
+    def __init__(self, model_path: str | Path, *, eos_token_id: int | list[int] | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory does not exist: {path}")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: could not load a tokenizer ({e})") from e
+        if eos_token_id is None:
+            eos_token_id = _eos_from_generation_config(path)
+        self._init(tok, eos_token_id)
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer: Any, *, eos_token_id: int | list[int] | None = None) -> Tokenizer:
+        self = cls.__new__(cls)
+        self._init(hf_tokenizer, eos_token_id)
+        return self
+
+    def _init(self, tok: Any, eos_token_id: int | list[int] | None) -> None:
+        self._tok = tok
+        ids: list[int] = []
+        if eos_token_id is not None:
+            ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+            ids.insert(0, int(tok.eos_token_id))
+        self._eos: list[int] = ids
+        # Token id -> raw bytes is what streaming needs to cut text at UTF-8 boundaries;
+        # decode() of a growing prefix gives it without touching private APIs.
+
+    @property
+    def hf(self) -> Any:
+        """The wrapped transformers tokenizer (for chat templates and advanced use)."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; use generate() with a plain prompt")
+        text: str = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return text
+
+    @property
+    def eos_token_id(self) -> int | list[int]:
+        """The end-of-sequence id, or all of them when the model defines several (Llama 3.2)."""
+        if not self._eos:
+            raise ValueError("this tokenizer defines no end-of-sequence token")
+        return self._eos[0] if len(self._eos) == 1 else list(self._eos)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self._tok.bos_token_id
+        return None if bos is None else int(bos)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self._tok.pad_token_id
+        return None if pad is None else int(pad)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added special tokens included."""
+        return len(self._tok)
+
+
+def _eos_from_generation_config(path: Path) -> int | list[int] | None:
+    """``generation_config.json`` lists every stop id (Llama 3.2 has three); the tokenizer knows one."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError:
+        return None
+    eos = data.get("eos_token_id")
+    if isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
+        return eos
+    return None

@@ -1,0 +1,199 @@
+"""`DecoderLM`: embed -> N blocks -> final norm -> lm_head, shared by every architecture.
+
+A model is walkable from outside: `prepare` computes what every layer of a step
+needs (positions, RoPE tables and masks per layer type), `embed`, ``layers[i]`` and
+`head` are the pieces, and ``self.executor`` decides how ``layers`` are run. The
+default executor runs them in order; the layer-streaming executor
+(`infer.streaming`) replaces it to bring weights in and out around each group, so no
+model file knows about streaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from infer.cache import KVCache, slot_mask
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.models.common import make_rotary_embeddings
+
+
+@dataclass
+class StepInputs:
+    """Per-step inputs shared by the layers: the same for every layer of a type."""
+
+    positions: torch.Tensor  # [B, T]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, T, hd]
+    masks: dict[str, torch.Tensor | None]  # layer type -> [B, 1, T, S] bool, or None
+    cache: KVCache | None
+
+
+class Block(Protocol):
+    layer_type: str
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: object | None = None,
+    ) -> torch.Tensor: ...
+
+
+class LayerExecutor(Protocol):
+    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor: ...
+
+
+class SequentialExecutor:
+    """Runs the resident layers in order."""
+
+    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        for i, layer in enumerate(model.layers):
+            x = model.run_layer(i, layer, x, step)
+        return x
+
+
+def pad_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left-padding counts ``[B]`` from a ``[B, T]`` 0/1 mask; only left padding is supported."""
+    mask = attention_mask.to(torch.long)
+    pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
+    expected = torch.arange(mask.shape[1], device=mask.device)[None] >= pad[:, None]
+    if not torch.equal(mask.bool(), expected):
+        raise ValueError("attention_mask must be left padding: zeros first, then ones, in every row")
+    return pad
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only causal LM. Subclasses set the block class and the norm flavour.
+
+    Module names follow the HF checkpoint less its ``model.`` prefix:
+    ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head``.
+    """
+
+    norm_unit_offset: bool = False  # Gemma's (1 + w) RMSNorm
+    embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = nn.ModuleDict(make_rotary_embeddings(config))
+        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
+        self.executor: LayerExecutor = SequentialExecutor()
+
+    # ---- pieces of the walk -------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device  # type: ignore[no-any-return]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        if self.embed_scale is not None:
+            # Like transformers: the scale is rounded to the weight dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepInputs:
+        B, T = input_ids.shape
+        device = input_ids.device
+        if cache is not None:
+            positions = cache.positions(T)
+            masks = {lt: cache.mask(lt, T) for lt in set(self.layer_types)}
+        else:
+            pad = (
+                pad_from_attention_mask(attention_mask)
+                if attention_mask is not None
+                else torch.zeros(B, dtype=torch.long, device=device)
+            )
+            slots = torch.arange(T, device=device)
+            positions = (slots[None] - pad[:, None]).clamp_min(0)
+            masks = {}
+            for lt in set(self.layer_types):
+                window = self.config.sliding_window if lt == SLIDING_ATTENTION else None
+                masks[lt] = slot_mask(0, T, slots, pad, window)
+        rope = {lt: rot(positions, self.dtype) for lt, rot in self.rotary.items()}
+        return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache)
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        lt = self.layer_types[index]
+        cos, sin = step.rope[lt]
+        kv = step.cache.layers[index] if step.cache is not None else None
+        out: torch.Tensor = layer(x, cos, sin, step.masks[lt], kv)
+        return out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits."""
+        logits: torch.Tensor = self.lm_head(self.norm(h))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- the walk -----------------------------------------------------------
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[B, T, D]`` after the last block (before the final norm)."""
+        step = self.prepare(input_ids, cache, attention_mask)
+        x = self.embed(input_ids, step.positions)
+        x = self.executor.run_layers(self, x, step)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` for ``input_ids [B, T]``.
+
+        With a ``cache`` the tokens continue the cached sequence; without one they are
+        a whole sequence (``attention_mask [B, T]`` marks left padding).
+        """
+        return self.head(self.forward_hidden(input_ids, cache, attention_mask))
+
+    def make_cache(
+        self, batch_size: int, max_len: int, pad: torch.Tensor | None = None
+    ) -> KVCache:
+        return KVCache(self.config, batch_size, max_len, dtype=self.dtype, device=self.device, pad=pad)
+
+
+def gemma_embed_scale(config: ModelConfig) -> float:
+    return math.sqrt(config.hidden_size)
+
+
+__all__ = [
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "DecoderLM",
+    "LayerExecutor",
+    "SequentialExecutor",
+    "StepInputs",
+    "gemma_embed_scale",
+]

@@ -1,0 +1,340 @@
+"""Building blocks shared by every architecture: norms, RoPE, attention, MLP, masks.
+
+Conventions:
+* activations are ``[B, T, D]`` (batch, tokens, hidden); attention works on
+  ``[B, H, T, hd]``;
+* masks passed to attention are either float additive (``0`` attend, ``-inf`` masked,
+  as `causal_mask` builds them) or boolean (``True`` attend), broadcastable to
+  ``[B, 1, T, S]``; ``None`` means every key is visible;
+* RoPE uses HF's ``rotate_half`` layout, so HF checkpoints need no Q/K permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32.
+
+    ``unit_offset=True`` is Gemma's variant: the stored weight is a delta and the
+    scale is ``(1 + weight)``, applied before casting back (transformers does the
+    same: Llama casts then multiplies, Gemma multiplies then casts).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) for vanilla, llama3- or linear-scaled RoPE."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if scaling is None:  # unreachable; narrows the type
+        raise AssertionError
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes ``(cos, sin)`` of shape ``[B, T, head_dim]`` for given positions ``[B, T]``."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` on the CPU (after construction on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2], float32 like transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_tables(
+    config: ModelConfig, max_positions: int | None = None, device: torch.device | str | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The RoPE factory: float32 ``(cos, sin)`` tables ``[max_positions, head_dim]`` per layer type.
+
+    Full-attention layers use ``rope_theta`` with ``rope_scaling``; sliding-window
+    layers use ``rope_local_base_freq`` (unscaled) when the config sets it (Gemma 3).
+    """
+    n = max_positions if max_positions is not None else config.max_position_embeddings
+    positions = torch.arange(n, device=device)[None]
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer_type, rope in make_rotary_embeddings(config).items():
+        cos, sin = rope.to(device)(positions, torch.float32)
+        tables[layer_type] = (cos[0], sin[0])
+    return tables
+
+
+def make_rotary_embeddings(config: ModelConfig) -> dict[str, RotaryEmbedding]:
+    """One `RotaryEmbedding` per layer type the config uses."""
+    head_dim = config.computed_head_dim
+    types = set(config.layer_types) if config.layer_types is not None else {FULL_ATTENTION}
+    ropes: dict[str, RotaryEmbedding] = {}
+    for layer_type in sorted(types):
+        if layer_type == SLIDING_ATTENTION and config.rope_local_base_freq is not None:
+            ropes[layer_type] = RotaryEmbedding(head_dim, config.rope_local_base_freq, None)
+        elif layer_type in (FULL_ATTENTION, SLIDING_ATTENTION):
+            ropes[layer_type] = RotaryEmbedding(head_dim, config.rope_theta, config.rope_scaling)
+        else:
+            raise ValueError(f"unsupported layer type {layer_type!r}")
+    return ropes
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B, T, hd]`` (broadcast over heads)."""
+    cos = cos.unsqueeze(1)  # [B, 1, T, hd]
+    sin = sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def causal_mask(
+    seq_len: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, T, T]``: 0 where key <= query, -inf above the diagonal."""
+    return sliding_window_causal_mask(seq_len, None, dtype=dtype, device=device)
+
+
+def sliding_window_causal_mask(
+    seq_len: int,
+    window_size: int | None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Additive ``[1, 1, T, T]`` mask: query i sees key j iff ``j <= i`` and ``i - j < window_size``."""
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    visible = k <= q
+    if window_size is not None:
+        visible &= (q - k) < window_size
+    mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask[None, None]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class KVStore(Protocol):
+    """What attention needs from a per-layer KV cache (see `infer.cache`)."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``."""
+        ...
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, decoupled ``head_dim``, optional QK-norm.
+
+    Projections are named as in HF checkpoints (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj``, ``q_norm``, ``k_norm``). GQA does not materialize repeated K/V: the
+    ``G = H / Hkv`` query heads that share a KV head are folded into the query-length
+    axis, which computes exactly the dot products ``repeat_interleave`` would.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_unit_offset: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.softcap = softcap
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVStore | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
+        v = v.transpose(1, 2)  # [B, Hkv, T, hd]
+        if cache is not None:
+            k, v = cache.update(k, v)  # [B, Hkv, S, hd]
+        out = attend(q, k, v, mask, self.scale, self.softcap)  # [B, H, T, hd]
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    if softcap is not None:
+        return _attend_softcapped(q, k, v, mask, scale, softcap)
+    if G > 1:
+        # Fold the G query heads of each KV head into the query axis: row g*T + t.
+        q = q.reshape(B, Hkv, G * T, D)
+        if mask is not None and mask.shape[-2] != 1:
+            mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.view(B, H, T, D)
+
+
+def _attend_softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)
+    v = v.repeat_interleave(G, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+# --------------------------------------------------------------------------- MLP
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention_from_config(config: ModelConfig, *, qk_norm: bool, norm_unit_offset: bool = False) -> Attention:
+    return Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.computed_head_dim,
+        bias=config.attention_bias,
+        qk_norm=qk_norm,
+        norm_eps=config.rms_norm_eps,
+        norm_unit_offset=norm_unit_offset,
+        scale=config.attention_scale,
+        softcap=config.attn_logit_softcapping,
+    )
+
+
+def mlp_from_config(config: ModelConfig) -> GatedMLP:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)

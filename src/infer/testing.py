@@ -1,0 +1,179 @@
+"""Tiny checkpoints built with transformers' own classes, for tests and benchmarks.
+
+Nothing here downloads anything: `build_checkpoint` makes a small model of a given
+architecture with transformers, perturbs every parameter (so no norm weight is all
+ones or zeros), and saves it with ``save_pretrained`` (single file or sharded), with
+a small byte-level tokenizer (a chat template and two EOS ids included).
+
+Each tiny config keeps what distinguishes its architecture: GQA with 2 query heads
+per KV head; ``head_dim != hidden_size // num_heads`` (Qwen 3, Gemma 3); llama3 RoPE
+scaling (Llama); QK-norm (Qwen 3, Gemma 3); ``query_pre_attn_scalar != head_dim``,
+a sliding window of 8 (shorter than the test sequences), linear-scaled global RoPE
+and final-logit soft-capping (Gemma 3); tied (Qwen 3, Gemma 3) and untied (Llama)
+embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen3", "gemma3")
+
+SPECIAL_TOKENS = ["<|begin|>", "<|end|>", "<|eot|>", "<|pad|>", "<|user|>", "<|assistant|>"]
+BOS, EOS, EOT, PAD = 256, 257, 258, 259  # ids of the first four special tokens
+TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS)
+VOCAB_SIZE = 272  # model vocab, a little larger than the tokenizer's (as in real checkpoints)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{% else %}<|assistant|>{% endif %}"
+    "{{ m['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+SLIDING_WINDOW = 8
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> Any:
+    """A transformers config object for a tiny model of ``arch`` (llama, qwen3, gemma3)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=BOS,
+        eos_token_id=[EOS, EOT],
+        pad_token_id=PAD,
+    )
+    if arch == "llama":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        kw.update(overrides)
+        return LlamaConfig(**kw)
+    if arch == "qwen3":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            head_dim=24,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+        )
+        kw.update(overrides)
+        return Qwen3Config(**kw)
+    if arch == "gemma3":
+        kw = dict(
+            common,
+            num_hidden_layers=4,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            rms_norm_eps=1e-6,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+        kw.update(overrides)
+        return Gemma3TextConfig(**kw)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    """A perturbed transformers model (float32, eval mode) of a tiny ``arch`` config."""
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+
+    classes = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}
+    config = tiny_hf_config(arch, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = classes[arch](config).eval()
+    perturb_(model, seed)
+    return model
+
+
+def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every parameter random values at scales that make logits decisive."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.dim() == 1:  # norm weights (and biases): move away from 1 / 0
+                p.add_(0.2 * noise.to(p.dtype))
+            elif "embed" in name or "wte" in name or "wpe" in name:
+                p.copy_(noise.to(p.dtype))
+            else:
+                p.copy_((noise * (1.5 / p.shape[-1] ** 0.5)).to(p.dtype))
+
+
+def build_tokenizer(path: str | Path) -> Any:
+    """Save a byte-level BPE fast tokenizer (256 byte tokens + specials) into ``path``."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(SPECIAL_TOKENS)
+    raw.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", pair="<|begin|> $A <|begin|> $B", special_tokens=[("<|begin|>", BOS)]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<|begin|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    return tok
+
+
+def build_checkpoint(
+    path: str | Path,
+    arch: str,
+    *,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny ``arch`` checkpoint (config, safetensors, tokenizer) to ``path``; return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_hf_model(arch, seed=seed, **overrides).to(dtype)
+    model.config.torch_dtype = dtype
+    kwargs: dict[str, Any] = {"max_shard_size": "40KB"} if sharded else {}
+    model.save_pretrained(str(path), **kwargs)
+    build_tokenizer(path)
+    gen_config = {"bos_token_id": BOS, "eos_token_id": [EOS, EOT], "pad_token_id": PAD}
+    (path / "generation_config.json").write_text(json.dumps(gen_config))
+    return path
