@@ -170,7 +170,6 @@ def build_checkpoint(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = tiny_hf_model(arch, seed=seed, **overrides).to(dtype)
-    model.config.torch_dtype = dtype
     kwargs: dict[str, Any] = {"max_shard_size": "40KB"} if sharded else {}
     model.save_pretrained(str(path), **kwargs)
     build_tokenizer(path)

@@ -68,6 +68,7 @@ def load_into(
     device: torch.device | str,
     progress: ProgressFn | None = None,
     total: int | None = None,
+    on_loaded: Callable[[str], None] | None = None,
 ) -> None:
     """Fill ``model``'s parameters from ``(hf_name, internal_name, read)`` triples, strictly.
 
@@ -93,6 +94,8 @@ def load_into(
             tensor = tensor.to(dtype)
         assign_parameter(model, name, tensor.to(device))
         loaded.add(name)
+        if on_loaded is not None:
+            on_loaded(name)
         done += 1
         if progress is not None:
             progress(done, total if total is not None else len(expected))
@@ -114,7 +117,15 @@ def load_safetensors_model(
     dtype: torch.dtype | None,
     device: torch.device | str,
     progress: ProgressFn | None = None,
+    quantize: str | None = None,
 ) -> nn.Module:
+    """Build ``model_cls(config)`` from the safetensors checkpoint at ``path``.
+
+    With ``quantize`` ("q4_0" or "int8") every linear layer of the blocks and the
+    head is quantized as soon as its tensors are in, so at most one float matrix
+    exists beside the packed ones; norms and the embedding stay float, and a tied
+    head gets its own quantized copy of the embedding.
+    """
     ckpt = SafetensorsCheckpoint(path)
     weight_map = get_weight_map(config)
     unknown = sorted(n for n in ckpt.keys() if n not in weight_map)
@@ -125,8 +136,45 @@ def load_safetensors_model(
             f"{ckpt.path}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
         )
     model = build_empty(config, model_cls)
-    triples = [(hf, weight_map[hf], (lambda hf=hf: ckpt.get(hf))) for hf in ckpt.keys()]
-    load_into(model, triples, source=str(ckpt.path), dtype=dtype, device=device, progress=progress)
+    order = {hf: i for i, hf in enumerate(weight_map)}  # layer by layer, so quantization can keep up
+    names = sorted(ckpt.keys(), key=order.__getitem__)
+    triples = [(hf, weight_map[hf], (lambda hf=hf: ckpt.get(hf))) for hf in names]
+    on_loaded = _quantizer(model, quantize) if quantize is not None else None
+    load_into(
+        model,
+        triples,
+        source=str(ckpt.path),
+        dtype=dtype,
+        device=device,
+        progress=progress,
+        on_loaded=on_loaded,
+    )
+    if quantize is not None and config.tie_word_embeddings:
+        from infer.quant import quantize_linear
+
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        head.weight = model.get_parameter("embed_tokens.weight")
+        model.lm_head = quantize_linear(head, quantize)
     model.to(device)  # buffers (RoPE frequencies)
     ckpt.close()
     return model.eval()
+
+
+def _quantizer(model: nn.Module, scheme: str) -> Callable[[str], None]:
+    """A callback that swaps each nn.Linear for its quantized version once all its tensors are loaded."""
+    from infer.quant import quantize_linear
+
+    tied = set(_tied_names(model))
+
+    def on_loaded(name: str) -> None:
+        module_name = name.rpartition(".")[0]
+        if not module_name or module_name == "embed_tokens" or f"{module_name}.weight" in tied:
+            return
+        module = model.get_submodule(module_name)
+        if not isinstance(module, nn.Linear) or any(p.is_meta for p in module.parameters()):
+            return
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, quantize_linear(module, scheme))
+
+    return on_loaded

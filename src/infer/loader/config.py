@@ -87,8 +87,11 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """Softmax scale: ``query_pre_attn_scalar ** -0.5`` when set, else ``head_dim ** -0.5``."""
-        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.computed_head_dim
-        return float(scalar) ** -0.5
+        scalar: float | None = self.query_pre_attn_scalar
+        if scalar is None:
+            scalar = self.computed_head_dim
+        scale: float = float(scalar) ** -0.5  # as transformers computes it
+        return scale
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -127,6 +130,25 @@ _RENAMES: dict[str, dict[str, str]] = {
         "activation_function": "hidden_act",
     },
 }
+
+# transformers' own defaults for fields a family's hub configs may leave out (gemma-3-1b-it
+# has no tie_word_embeddings: Gemma3TextConfig defaults it to True).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "tie_word_embeddings": True,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256.0,
+    },
+}
+
+_FLOAT_FIELDS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_local_base_freq",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+)
 
 
 def _normalize_rope_dict(rope: dict[str, Any]) -> dict[str, Any]:
@@ -214,10 +236,11 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
         )
 
     for old, new in _RENAMES.get(model_type, {}).items():
-        if old in raw and (new not in raw or raw[new] is None):
-            raw[new] = raw.pop(old)
-        else:
-            raw.pop(old, None)
+        # The hub name is the one transformers reads (Gemma's MLP uses hidden_activation even
+        # when an older hidden_act is also present), so it wins when set.
+        value = raw.pop(old, None)
+        if value is not None:
+            raw[new] = value
     if "dtype" in raw and raw.get("torch_dtype") is None:
         raw["torch_dtype"] = raw["dtype"]
 
@@ -239,6 +262,8 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
 
     _apply_rope_parameters(raw)
     _resolve_layer_types(raw)
+    for key, value in _FAMILY_DEFAULTS.get(model_type, {}).items():
+        raw.setdefault(key, value)
 
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     kwargs = {k: v for k, v in raw.items() if k in names}
@@ -251,6 +276,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
             )
     if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
         kwargs["rope_scaling"] = _normalize_rope_dict(kwargs["rope_scaling"])
+    for key in _FLOAT_FIELDS:  # JSON writes 1000000 for 1e6; keep the typed fields typed
+        if isinstance(kwargs.get(key), int) and not isinstance(kwargs[key], bool):
+            kwargs[key] = float(kwargs[key])
     return ModelConfig(**kwargs)
 
 

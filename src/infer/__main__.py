@@ -1,0 +1,3 @@
+from infer.cli import main
+
+raise SystemExit(main())
