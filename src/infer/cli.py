@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
     g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
     g.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--context", type=int, default=None, help="context length for the KV-cache estimate")
     i.add_argument("--batch-size", type=int, default=1)
     i.add_argument("--dtype", default=None)
-    i.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     i.set_defaults(func=cmd_inspect)
     return parser
 

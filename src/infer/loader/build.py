@@ -17,7 +17,7 @@ from torch import nn
 
 from infer.loader.config import ModelConfig
 from infer.loader.weight_map import get_weight_map
-from infer.loader.weights import SafetensorsCheckpoint
+from infer.loader.weights import INDEX_FILE, SafetensorsCheckpoint
 
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -132,8 +132,9 @@ def load_safetensors_model(
     if unknown:
         raise ValueError(f"{ckpt.path}: unexpected tensor(s) for model_type {config.model_type!r}: {unknown}")
     if not config.tie_word_embeddings and "lm_head.weight" not in ckpt:
+        where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.path / INDEX_FILE
         raise ValueError(
-            f"{ckpt.path}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
+            f"{where}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
         )
     model = build_empty(config, model_cls)
     order = {hf: i for i, hf in enumerate(weight_map)}  # layer by layer, so quantization can keep up

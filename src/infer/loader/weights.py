@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 SINGLE_FILE = "model.safetensors"
@@ -100,7 +100,8 @@ def _validate_against_index(weight_map: dict[str, str], found: dict[str, Path], 
     for name, file in found.items():
         if weight_map[name] != file.name:
             raise ValueError(
-                f"{source}: tensor {name!r} is in shard {file.name!r} but {INDEX_FILE} says {weight_map[name]!r}"
+                f"{source}: tensor {name!r} is in shard {file.name!r} "
+                f"but {INDEX_FILE} says {weight_map[name]!r}"
             )
 
 
@@ -116,16 +117,19 @@ class SafetensorsCheckpoint:
         for file in files:
             try:
                 with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
+                    names: list[str] = f.keys()  # the handle itself is not iterable
+                    for name in names:
                         sl = f.get_slice(name)
                         dtype = _ST_DTYPES.get(sl.get_dtype())
                         if dtype is None:
-                            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
+                            raise ValueError(
+                                f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}"
+                            )
                         if name in where:
                             raise ValueError(f"tensor {name!r} is stored twice: in {where[name]} and {file}")
                         where[name] = file
                         self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), dtype, file)
-            except (OSError, RuntimeError) as e:  # safetensors reports bad headers as these
+            except (OSError, RuntimeError, SafetensorError) as e:  # a bad header or a truncated file
                 if isinstance(e, FileNotFoundError):
                     raise
                 raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
@@ -182,7 +186,10 @@ def load_weights(
     state: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
     for file in files:
-        shard = load_file(str(file), device=device_str)
+        try:
+            shard = load_file(str(file), device=device_str)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
         for name, tensor in shard.items():
             if name in state:
                 raise ValueError(f"tensor {name!r} is stored twice: in {where[name]} and {file}")

@@ -1,0 +1,80 @@
+"""GGML tensor types: ids, values per block, bytes per block, and byte-size checks.
+
+The ids and block geometry come from the ``gguf`` package (``GGML_QUANT_SIZES``), so
+they match the files llama.cpp writes. `SUPPORTED` lists the types `infer` can
+dequantize; anything else is refused with an error that names the type.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QType = GGMLQuantizationType
+
+FLOAT_TYPES: frozenset[QType] = frozenset({QType.F32, QType.F16, QType.BF16})
+
+SUPPORTED: frozenset[QType] = FLOAT_TYPES | frozenset(
+    {
+        QType.Q8_0,
+        QType.Q4_0,
+        QType.Q4_1,
+        QType.Q5_0,
+        QType.Q5_1,
+        QType.Q2_K,
+        QType.Q3_K,
+        QType.Q4_K,
+        QType.Q5_K,
+        QType.Q6_K,
+        QType.MXFP4,
+    }
+)
+
+
+class UnsupportedQuantType(ValueError):
+    """A GGML tensor type `infer` cannot dequantize."""
+
+
+def as_qtype(qtype: int | QType, what: str = "tensor") -> QType:
+    """``qtype`` as a `GGMLQuantizationType`; unknown ids raise, naming ``what``."""
+    try:
+        return QType(int(qtype))
+    except ValueError:
+        raise UnsupportedQuantType(f"{what}: unknown GGML type id {int(qtype)}") from None
+
+
+def check_supported(qtype: int | QType, what: str = "tensor") -> QType:
+    """``qtype`` as a `QType`, or an error naming the type and the supported ones."""
+    qt = as_qtype(qtype, what)
+    if qt not in SUPPORTED:
+        names = ", ".join(sorted(t.name for t in SUPPORTED))
+        raise UnsupportedQuantType(f"{what}: GGML type {qt.name} (id {int(qt)}) is not supported; supported: {names}")
+    return qt
+
+
+def block_size(qtype: int | QType) -> int:
+    """Values per block (1 for float types, 32 or 256 for quantized ones)."""
+    return int(GGML_QUANT_SIZES[as_qtype(qtype)][0])
+
+
+def type_size(qtype: int | QType) -> int:
+    """Bytes per block."""
+    return int(GGML_QUANT_SIZES[as_qtype(qtype)][1])
+
+
+def row_bytes(qtype: int | QType, cols: int, what: str = "tensor") -> int:
+    """Bytes of one row of ``cols`` values; ``cols`` must be a whole number of blocks."""
+    qt = as_qtype(qtype, what)
+    bs, ts = GGML_QUANT_SIZES[qt]
+    if cols % bs != 0:
+        raise ValueError(f"{what}: row length {cols} is not a multiple of the {qt.name} block size {bs}")
+    return cols // bs * ts
+
+
+def tensor_bytes(qtype: int | QType, shape: Sequence[int], what: str = "tensor") -> int:
+    """Bytes of a tensor of ``shape`` (torch order: the last dim is the contiguous one)."""
+    if len(shape) == 0:
+        return row_bytes(qtype, 1, what)
+    return math.prod(shape[:-1]) * row_bytes(qtype, int(shape[-1]), what)

@@ -1,0 +1,301 @@
+"""Memory planning (FR-005): what stays resident, what streams, and whether it fits the budget.
+
+The plan adds up everything the model will hold on the device:
+
+    resident weights (norms, the layers that fit, embedding / lm_head when they fit)
+  + group buffers (one, or two when prefetching) sized for the largest unit
+  + the KV cache for ``max_batch_size`` x ``max_context`` tokens
+  + the activation workspace of one forward of ``max_prefill_tokens`` tokens
+
+Layers are made resident first-come (layers ``0 .. r-1``) as long as the total fits;
+the rest stream in groups of ``layer_group_size``. An ``lm_head`` that does not fit
+streams in row chunks no larger than a group buffer. When nothing fits, `BudgetError`
+says what would: a smaller group size, a shorter context, no prefetch, or the
+smallest budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from infer.cache import KVCache
+from infer.loader.config import ModelConfig
+from infer.streaming.config import StreamingConfig, format_bytes
+from infer.streaming.layout import Unit, aligned, head_units, layer_bytes, layer_unit
+from infer.streaming.source import EMBED, HEAD, NORM, TensorRef, WeightSource
+
+DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MAX_PREFILL = 512
+WORKSPACE_SLACK = 4 * 2**20  # small temporaries (rope tables, masks of decode steps, allocator rounding)
+
+
+class BudgetError(ValueError):
+    """The streaming configuration cannot run within the memory budget."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The shapes the plan reserves memory for."""
+
+    max_context: int
+    max_batch_size: int
+    max_prefill_tokens: int
+
+
+@dataclass
+class MemoryPlan:
+    """Where every byte goes. ``units`` is the streaming schedule of one forward (groups, then head chunks)."""
+
+    budget: int
+    limits: Limits
+    num_layers: int
+    resident_layers: list[int]
+    units: list[Unit]
+    num_buffers: int
+    buffer_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    small_bytes: int  # final norm (+ RoPE tables)
+    resident_layer_bytes: int
+    embed_resident: bool
+    head_resident: bool
+    embed_bytes: int  # resident embedding bytes (0 when streamed or shared with a resident tied head)
+    head_bytes: int  # resident lm_head bytes (0 when streamed)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weight bytes on the device: resident weights + buffers."""
+        return (
+            self.small_bytes
+            + self.resident_layer_bytes
+            + self.embed_bytes
+            + self.head_bytes
+            + self.num_buffers * self.buffer_bytes
+        )
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+    @property
+    def streamed_bytes_per_forward(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def layer_units(self) -> list[Unit]:
+        return [u for u in self.units if u.group is not None]
+
+    @property
+    def head_unit_list(self) -> list[Unit]:
+        return [u for u in self.units if u.group is None]
+
+    def describe(self) -> str:
+        """One line per component, for error messages and logs."""
+        streamed = self.num_layers - len(self.resident_layers)
+        parts = [
+            f"resident layers: {len(self.resident_layers)} ({format_bytes(self.resident_layer_bytes)})",
+            f"streamed layers: {streamed} in {len(self.layer_units)} group(s)",
+            f"buffers: {self.num_buffers} x {format_bytes(self.buffer_bytes)}",
+            f"KV cache: {format_bytes(self.kv_bytes)} ({self.limits.max_batch_size} x {self.limits.max_context} tokens)",
+            f"workspace: {format_bytes(self.workspace_bytes)} ({self.limits.max_prefill_tokens} tokens per forward)",
+            f"embedding: {'resident' if self.embed_resident else 'rows read on demand'}"
+            + (f" ({format_bytes(self.embed_bytes)})" if self.embed_bytes else ""),
+            f"lm_head: {'resident' if self.head_resident else f'streamed in {len(self.head_unit_list)} chunk(s)'}"
+            + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes else ""),
+            f"norms: {format_bytes(self.small_bytes)}",
+            f"total: {format_bytes(self.total)} of {format_bytes(self.budget)}",
+        ]
+        return "; ".join(parts)
+
+
+def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, tokens: int, context: int) -> int:
+    """Peak activation memory of one forward of ``batch x tokens`` over ``context`` keys (an upper bound).
+
+    Counts the residual stream and its float32 norm temporaries, the Q/K/V
+    projections with their RoPE temporaries, materialized attention scores with a
+    float32 softmax, the gated MLP's three intermediates, the masks, and the logits
+    with their soft-capping temporaries.
+    """
+    e = torch.empty((), dtype=dtype).element_size()
+    bt = batch * tokens
+    d, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd, heads, kv = config.computed_head_dim, config.num_attention_heads, config.num_key_value_heads
+    qkv = (heads + 2 * kv) * hd
+    residual = bt * (6 * d * e + 3 * d * 4)  # x, normed x, attention/MLP outputs; float32 norm temporaries
+    attention = bt * (4 * qkv * e + 2 * heads * hd * e)  # q/k/v, rotary temporaries, output + reshape
+    scores = batch * heads * tokens * context * (3 * e + 2 * 4)  # scores, capped scores, float32 softmax
+    ring = 2 * batch * kv * (context + tokens) * hd * e  # sliding-window layers concatenate old + new keys
+    mlp = bt * 3 * inter * e
+    masks = 4 * batch * tokens * context  # bool, per layer type, plus the GQA-repeated copy
+    logits = bt * vocab * (3 * e + 4)  # logits, soft-capping temporaries, a float32 copy for sampling
+    rope = 2 * bt * hd * (2 * e + 3 * 4)
+    return residual + attention + scores + ring + mlp + masks + logits + rope + WORKSPACE_SLACK
+
+
+def limits_for(model_config: ModelConfig, streaming: StreamingConfig, max_context: int | None) -> Limits:
+    context = max_context if max_context is not None else streaming.max_context
+    if context is None:
+        context = min(model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    prefill = streaming.max_prefill_tokens
+    if prefill is None:
+        prefill = min(context, DEFAULT_MAX_PREFILL)
+    if prefill > context:
+        raise BudgetError(f"max_prefill_tokens ({prefill}) exceeds max_context ({context})")
+    return Limits(context, streaming.max_batch_size, prefill)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    config: ModelConfig
+    streaming: StreamingConfig
+    dtype: torch.dtype
+    layer_refs: list[dict[str, TensorRef]]
+    embed: TensorRef
+    head: TensorRef
+    norm: TensorRef
+    tied: bool
+    small_extra: int  # RoPE buffers and anything else resident and tiny
+
+
+def _candidate(
+    inp: _Inputs, limits: Limits, head_resident: bool, resident: int, group_size: int, prefetch: bool
+) -> MemoryPlan:
+    n = len(inp.layer_refs)
+    units: list[Unit] = []
+    streamed = list(range(resident, n))
+    for g, start in enumerate(range(0, len(streamed), group_size)):
+        members = streamed[start : start + group_size]
+        units.append(layer_unit(len(units), g, [(i, inp.layer_refs[i]) for i in members]))
+    max_group = max((u.nbytes for u in units), default=0)
+    if not head_resident:
+        row = inp.head.row_bytes()
+        target = max_group if max_group else max(layer_bytes(r) for r in inp.layer_refs)
+        rows = max(1, min(inp.head.shape[0], target // max(row, 1)))
+        units.extend(head_units(len(units), inp.head, rows))
+    buffer = max((u.nbytes for u in units), default=0)
+    num_buffers = (2 if prefetch else 1) if units else 0
+    kv = KVCache.bytes_needed(inp.config, limits.max_batch_size, limits.max_context, inp.dtype)
+    ws = workspace_bytes(inp.config, inp.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context)
+    # Embedding rows read on demand: the stored rows and their converted copy.
+    ws += 2 * limits.max_batch_size * limits.max_prefill_tokens * inp.embed.row_bytes()
+    return MemoryPlan(
+        budget=inp.streaming.budget_bytes,
+        limits=limits,
+        num_layers=n,
+        resident_layers=list(range(resident)),
+        units=units,
+        num_buffers=num_buffers,
+        buffer_bytes=buffer,
+        kv_bytes=kv,
+        workspace_bytes=ws,
+        small_bytes=aligned(inp.norm.nbytes) + inp.small_extra,
+        resident_layer_bytes=sum(layer_bytes(inp.layer_refs[i]) for i in range(resident)),
+        embed_resident=head_resident and inp.tied,
+        head_resident=head_resident,
+        embed_bytes=0,
+        head_bytes=aligned(inp.head.nbytes) if head_resident else 0,
+    )
+
+
+def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> MemoryPlan | None:
+    """The feasible plan that streams the fewest bytes per forward, or None."""
+    n = len(inp.layer_refs)
+    cap = n if inp.streaming.max_resident_layers is None else min(n, inp.streaming.max_resident_layers)
+    head_options = [False] if inp.streaming.resident_embeddings is False else [True, False]
+    best: MemoryPlan | None = None
+    for head_resident in head_options:
+        for r in range(cap, -1, -1):
+            plan = _candidate(inp, limits, head_resident, r, group_size, prefetch)
+            if plan.total <= plan.budget:
+                if best is None or plan.streamed_bytes_per_forward < best.streamed_bytes_per_forward:
+                    best = plan
+                break
+    if best is None:
+        return None
+    if not inp.tied and inp.streaming.resident_embeddings is not False:
+        with_embed = replace(best, embed_resident=True, embed_bytes=aligned(inp.embed.nbytes))
+        if with_embed.total <= best.budget:
+            best = with_embed
+    return best
+
+
+def _minimum(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> MemoryPlan:
+    return _candidate(inp, limits, False, 0, group_size, prefetch)
+
+
+def _largest_context(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> int:
+    """The longest context (<= the requested one) with a feasible plan; 0 if none."""
+    lo, hi = 0, limits.max_context
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        trial = Limits(mid, limits.max_batch_size, min(limits.max_prefill_tokens, mid))
+        if _minimum(inp, trial, group_size, prefetch).total <= inp.streaming.budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _refusal(inp: _Inputs, limits: Limits, source: str) -> BudgetError:
+    s = inp.streaming
+    need = _minimum(inp, limits, s.layer_group_size, s.prefetch)
+    lines = [
+        f"{source}: memory budget {format_bytes(s.budget_bytes)} is too small for layer_group_size="
+        f"{s.layer_group_size}, prefetch={s.prefetch}, max_context={limits.max_context}, "
+        f"max_batch_size={limits.max_batch_size}, max_prefill_tokens={limits.max_prefill_tokens}.",
+        f"Even streaming every layer it needs {format_bytes(need.total)}: {need.describe()}.",
+        "What would fit:",
+    ]
+    options = []
+    if s.layer_group_size > 1:
+        one = _minimum(inp, limits, 1, s.prefetch)
+        verdict = "fits" if one.total <= s.budget_bytes else "still too big"
+        options.append(f"layer_group_size=1 needs {format_bytes(one.total)} ({verdict})")
+    if s.prefetch:
+        sync = _minimum(inp, limits, s.layer_group_size, False)
+        verdict = "fits" if sync.total <= s.budget_bytes else "still too big"
+        options.append(f"prefetch=False (one buffer) needs {format_bytes(sync.total)} ({verdict})")
+    ctx = _largest_context(inp, limits, s.layer_group_size, s.prefetch)
+    if ctx > 0:
+        options.append(f"max_context={ctx} with layer_group_size={s.layer_group_size} fits")
+    ctx1 = _largest_context(inp, limits, 1, s.prefetch)
+    if ctx1 > 0 and s.layer_group_size > 1:
+        options.append(f"max_context={ctx1} with layer_group_size=1 fits")
+    smallest = _minimum(inp, Limits(1, 1, 1), 1, False)
+    options.append(
+        f"a memory_budget of at least {format_bytes(need.total)} for this configuration "
+        f"(the smallest possible configuration needs {format_bytes(smallest.total)})"
+    )
+    lines.extend(f"  - {o}" for o in options)
+    return BudgetError("\n".join(lines))
+
+
+def plan_memory(
+    source: WeightSource,
+    streaming: StreamingConfig,
+    *,
+    dtype: torch.dtype,
+    max_context: int | None = None,
+    small_extra: int = 0,
+) -> MemoryPlan:
+    """The plan for ``source`` under ``streaming``; raises `BudgetError` when nothing fits."""
+    config = source.config
+    limits = limits_for(config, streaming, max_context)
+    inp = _Inputs(
+        config=config,
+        streaming=streaming,
+        dtype=dtype,
+        layer_refs=[source.layer_tensors(i) for i in range(config.num_hidden_layers)],
+        embed=source.tensor(EMBED),
+        head=source.tensor(HEAD),
+        norm=source.tensor(NORM),
+        tied=config.tie_word_embeddings,
+        small_extra=small_extra,
+    )
+    plan = _best(inp, limits, streaming.layer_group_size, streaming.prefetch)
+    if plan is None:
+        raise _refusal(inp, limits, source.description)
+    return plan

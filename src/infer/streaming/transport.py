@@ -1,0 +1,198 @@
+"""Moving a unit's weights into a device buffer: the CPU and the CUDA way.
+
+`CpuTransport`: the reader copies from the checkpoint's memory map straight into the
+buffer, converting the dtype on the way (one pass, no temporary).
+
+`CudaTransport`: the reader fills a page-locked host buffer (a staging buffer, or
+the unit's slot in the pinned host cache, which later loads copy from without
+touching the checkpoint), then issues the host-to-device copy on a side stream and
+records an event. The compute stream waits on that event (`before_compute`), and
+the copy into a buffer waits on the event recorded after the buffer's last use
+(`after_compute`), so neither stream ever sees a buffer the other is still using;
+the buffers are allocated once and never handed back to the caching allocator
+while the executor lives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from infer.streaming.layout import Unit
+from infer.streaming.source import WeightSource
+
+
+@dataclass
+class LoadRecord:
+    """What one load did: bytes, where they came from, and when (host clock, seconds)."""
+
+    unit: int
+    nbytes: int
+    bytes_read: int
+    tier: str  # "disk" or "host"
+    read_start: float
+    read_end: float
+    copy_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ComputeRecord:
+    """CUDA events around one unit's compute: wait start, compute start, compute end."""
+
+    unit: int
+    label: str
+    load: LoadRecord
+    events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]
+
+
+class Transport(Protocol):
+    num_buffers: int
+
+    def flat(self, buffer: int) -> torch.Tensor: ...
+
+    def load(self, unit: Unit, buffer: int) -> LoadRecord: ...
+
+    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None: ...
+
+    def after_compute(self, buffer: int, record: ComputeRecord | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _read_unit(source: WeightSource, unit: Unit, flat: torch.Tensor) -> None:
+    hint = getattr(source, "prefetch_hint", None)
+    if hint is not None:
+        for slot in unit.slots:
+            hint(slot.ref)
+    for slot in unit.slots:
+        source.read_into(slot.ref, slot.view(flat), slot.rows)
+
+
+class CpuTransport:
+    """Buffers in process memory; a load reads the checkpoint straight into one."""
+
+    def __init__(self, source: WeightSource, num_buffers: int, buffer_bytes: int) -> None:
+        self.source = source
+        self.num_buffers = num_buffers
+        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(num_buffers)]
+
+    def flat(self, buffer: int) -> torch.Tensor:
+        return self.buffers[buffer]
+
+    def load(self, unit: Unit, buffer: int) -> LoadRecord:
+        start = time.perf_counter()
+        _read_unit(self.source, unit, self.buffers[buffer])
+        return LoadRecord(unit.index, unit.nbytes, unit.nbytes, "disk", start, time.perf_counter())
+
+    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None:
+        return None
+
+    def after_compute(self, buffer: int, record: ComputeRecord | None) -> None:
+        return None
+
+    def close(self) -> None:
+        self.buffers = []
+
+
+class CudaTransport:
+    """Device buffers, pinned staging (and an optional pinned host cache), a copy stream, events."""
+
+    def __init__(
+        self,
+        source: WeightSource,
+        device: torch.device,
+        num_buffers: int,
+        buffer_bytes: int,
+        *,
+        pin_memory: bool,
+        cached_units: dict[int, int],
+        all_cached: bool,
+    ) -> None:
+        self.source = source
+        self.device = device
+        self.num_buffers = num_buffers
+        self.pin = pin_memory
+        self.copy_stream = torch.cuda.Stream(device)
+        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+        for buf in self.buffers:
+            buf.record_stream(self.copy_stream)  # if ever freed, wait for the copy stream too
+        n_staging = 0 if all_cached else num_buffers
+        self.staging = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(n_staging)]
+        self.staging_done: list[torch.cuda.Event | None] = [None] * n_staging
+        self.next_staging = 0
+        self.cache = {
+            unit: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory) for unit, nbytes in cached_units.items()
+        }
+        self.cached: set[int] = set()
+        self.ready: list[torch.cuda.Event | None] = [None] * num_buffers
+        self.free: list[torch.cuda.Event | None] = [None] * num_buffers
+
+    def flat(self, buffer: int) -> torch.Tensor:
+        return self.buffers[buffer]
+
+    def load(self, unit: Unit, buffer: int) -> LoadRecord:
+        start = time.perf_counter()
+        bytes_read, tier = unit.nbytes, "disk"
+        staging: int | None = None
+        if unit.index in self.cache:
+            host = self.cache[unit.index]
+            if unit.index in self.cached:
+                bytes_read, tier = 0, "host"
+            else:
+                _read_unit(self.source, unit, host)
+                self.cached.add(unit.index)
+        else:
+            staging = self.next_staging
+            self.next_staging = (staging + 1) % len(self.staging)
+            done = self.staging_done[staging]
+            if done is not None:
+                done.synchronize()  # the previous copy out of this staging buffer has finished
+            host = self.staging[staging]
+            _read_unit(self.source, unit, host)
+        read_end = time.perf_counter()
+        copy_start = torch.cuda.Event(enable_timing=True)
+        copy_end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            free = self.free[buffer]
+            if free is not None:
+                self.copy_stream.wait_event(free)  # the last compute that read this buffer is done
+            copy_start.record(self.copy_stream)
+            self.buffers[buffer][: unit.nbytes].copy_(host[: unit.nbytes], non_blocking=self.pin)
+            copy_end.record(self.copy_stream)
+        if staging is not None:
+            self.staging_done[staging] = copy_end
+        self.ready[buffer] = copy_end
+        return LoadRecord(unit.index, unit.nbytes, bytes_read, tier, start, read_end, (copy_start, copy_end))
+
+    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None:
+        stream = torch.cuda.current_stream(self.device)
+        wait_start = torch.cuda.Event(enable_timing=True)
+        compute_start = torch.cuda.Event(enable_timing=True)
+        compute_end = torch.cuda.Event(enable_timing=True)
+        wait_start.record(stream)
+        ready = self.ready[buffer]
+        if ready is not None:
+            stream.wait_event(ready)
+        compute_start.record(stream)
+        return ComputeRecord(unit.index, unit.label, load, (wait_start, compute_start, compute_end))
+
+    def after_compute(self, buffer: int, record: ComputeRecord | None) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        if record is not None:
+            record.events[2].record(stream)
+            self.free[buffer] = record.events[2]
+        else:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.free[buffer] = event
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.buffers = []
+        self.staging = []
+        self.cache = {}
+
