@@ -1,0 +1,139 @@
+"""`Tokenizer` against `AutoTokenizer` on the locally built byte-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infer.loader.tokenizer import Tokenizer
+from infer.testing import BOS, EOS, EOT, PAD, TOKENIZER_VOCAB
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnewlines",
+    "ünïcödé, 你好, emoji 🙂",
+    "special <|eot|> inside <|user|> text",
+    "",
+]
+
+
+@pytest.fixture
+def hf_tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def with_generation_config(tokenizer_dir: Path, tmp_path: Path, eos: Any) -> Path:
+    path = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return path
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_auto_tokenizer(tokenizer_dir: Path, hf_tokenizer: Any, text: str) -> None:
+    tok = Tokenizer(tokenizer_dir)
+    ids = tok.encode(text)
+    assert ids == hf_tokenizer.encode(text)
+    assert ids[0] == BOS  # the post-processor adds <|begin|>
+    bare = tok.encode(text, add_special_tokens=False)
+    assert bare == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ids == [BOS, *bare]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(tokenizer_dir: Path, hf_tokenizer: Any, text: str) -> None:
+    tok = Tokenizer(tokenizer_dir)
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == "<|begin|>" + text
+    if "<|" not in text:
+        assert tok.decode(ids) == text
+
+
+def test_encode_known_ids(tokenizer_dir: Path) -> None:
+    tok = Tokenizer(str(tokenizer_dir))  # str paths work too
+    ids = tok.encode("ab<|eot|>", add_special_tokens=False)
+    assert len(ids) == 3 and ids[-1] == EOT
+    assert tok.decode(ids) == "ab"
+
+
+def test_single_eos_without_generation_config(tokenizer_dir: Path) -> None:
+    tok = Tokenizer(tokenizer_dir)
+    assert tok.eos_token_id == EOS
+    assert isinstance(tok.eos_token_id, int)
+    assert tok.eos_token_ids == [EOS]
+
+
+def test_eos_list_from_generation_config(tiny_ckpt_factory: Any) -> None:
+    """Like Llama 3.2 (``[128001, 128008, 128009]``): generation_config lists every stop id."""
+    tok = Tokenizer(tiny_ckpt_factory("llama"))
+    assert tok.eos_token_id == [EOS, EOT]
+    assert tok.eos_token_ids == [EOS, EOT]
+
+
+def test_eos_list_keeps_order(tokenizer_dir: Path, tmp_path: Path) -> None:
+    path = with_generation_config(tokenizer_dir, tmp_path, [EOS, EOT, PAD])
+    assert Tokenizer(path).eos_token_id == [EOS, EOT, PAD]
+
+
+def test_single_eos_in_generation_config(tokenizer_dir: Path, tmp_path: Path) -> None:
+    path = with_generation_config(tokenizer_dir, tmp_path, EOS)
+    assert Tokenizer(path).eos_token_id == EOS
+
+
+def test_generation_config_eos_adds_to_tokenizer_eos(tokenizer_dir: Path, tmp_path: Path) -> None:
+    path = with_generation_config(tokenizer_dir, tmp_path, EOT)
+    assert Tokenizer(path).eos_token_id == [EOS, EOT]  # the tokenizer's own EOS is never dropped
+
+
+def test_explicit_eos_argument(tokenizer_dir: Path) -> None:
+    assert Tokenizer(tokenizer_dir, eos_token_id=[EOT, PAD]).eos_token_id == [EOS, EOT, PAD]
+    assert Tokenizer(tokenizer_dir, eos_token_id=EOS).eos_token_id == EOS
+
+
+def test_bos_and_vocab_size(tokenizer_dir: Path, hf_tokenizer: Any) -> None:
+    tok = Tokenizer(tokenizer_dir)
+    assert tok.bos_token_id == BOS == hf_tokenizer.bos_token_id
+    assert tok.pad_token_id == PAD
+    assert tok.vocab_size == TOKENIZER_VOCAB == len(hf_tokenizer)  # added special tokens included
+
+
+def test_no_bos(hf_tokenizer: Any) -> None:
+    hf_tokenizer.bos_token = None
+    tok = Tokenizer.from_hf(hf_tokenizer)
+    assert tok.bos_token_id is None
+    assert tok.eos_token_id == EOS
+    assert tok.hf is hf_tokenizer
+
+
+def test_no_eos_at_all_is_an_error(hf_tokenizer: Any) -> None:
+    hf_tokenizer.eos_token = None
+    tok = Tokenizer.from_hf(hf_tokenizer)
+    with pytest.raises(ValueError, match="end-of-sequence"):
+        _ = tok.eos_token_id
+
+
+def test_chat_template(tiny_ckpt_factory: Any, hf_tokenizer: Any) -> None:
+    tok = Tokenizer(tiny_ckpt_factory("qwen3"))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    text = tok.apply_chat_template(messages)
+    assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|begin|><|user|>hi<|eot|><|assistant|>yo<|eot|><|assistant|>"
+
+
+def test_no_chat_template(hf_tokenizer: Any) -> None:
+    hf_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        Tokenizer.from_hf(hf_tokenizer).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        Tokenizer(tmp_path / "nowhere")

@@ -1,0 +1,344 @@
+"""Safetensors loading: `load_weights` (whole dict) and `SafetensorsCheckpoint` (lazy, per tensor)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import infer.loader.weights as weights_mod
+from infer.loader.weights import INDEX_FILE, SINGLE_FILE, SafetensorsCheckpoint, load_weights
+
+
+def known_tensors() -> dict[str, torch.Tensor]:
+    return {
+        "model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4) / 7,
+        "model.layers.0.self_attn.q_proj.weight": torch.linspace(-1, 1, 16).reshape(4, 4),
+        "model.layers.0.input_layernorm.weight": torch.tensor([1.0, 0.5, -0.25, 2.0]),
+        "model.norm.weight": torch.tensor([0.1, 0.2, 0.3, 0.4]),
+    }
+
+
+def write_single(path: Path, tensors: dict[str, torch.Tensor], name: str = SINGLE_FILE) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / name))
+    return path
+
+
+def write_sharded(
+    path: Path,
+    shards: dict[str, dict[str, torch.Tensor]],
+    index: dict[str, str] | None = None,
+) -> Path:
+    """Write ``shards`` (file name -> tensors) and an index (by default the true weight_map)."""
+    path.mkdir(parents=True, exist_ok=True)
+    true_map: dict[str, str] = {}
+    for file, tensors in shards.items():
+        save_file(tensors, str(path / file))
+        true_map.update(dict.fromkeys(tensors, file))
+    weight_map = index if index is not None else true_map
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return path
+
+
+def two_shards() -> dict[str, dict[str, torch.Tensor]]:
+    t = known_tensors()
+    names = list(t)
+    return {
+        "model-00001-of-00002.safetensors": {n: t[n] for n in names[:2]},
+        "model-00002-of-00002.safetensors": {n: t[n] for n in names[2:]},
+    }
+
+
+def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(loaded) == sorted(expected)
+    for name, tensor in expected.items():
+        assert loaded[name].shape == tensor.shape, name
+        assert loaded[name].dtype == tensor.dtype, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+# --------------------------------------------------------------------------- single file
+
+
+def test_single_file(tmp_path: Path) -> None:
+    path = write_single(tmp_path, known_tensors())
+    assert_same(load_weights(path), known_tensors())
+
+
+def test_single_file_str_path_and_file_path(tmp_path: Path) -> None:
+    path = write_single(tmp_path, known_tensors())
+    assert_same(load_weights(str(path)), known_tensors())
+    assert_same(load_weights(path / SINGLE_FILE), known_tensors())
+    assert_same(load_weights(str(path / SINGLE_FILE)), known_tensors())
+
+
+def test_single_file_dtype_conversion_preserves_values(tmp_path: Path) -> None:
+    path = write_single(tmp_path, known_tensors())
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        loaded = load_weights(path, dtype=dtype)
+        for name, tensor in known_tensors().items():
+            assert loaded[name].dtype == dtype
+            assert torch.equal(loaded[name], tensor.to(dtype)), name
+
+
+def test_single_file_torch_device_object(tmp_path: Path) -> None:
+    path = write_single(tmp_path, known_tensors())
+    for device in ("cpu", torch.device("cpu")):
+        loaded = load_weights(path, device=device)
+        assert all(t.device == torch.device("cpu") for t in loaded.values())
+        assert_same(loaded, known_tensors())
+
+
+def test_lone_safetensors_file_with_other_name(tmp_path: Path) -> None:
+    path = write_single(tmp_path, known_tensors(), name="weights.safetensors")
+    assert_same(load_weights(path), known_tensors())
+
+
+def test_several_files_without_index_is_an_error(tmp_path: Path) -> None:
+    for file, tensors in two_shards().items():
+        save_file(tensors, str(tmp_path / file))
+    with pytest.raises(FileNotFoundError, match=INDEX_FILE):
+        load_weights(tmp_path)
+
+
+def test_missing_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_weights(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=SINGLE_FILE):
+        load_weights(tmp_path)  # an empty directory
+
+
+def test_not_a_safetensors_file(tmp_path: Path) -> None:
+    (tmp_path / SINGLE_FILE).write_bytes(b"definitely not safetensors")
+    with pytest.raises(ValueError, match=SINGLE_FILE):
+        load_weights(tmp_path)
+    with pytest.raises(ValueError, match=SINGLE_FILE):
+        SafetensorsCheckpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- sharded
+
+
+def test_sharded(tmp_path: Path) -> None:
+    path = write_sharded(tmp_path, two_shards())
+    assert_same(load_weights(path), known_tensors())
+    assert_same(load_weights(str(path)), known_tensors())
+
+
+def test_sharded_dtype_conversion_preserves_values(tmp_path: Path) -> None:
+    path = write_sharded(tmp_path, two_shards())
+    loaded = load_weights(path, dtype=torch.bfloat16)
+    assert sorted(loaded) == sorted(known_tensors())
+    for name, tensor in known_tensors().items():
+        assert loaded[name].dtype == torch.bfloat16
+        assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
+
+
+def test_index_takes_precedence_over_single_file(tmp_path: Path) -> None:
+    path = write_sharded(tmp_path, two_shards())
+    save_file({"decoy": torch.zeros(3)}, str(path / SINGLE_FILE))
+    assert_same(load_weights(path), known_tensors())
+    assert sorted(SafetensorsCheckpoint(path).keys()) == sorted(known_tensors())
+
+
+def test_tensor_in_index_but_not_in_shards(tmp_path: Path) -> None:
+    shards = two_shards()
+    index = {n: f for f, ts in shards.items() for n in ts} | {
+        "model.layers.0.mlp.up_proj.weight": "model-00002-of-00002.safetensors"
+    }
+    path = write_sharded(tmp_path, shards, index)
+    for load in (load_weights, SafetensorsCheckpoint):
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight") as info:
+            load(path)
+        assert "not in any shard" in str(info.value)
+
+
+def test_tensor_in_shards_but_not_in_index(tmp_path: Path) -> None:
+    shards = two_shards()
+    index = {n: f for f, ts in shards.items() for n in ts}
+    del index["model.norm.weight"]
+    path = write_sharded(tmp_path, shards, index)
+    for load in (load_weights, SafetensorsCheckpoint):
+        with pytest.raises(ValueError, match=r"model\.norm\.weight") as info:
+            load(path)
+        assert "not listed" in str(info.value)
+
+
+def test_tensor_in_wrong_shard(tmp_path: Path) -> None:
+    shards = two_shards()
+    index = {n: f for f, ts in shards.items() for n in ts}
+    index["model.norm.weight"] = "model-00001-of-00002.safetensors"
+    path = write_sharded(tmp_path, shards, index)
+    for load in (load_weights, SafetensorsCheckpoint):
+        with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+            load(path)
+
+
+def test_missing_shard_names_the_shard(tmp_path: Path) -> None:
+    path = write_sharded(tmp_path, two_shards())
+    (path / "model-00002-of-00002.safetensors").unlink()
+    for load in (load_weights, SafetensorsCheckpoint):
+        with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors"):
+            load(path)
+
+
+def test_tensor_stored_twice(tmp_path: Path) -> None:
+    t = known_tensors()
+    shards = {"a.safetensors": t, "b.safetensors": {"model.norm.weight": t["model.norm.weight"]}}
+    index = {n: "a.safetensors" for n in t} | {"model.norm.weight": "b.safetensors"}
+    path = write_sharded(tmp_path, shards, index)
+    for load in (load_weights, SafetensorsCheckpoint):
+        with pytest.raises(ValueError, match=r"model\.norm\.weight.*twice"):
+            load(path)
+
+
+def test_index_without_weight_map(tmp_path: Path) -> None:
+    write_sharded(tmp_path, two_shards())
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="weight_map"):
+        load_weights(tmp_path)
+
+
+# --------------------------------------------------------------------------- dtypes and devices
+
+
+def mixed() -> dict[str, torch.Tensor]:
+    return {
+        "a32": torch.linspace(-2, 2, 12).reshape(3, 4),
+        "b16": torch.linspace(-1, 1, 8).to(torch.float16),
+        "cbf": torch.tensor([0.5, 1.5, -3.0], dtype=torch.bfloat16),
+        "ids": torch.arange(5, dtype=torch.int64),
+    }
+
+
+def test_mixed_dtypes_preserved_without_dtype(tmp_path: Path) -> None:
+    path = write_single(tmp_path, mixed())
+    assert_same(load_weights(path), mixed())
+
+
+def test_mixed_dtypes_converted_with_dtype(tmp_path: Path) -> None:
+    path = write_single(tmp_path, mixed())
+    loaded = load_weights(path, dtype=torch.float16)
+    for name, tensor in mixed().items():
+        if tensor.is_floating_point():
+            assert loaded[name].dtype == torch.float16, name
+            assert torch.equal(loaded[name], tensor.to(torch.float16)), name
+        else:  # integer tensors keep their type: casting ids to float would corrupt them
+            assert loaded[name].dtype == torch.int64
+            assert torch.equal(loaded[name], tensor)
+
+
+@pytest.mark.parametrize("device", ["cuda:1", torch.device("cuda", 0), "meta"])
+def test_device_is_passed_to_safetensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str | torch.device
+) -> None:
+    """The device reaches ``safetensors.torch.load_file`` for every shard (no GPU needed to check)."""
+    path = write_sharded(tmp_path, two_shards())
+    seen: list[tuple[str, Any]] = []
+    real_load_file: Callable[..., dict[str, torch.Tensor]] = weights_mod.load_file
+
+    def spy(filename: str, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        seen.append((Path(filename).name, device))
+        return real_load_file(filename, device="cpu")
+
+    monkeypatch.setattr(weights_mod, "load_file", spy)
+    load_weights(path, device=device)
+    assert sorted(seen) == sorted((f, str(device)) for f in two_shards())
+
+
+@pytest.mark.gpu
+def test_loads_onto_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = write_sharded(tmp_path, two_shards())
+    loaded = load_weights(path, device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    assert all(t.device == torch.device("cuda", 0) for t in loaded.values())
+    for name, tensor in known_tensors().items():
+        assert torch.equal(loaded[name].cpu(), tensor.to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- SafetensorsCheckpoint
+
+
+class CountingSafeOpen:
+    """Wraps ``safe_open`` handles and counts the tensors actually read."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real = real
+        self.reads: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.real(*args, **kwargs)
+        outer = self
+
+        class Handle:
+            def __enter__(self) -> Any:
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                handle.__exit__(*exc)
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(handle, attr)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                outer.reads.append(name)
+                tensor: torch.Tensor = handle.get_tensor(name)
+                return tensor
+
+        return Handle()
+
+
+def test_checkpoint_lists_without_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = CountingSafeOpen(weights_mod.safe_open)
+    monkeypatch.setattr(weights_mod, "safe_open", spy)
+    path = write_sharded(tmp_path, two_shards() | {"model-extra.safetensors": {"ids": torch.arange(3)}})
+    ckpt = SafetensorsCheckpoint(path)
+    assert spy.reads == []  # listing reads headers only
+    assert sorted(ckpt.keys()) == sorted([*known_tensors(), "ids"])
+    info = ckpt.tensors["model.embed_tokens.weight"]
+    assert info.shape == (6, 4)
+    assert info.dtype == torch.float32
+    assert info.file == path / "model-00001-of-00002.safetensors"
+    assert info.nbytes == 6 * 4 * 4
+    assert ckpt.tensors["ids"].dtype == torch.int64
+    assert "model.norm.weight" in ckpt and "nope" not in ckpt
+
+    norm = ckpt.get("model.norm.weight")
+    assert spy.reads == ["model.norm.weight"]  # exactly one tensor read
+    assert torch.equal(norm, known_tensors()["model.norm.weight"])
+    ckpt.close()
+
+
+def test_checkpoint_values_match_load_weights(tmp_path: Path, tiny_ckpt_factory: Any, sharded: bool) -> None:
+    path = tiny_ckpt_factory("gemma3", sharded)
+    ckpt = SafetensorsCheckpoint(path)
+    everything = load_weights(path)
+    assert dict(ckpt.items()).keys() == everything.keys()
+    for name, tensor in ckpt.items():
+        assert torch.equal(tensor, everything[name]), name
+    assert len(ckpt.files) == (
+        len(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())) if sharded else 1
+    )
+    ckpt.close()
+
+
+def test_checkpoint_unknown_tensor(tmp_path: Path) -> None:
+    ckpt = SafetensorsCheckpoint(write_single(tmp_path, known_tensors()))
+    with pytest.raises(KeyError, match=r"lm_head\.weight"):
+        ckpt.get("lm_head.weight")
+
+
+def test_checkpoint_single_file_and_str(tmp_path: Path) -> None:
+    path = write_single(tmp_path, mixed())
+    for source in (path, str(path), path / SINGLE_FILE):
+        ckpt = SafetensorsCheckpoint(source)
+        assert_same(dict(ckpt.items()), mixed())
+        ckpt.close()
