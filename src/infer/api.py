@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
-from infer.generate import RowState, SamplingParams, generate_steps
+from infer.generate import RowState, SamplingParams, generate_steps, run_to_end
 from infer.loader.config import ModelConfig, load_config
 from infer.loader.tokenizer import Tokenizer
 from infer.models import model_class
@@ -133,7 +133,8 @@ class LLM:
         self.source = source
 
     def __repr__(self) -> str:
-        return f"LLM({self.config.model_type}, {self.source}, dtype={self.model.dtype}, device={self.model.device})"
+        m = self.model
+        return f"LLM({self.config.model_type}, {self.source}, dtype={m.dtype}, device={m.device})"
 
     @property
     def streaming_stats(self) -> Any:
@@ -253,9 +254,7 @@ class LLM:
         prompts = [self._encode(p) for p in prompts_in]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         params = SamplingParams(temperature, top_k, top_p, seed)
-        rows: list[RowState] = [RowState(len(p)) for p in prompts]
-        for rows in self._run(prompts, max_new_tokens, params, stops):
-            pass
+        rows = run_to_end(self._run(prompts, max_new_tokens, params, stops))
         results = [self._result(r, stops) for r in rows]
         return results if batch else results[0]
 
@@ -362,7 +361,9 @@ def _load_gguf(
     from infer.gguf import load_gguf
 
     if quantize is not None:
-        raise ValueError(f"{path}: quantize= applies to safetensors checkpoints; a GGUF file is already quantized")
+        raise ValueError(
+            f"{path}: quantize= applies to safetensors checkpoints; a GGUF file is already quantized"
+        )
     torch_dtype = None if dtype is None else resolve_dtype(dtype)
     if streaming is not None:
         from infer.streaming import build_streaming_model_gguf

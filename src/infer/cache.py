@@ -22,7 +22,9 @@ from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 class LayerKV:
     """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each."""
 
-    def __init__(self, cache: KVCache, capacity: int, ring: bool, shape: tuple[int, int, int], **kw: object) -> None:
+    def __init__(
+        self, cache: KVCache, capacity: int, ring: bool, shape: tuple[int, int, int], **kw: object
+    ) -> None:
         B, H, D = shape
         self.cache = cache
         self.capacity = capacity
@@ -58,7 +60,7 @@ class LayerKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return int(self.k.numel() * self.k.element_size() * 2)
 
 
 class KVCache:
@@ -117,7 +119,7 @@ class KVCache:
         return (slots[None, :] - self.pad[:, None]).clamp_min(0)
 
     def key_slots(self, layer_type: str, T: int) -> torch.Tensor:
-        """Slot index of every key a layer of ``layer_type`` attends to in the next ``T``-token step."""
+        """Slot index of every key a ``layer_type`` layer attends to in the next ``T``-token step."""
         start = self.length
         if layer_type != SLIDING_ATTENTION or self.window is None:
             return torch.arange(start + T, device=self.device)
@@ -132,7 +134,7 @@ class KVCache:
         return torch.cat((old, torch.arange(start, start + T, device=self.device)))
 
     def mask(self, layer_type: str, T: int) -> torch.Tensor | None:
-        """Boolean mask ``[B, 1, T, S]`` (True = attend) for the next step, or None when all keys are visible."""
+        """Boolean mask ``[B, 1, T, S]`` (True = attend) for the next step; None when every key is visible."""
         if T == 1 and not self.has_padding:
             return None  # decode: every stored key is causal and (ring) inside the window
         window = self.window if layer_type == SLIDING_ATTENTION else None

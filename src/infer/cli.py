@@ -25,7 +25,9 @@ def _progress_bar(enabled: bool) -> tuple[Callable[[int, int], None] | None, Cal
 
     def update(done: int, total: int) -> None:
         if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, desc="loading weights", unit="tensor", leave=False, file=sys.stderr)
+            bar["bar"] = tqdm(
+                total=total, desc="loading weights", unit="tensor", leave=False, file=sys.stderr
+            )
         bar["bar"].n = done
         bar["bar"].refresh()
 

@@ -147,3 +147,11 @@ def generate_steps(
     if timings is not None:
         timings["decode_s"] = time.perf_counter() - t1
         timings["decode_steps"] = float(max(len(r.tokens) for r in rows) - 1)
+
+
+def run_to_end(steps: Iterator[list[RowState]]) -> list[RowState]:
+    """Exhaust `generate_steps` and return the final row states."""
+    rows: list[RowState] = []
+    for state in steps:
+        rows = state
+    return rows

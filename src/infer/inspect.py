@@ -86,8 +86,9 @@ def inspect_checkpoint(
         + (f", sliding window {config.sliding_window}" if config.sliding_window else ""),
         f"parameters    {params:,} ({params / 1e6:.1f} M)"
         + (", tied embeddings" if config.tie_word_embeddings else ""),
-        f"stored as     " + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(kinds.items())),
-        f"weights       {_gib(stored)} on disk; {_gib(as_float)} if unpacked to {str(run_dtype).removeprefix('torch.')}",
+        "stored as     " + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(kinds.items())),
+        f"weights       {_gib(stored)} on disk; {_gib(as_float)} if unpacked to "
+        f"{str(run_dtype).removeprefix('torch.')}",
         f"KV cache      {_gib(kv)} for batch {batch_size} x {context} tokens at "
         f"{str(run_dtype).removeprefix('torch.')}"
         + (f" (ring buffers on sliding layers; {_gib(kv_full)} without)" if kv != kv_full else ""),

@@ -145,7 +145,7 @@ def build_tokenizer(path: str | Path) -> Any:
     raw.post_processor = processors.TemplateProcessing(
         single="<|begin|> $A", pair="<|begin|> $A <|begin|> $B", special_tokens=[("<|begin|>", BOS)]
     )
-    tok = PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=raw,
         bos_token="<|begin|>",
         eos_token="<|end|>",

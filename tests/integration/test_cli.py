@@ -12,7 +12,9 @@ import pytest
 from infer.cli import main
 
 
-def test_generate_streams_text(tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_streams_text(
+    tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     import infer
 
     path = tiny_ckpt_factory("llama")
@@ -22,7 +24,9 @@ def test_generate_streams_text(tiny_ckpt_factory: Callable[..., Path], capsys: p
 
 
 def test_chat_keeps_the_conversation(
-    tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_ckpt_factory: Callable[..., Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import infer
 

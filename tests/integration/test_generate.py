@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import infer
-from infer.generate import SamplingParams, generate_steps
+from infer.generate import SamplingParams, generate_steps, run_to_end
 from infer.models.base import DecoderLM
 
 ARCHS = ("llama", "qwen3", "gemma3")
@@ -28,16 +28,15 @@ def llm_factory(tiny_ckpt_factory: Callable[..., Path]) -> Callable[[str], infer
 
 
 def _greedy(model: DecoderLM, ids: list[int], n: int) -> list[int]:
-    rows = None
-    for rows in generate_steps(model, [ids], max_new_tokens=n, params=SamplingParams(), eos_ids=[]):
-        pass
-    assert rows is not None
-    return rows[0].tokens
+    steps = generate_steps(model, [ids], max_new_tokens=n, params=SamplingParams(), eos_ids=[])
+    return run_to_end(steps)[0].tokens
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_generate(
-    arch: str, llm_factory: Callable[[str], infer.LLM], hf_model_factory: Callable[..., object],
+    arch: str,
+    llm_factory: Callable[[str], infer.LLM],
+    hf_model_factory: Callable[..., object],
     tiny_ckpt_factory: Callable[..., Path],
 ) -> None:
     llm = llm_factory(arch)
@@ -46,10 +45,14 @@ def test_greedy_matches_transformers_generate(
         ids = llm.tokenizer.encode(prompt)
         ours = _greedy(llm.model, ids, 40)
         out = hf.generate(  # type: ignore[attr-defined]
-            torch.tensor([ids]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
-            eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-        ref = out[0, len(ids):].tolist()
+        ref = out[0, len(ids) :].tolist()
         first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
         print(f"\n{arch} greedy {len(ours)} tokens vs transformers: first difference at {first_diff}")
         assert ours == ref
@@ -141,10 +144,8 @@ def test_stops_on_any_eos_id(llm_factory: Callable[[str], infer.LLM]) -> None:
     free = _greedy(llm.model, ids, 12)
     # Declare the 4th generated token an EOS id (the second of a list): generation must stop there.
     eos_ids = [999_999, free[3]]
-    rows = None
-    for rows in generate_steps(llm.model, [ids], max_new_tokens=12, params=SamplingParams(), eos_ids=eos_ids):
-        pass
-    assert rows is not None
+    steps = generate_steps(llm.model, [ids], max_new_tokens=12, params=SamplingParams(), eos_ids=eos_ids)
+    rows = run_to_end(steps)
     assert rows[0].tokens == free[: free.index(free[3]) + 1]
     assert rows[0].finish_reason == "eos"
     assert llm.tokenizer.eos_token_ids == [257, 258]  # both from generation_config.json
@@ -167,7 +168,10 @@ def test_stream_concatenates_to_generate(arch: str, llm_factory: Callable[[str],
     llm = llm_factory(arch)
     pieces = list(llm.stream("Once upon", max_new_tokens=30))
     assert "".join(pieces) == llm.generate("Once upon", max_new_tokens=30).text
-    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in llm.generate("Once upon", max_new_tokens=30).text
+    assert (
+        all("\ufffd" not in p for p in pieces)
+        or "\ufffd" in llm.generate("Once upon", max_new_tokens=30).text
+    )
 
 
 def test_stream_never_splits_utf8(llm_factory: Callable[[str], infer.LLM]) -> None:

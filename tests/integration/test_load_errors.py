@@ -35,7 +35,9 @@ def test_empty_prompt(llm: infer.LLM) -> None:
 
 def test_prompt_longer_than_context(llm: infer.LLM) -> None:
     context = llm.config.max_position_embeddings
-    with pytest.raises(ValueError, match=rf"prompt has {context + 5} tokens; the model's context is {context}"):
+    with pytest.raises(
+        ValueError, match=rf"prompt has {context + 5} tokens; the model's context is {context}"
+    ):
         llm.generate([1] * (context + 5))
 
 
@@ -47,12 +49,14 @@ def test_token_ids_out_of_range(llm: infer.LLM) -> None:
 def test_unknown_hub_id_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=r"'nobody/no-such-model' is not on disk.*huggingface-cli download"):
+    with pytest.raises(
+        FileNotFoundError, match=r"'nobody/no-such-model' is not on disk.*huggingface-cli download"
+    ):
         infer.load("nobody/no-such-model")
 
 
 def test_missing_path() -> None:
-    with pytest.raises(FileNotFoundError, match="no such file or directory: ./does/not/exist"):
+    with pytest.raises(FileNotFoundError, match=r"no such file or directory: \./does/not/exist"):
         infer.load("./does/not/exist")
 
 

@@ -20,7 +20,10 @@ def _random_ids(batch: int, seq: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_logits_match_transformers_fp32(
-    arch: str, sharded: bool, tiny_ckpt_factory: Callable[..., Path], hf_model_factory: Callable[..., object],
+    arch: str,
+    sharded: bool,
+    tiny_ckpt_factory: Callable[..., Path],
+    hf_model_factory: Callable[..., object],
     our_model_factory: Callable[..., torch.nn.Module],
 ) -> None:
     path = tiny_ckpt_factory(arch, sharded=sharded)

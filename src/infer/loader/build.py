@@ -87,8 +87,7 @@ def load_into(
         tensor = read()
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
-                f"{source}: tensor {hf_name!r} has shape {list(tensor.shape)}, "
-                f"expected {list(param.shape)}"
+                f"{source}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}"
             )
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -128,7 +127,7 @@ def load_safetensors_model(
     """
     ckpt = SafetensorsCheckpoint(path)
     weight_map = get_weight_map(config)
-    unknown = sorted(n for n in ckpt.keys() if n not in weight_map)
+    unknown = sorted(n for n in ckpt.tensors if n not in weight_map)
     if unknown:
         raise ValueError(f"{ckpt.path}: unexpected tensor(s) for model_type {config.model_type!r}: {unknown}")
     if not config.tie_word_embeddings and "lm_head.weight" not in ckpt:

@@ -95,14 +95,20 @@ class DecoderLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype  # type: ignore[no-any-return]
+        weight = self.norm.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError("the final norm has no weight tensor")
+        return weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device  # type: ignore[no-any-return]
+        weight = self.norm.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError("the final norm has no weight tensor")
+        return weight.device
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, D]
+        x: torch.Tensor = self.embed_tokens(input_ids)  # [B, T, D]
         if self.embed_scale is not None:
             # Like transformers: the scale is rounded to the weight dtype before multiplying.
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -178,9 +184,7 @@ class DecoderLM(nn.Module):
         """
         return self.head(self.forward_hidden(input_ids, cache, attention_mask))
 
-    def make_cache(
-        self, batch_size: int, max_len: int, pad: torch.Tensor | None = None
-    ) -> KVCache:
+    def make_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
         return KVCache(self.config, batch_size, max_len, dtype=self.dtype, device=self.device, pad=pad)
 
 

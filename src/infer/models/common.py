@@ -245,8 +245,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, hd]
         out = attend(q, k, v, mask, self.scale, self.softcap)  # [B, H, T, hd]
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*hd]
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
 
 
 def attend(
@@ -281,10 +282,7 @@ def _attend_softcapped(
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -310,7 +308,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class GatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
+    ) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -318,7 +318,8 @@ class GatedMLP(nn.Module):
         self.act_fn = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 def attention_from_config(config: ModelConfig, *, qk_norm: bool, norm_unit_offset: bool = False) -> Attention:

@@ -40,7 +40,8 @@ class Gemma3TransformerBlock(nn.Module):
         h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+        out: torch.Tensor = x + self.post_feedforward_layernorm(h)
+        return out
 
 
 class Gemma3ForCausalLM(DecoderLM):

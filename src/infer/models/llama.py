@@ -32,7 +32,8 @@ class LlamaTransformerBlock(nn.Module):
         cache: KVStore | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class LlamaForCausalLM(DecoderLM):
