@@ -126,20 +126,27 @@ class StreamingConfig:
 
         positive_int("layer_group_size", self.layer_group_size)
         if self.budget_bytes <= 0:
-            raise ValueError(f"StreamingConfig.memory_budget: expected a positive size, found {self.memory_budget!r}")
+            raise ValueError(
+                f"StreamingConfig.memory_budget: expected a positive size, found {self.memory_budget!r}"
+            )
         if self.host_budget_bytes < 0:
             raise ValueError(
                 f"StreamingConfig.host_memory_budget: expected a size >= 0, found {self.host_memory_budget!r}"
             )
         for name in ("prefetch", "pin_memory", "trace"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"StreamingConfig.{name}: expected True or False, found {getattr(self, name)!r}")
+                raise ValueError(
+                    f"StreamingConfig.{name}: expected True or False, found {getattr(self, name)!r}"
+                )
         if self.resident_embeddings is not None and not isinstance(self.resident_embeddings, bool):
             raise ValueError(
-                f"StreamingConfig.resident_embeddings: expected None, True or False, found {self.resident_embeddings!r}"
+                "StreamingConfig.resident_embeddings: expected None, True or False, "
+                f"found {self.resident_embeddings!r}"
             )
         if self.on_progress is not None and not callable(self.on_progress):
-            raise ValueError(f"StreamingConfig.on_progress: expected a callable or None, found {self.on_progress!r}")
+            raise ValueError(
+                f"StreamingConfig.on_progress: expected a callable or None, found {self.on_progress!r}"
+            )
         positive_int("max_context", self.max_context, allow_none=True)
         positive_int("max_batch_size", self.max_batch_size)
         positive_int("max_prefill_tokens", self.max_prefill_tokens, allow_none=True)

@@ -56,7 +56,11 @@ class Unit:
             assert self.rows is not None
             return f"lm_head[{self.rows[0]}:{self.rows[1]}]"
         first, last = self.layers[0], self.layers[-1]
-        return f"group {self.group} (layer {first})" if first == last else f"group {self.group} (layers {first}-{last})"
+        return (
+            f"group {self.group} (layer {first})"
+            if first == last
+            else f"group {self.group} (layers {first}-{last})"
+        )
 
 
 def layer_unit(index: int, group: int, layers: list[tuple[int, dict[str, TensorRef]]]) -> Unit:

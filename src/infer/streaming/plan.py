@@ -46,7 +46,7 @@ class Limits:
 
 @dataclass
 class MemoryPlan:
-    """Where every byte goes. ``units`` is the streaming schedule of one forward (groups, then head chunks)."""
+    """Where every byte goes. ``units``: the streaming schedule of one forward (groups, then head chunks)."""
 
     budget: int
     limits: Limits
@@ -99,11 +99,14 @@ class MemoryPlan:
             f"resident layers: {len(self.resident_layers)} ({format_bytes(self.resident_layer_bytes)})",
             f"streamed layers: {streamed} in {len(self.layer_units)} group(s)",
             f"buffers: {self.num_buffers} x {format_bytes(self.buffer_bytes)}",
-            f"KV cache: {format_bytes(self.kv_bytes)} ({self.limits.max_batch_size} x {self.limits.max_context} tokens)",
-            f"workspace: {format_bytes(self.workspace_bytes)} ({self.limits.max_prefill_tokens} tokens per forward)",
+            f"KV cache: {format_bytes(self.kv_bytes)} "
+            f"({self.limits.max_batch_size} x {self.limits.max_context} tokens)",
+            f"workspace: {format_bytes(self.workspace_bytes)} "
+            f"({self.limits.max_prefill_tokens} tokens per forward)",
             f"embedding: {'resident' if self.embed_resident else 'rows read on demand'}"
             + (f" ({format_bytes(self.embed_bytes)})" if self.embed_bytes else ""),
-            f"lm_head: {'resident' if self.head_resident else f'streamed in {len(self.head_unit_list)} chunk(s)'}"
+            "lm_head: "
+            + ("resident" if self.head_resident else f"streamed in {len(self.head_unit_list)} chunk(s)")
             + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes else ""),
             f"norms: {format_bytes(self.small_bytes)}",
             f"total: {format_bytes(self.total)} of {format_bytes(self.budget)}",
@@ -178,7 +181,9 @@ def _candidate(
     buffer = max((u.nbytes for u in units), default=0)
     num_buffers = (2 if prefetch else 1) if units else 0
     kv = KVCache.bytes_needed(inp.config, limits.max_batch_size, limits.max_context, inp.dtype)
-    ws = workspace_bytes(inp.config, inp.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context)
+    ws = workspace_bytes(
+        inp.config, inp.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
+    )
     # Embedding rows read on demand: the stored rows and their converted copy.
     ws += 2 * limits.max_batch_size * limits.max_prefill_tokens * inp.embed.row_bytes()
     return MemoryPlan(

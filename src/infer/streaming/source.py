@@ -85,7 +85,7 @@ class WeightSource(Protocol):
         ...
 
     def read_rows(self, ref: TensorRef, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``index [N]`` of ``ref`` as a new CPU tensor ``[N, ...]`` in ``ref.dtype`` (embedding lookups)."""
+        """Rows ``index [N]`` of ``ref``: a new CPU tensor ``[N, ...]`` in ``ref.dtype`` (embedding rows)."""
         ...
 
     def close(self) -> None: ...
@@ -96,7 +96,11 @@ def _safetensors_offsets(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    offsets = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1])) for k, v in header.items() if k != "__metadata__"}
+    offsets = {
+        k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
     return 8 + n, offsets
 
 
@@ -144,7 +148,7 @@ class SafetensorsSource:
         self.config = config
         self.dtype = dtype
         weight_map = get_weight_map(config)
-        unknown = sorted(k for k in self.checkpoint.keys() if k not in weight_map)
+        unknown = sorted(k for k in self.checkpoint.tensors if k not in weight_map)
         if unknown:
             raise ValueError(
                 f"{self.description}: unexpected tensor(s) for model_type {config.model_type!r}: {unknown}"
@@ -195,7 +199,7 @@ class SafetensorsSource:
 
     def open_all(self) -> None:
         """Map every file now (so reader threads never race to create a mapping)."""
-        for key in self.checkpoint.keys():
+        for key in self.checkpoint.tensors:
             self._mapped(key)
 
     def prefetch_hint(self, ref: TensorRef) -> None:

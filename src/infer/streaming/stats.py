@@ -88,12 +88,11 @@ class StreamingStats:
 
     def reset(self) -> None:
         """Zero the counters and the timeline (the plan facts stay)."""
-        keep = {
-            "peak_weight_bytes": self.peak_weight_bytes,
-            "planned_bytes": self.planned_bytes,
-            "resident_layers": self.resident_layers,
-            "streamed_layers": self.streamed_layers,
-        }
-        fresh = StreamingStats(**keep)
+        fresh = StreamingStats(
+            peak_weight_bytes=self.peak_weight_bytes,
+            planned_bytes=self.planned_bytes,
+            resident_layers=self.resident_layers,
+            streamed_layers=self.streamed_layers,
+        )
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(fresh, f.name))

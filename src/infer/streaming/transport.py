@@ -25,6 +25,10 @@ from infer.streaming.layout import Unit
 from infer.streaming.source import WeightSource
 
 
+def cuda_event(timing: bool = True) -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
 @dataclass
 class LoadRecord:
     """What one load did: bytes, where they came from, and when (host clock, seconds)."""
@@ -116,16 +120,21 @@ class CudaTransport:
         self.device = device
         self.num_buffers = num_buffers
         self.pin = pin_memory
-        self.copy_stream = torch.cuda.Stream(device)
-        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+        self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.buffers = [
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)
+        ]
         for buf in self.buffers:
             buf.record_stream(self.copy_stream)  # if ever freed, wait for the copy stream too
         n_staging = 0 if all_cached else num_buffers
-        self.staging = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(n_staging)]
+        self.staging = [
+            torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(n_staging)
+        ]
         self.staging_done: list[torch.cuda.Event | None] = [None] * n_staging
         self.next_staging = 0
         self.cache = {
-            unit: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory) for unit, nbytes in cached_units.items()
+            unit: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+            for unit, nbytes in cached_units.items()
         }
         self.cached: set[int] = set()
         self.ready: list[torch.cuda.Event | None] = [None] * num_buffers
@@ -154,8 +163,8 @@ class CudaTransport:
             host = self.staging[staging]
             _read_unit(self.source, unit, host)
         read_end = time.perf_counter()
-        copy_start = torch.cuda.Event(enable_timing=True)
-        copy_end = torch.cuda.Event(enable_timing=True)
+        copy_start = cuda_event()
+        copy_end = cuda_event()
         with torch.cuda.stream(self.copy_stream):
             free = self.free[buffer]
             if free is not None:
@@ -170,9 +179,9 @@ class CudaTransport:
 
     def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None:
         stream = torch.cuda.current_stream(self.device)
-        wait_start = torch.cuda.Event(enable_timing=True)
-        compute_start = torch.cuda.Event(enable_timing=True)
-        compute_end = torch.cuda.Event(enable_timing=True)
+        wait_start = cuda_event()
+        compute_start = cuda_event()
+        compute_end = cuda_event()
         wait_start.record(stream)
         ready = self.ready[buffer]
         if ready is not None:
@@ -186,7 +195,7 @@ class CudaTransport:
             record.events[2].record(stream)
             self.free[buffer] = record.events[2]
         else:
-            event = torch.cuda.Event()
+            event = cuda_event(timing=False)
             event.record(stream)
             self.free[buffer] = event
 
@@ -195,4 +204,3 @@ class CudaTransport:
         self.buffers = []
         self.staging = []
         self.cache = {}
-

@@ -1,0 +1,240 @@
+"""The schedule of loads: a background reader that keeps the next unit loaded while the current one computes.
+
+Every forward walks the same units in the same order (the plan's schedule), so the
+reader simply loads them cyclically: while the last units of one forward compute,
+it already loads the first unit of the next one. With ``prefetch`` there are two
+buffers: the consumer holds one, the reader fills the other. Without it there is
+one buffer, no thread, and `get` loads synchronously (the debugging mode, FR-007).
+
+If the consumer asks for a unit other than the one expected (a forward that
+stopped half-way, ``forward_hidden`` without ``head``), the pipeline discards what
+was prefetched and restarts at the requested unit, so results never depend on the
+call pattern.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from infer.streaming.layout import Unit
+from infer.streaming.stats import COMPUTED, LOADED, ProgressEvent, StreamingStats, TimelineEntry
+from infer.streaming.transport import ComputeRecord, LoadRecord, Transport
+
+Ready = tuple[int, int, LoadRecord | BaseException]  # (unit, buffer, record or the reader's error)
+
+
+class Pipeline:
+    """Loads ``units`` into the transport's buffers ahead of their use."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        transport: Transport,
+        *,
+        prefetch: bool,
+        stats: StreamingStats,
+        on_progress: Callable[[ProgressEvent], None] | None,
+        trace: bool,
+        clock_origin: float,
+        gpu_origin: tuple[Any, float] | None = None,
+    ) -> None:
+        self.units = units
+        self.transport = transport
+        self.prefetch = prefetch
+        self.stats = stats
+        self.on_progress = on_progress
+        self.trace = trace
+        self.origin = clock_origin
+        self.gpu_origin = gpu_origin  # (a CUDA event recorded at start, its host time): aligns the lanes
+        self.cond = threading.Condition()
+        self.free: deque[int] = deque(range(transport.num_buffers))
+        self.ready: deque[Ready] = deque()
+        self.next_load = 0
+        self.generation = 0
+        self.active = False
+        self.closed = False
+        self.expected: int | None = None
+        self.thread: threading.Thread | None = None
+        self.pending: list[ComputeRecord] = []  # CUDA records whose events are not resolved yet
+        self._current: tuple[Unit, int, LoadRecord, ComputeRecord | None, float] | None = None
+
+    # ---- reader ---------------------------------------------------------------
+
+    def _reader(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and not (self.active and self.free):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                buffer = self.free.popleft()
+                unit = self.next_load
+                self.next_load = (unit + 1) % len(self.units)
+                generation = self.generation
+            item: LoadRecord | BaseException
+            try:
+                item = self.transport.load(self.units[unit], buffer)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = e
+            with self.cond:
+                if generation == self.generation:
+                    self.ready.append((unit, buffer, item))
+                    if isinstance(item, BaseException):
+                        self.active = False
+                else:
+                    self.free.append(buffer)
+                self.cond.notify_all()
+
+    def _restart(self, unit: int) -> None:
+        """Drop everything prefetched and continue loading from ``unit`` (lock held)."""
+        self.generation += 1
+        while self.ready:
+            self.free.append(self.ready.popleft()[1])
+        self.next_load = unit
+        self.active = True
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._reader, name="infer-streaming-reader", daemon=True)
+            self.thread.start()
+        self.cond.notify_all()
+
+    # ---- consumer -------------------------------------------------------------
+
+    def get(self, unit_index: int) -> tuple[Unit, int]:
+        """Block until ``unit_index`` is in a buffer; return the unit and the buffer index."""
+        unit = self.units[unit_index]
+        start = time.perf_counter()
+        if not self.prefetch:
+            buffer = 0
+            record = self.transport.load(unit, buffer)
+        else:
+            with self.cond:
+                if self.expected != unit_index:
+                    self._restart(unit_index)
+                while not self.ready:
+                    self.cond.wait()
+                got, buffer, item = self.ready.popleft()
+                self.expected = (unit_index + 1) % len(self.units)
+                if isinstance(item, BaseException):
+                    self.free.append(buffer)
+                    self.expected = None
+                    self.cond.notify_all()
+                    raise item
+                if got != unit_index:  # cannot happen: loads are issued in order after a restart
+                    raise RuntimeError(
+                        f"streaming pipeline out of order: wanted unit {unit_index}, got {got}"
+                    )
+                record = item
+        waited = time.perf_counter() - start
+        compute = self.transport.before_compute(unit, buffer, record)
+        self._account_load(unit, record, waited, sync=not self.prefetch)
+        self._current = (unit, buffer, record, compute, time.perf_counter())
+        return unit, buffer
+
+    def done(self, unit_index: int, buffer: int) -> None:
+        """The consumer finished with ``unit_index``: its buffer may be refilled."""
+        current = self._current
+        self._current = None
+        self.transport.after_compute(buffer, current[3] if current else None)
+        if self.prefetch:
+            with self.cond:
+                self.free.append(buffer)
+                self.cond.notify_all()
+        if current is None:
+            return
+        unit, _, _, compute, start = current
+        end = time.perf_counter()
+        self.stats.units_computed += 1
+        if compute is None:  # CPU: host time is compute time
+            self.stats.compute_seconds += end - start
+            if self.trace:
+                self.stats.timeline.append(
+                    TimelineEntry("compute", unit.index, unit.label, start - self.origin, end - self.origin)
+                )
+        else:
+            self.pending.append(compute)
+            if len(self.pending) > 256:
+                self.resolve(block=False)
+        if self.on_progress is not None:
+            self.on_progress(
+                ProgressEvent(COMPUTED, unit.index, unit.group, unit.layers, unit.nbytes, end - start)
+            )
+
+    def abort(self) -> None:
+        """Forget the unit in use after an error, so the next `get` restarts cleanly."""
+        if self._current is not None:
+            unit, buffer = self._current[0], self._current[1]
+            self.done(unit.index, buffer)
+        self.expected = None
+
+    # ---- accounting -----------------------------------------------------------
+
+    def _account_load(self, unit: Unit, record: LoadRecord, waited: float, sync: bool) -> None:
+        s = self.stats
+        s.bytes_loaded += record.nbytes
+        s.bytes_read += record.bytes_read
+        s.units_loaded += 1
+        s.load_seconds += record.read_end - record.read_start
+        if record.copy_events is None:
+            s.wait_seconds += waited  # CPU: the consumer was blocked this long (all of it in sync mode)
+        else:
+            s.wait_seconds += waited if sync else 0.0  # CUDA: the GPU-side wait comes from events
+        if self.trace:
+            s.timeline.append(
+                TimelineEntry(
+                    "read",
+                    unit.index,
+                    unit.label,
+                    record.read_start - self.origin,
+                    record.read_end - self.origin,
+                )
+            )
+        if self.on_progress is not None:
+            seconds = record.read_end - record.read_start
+            self.on_progress(
+                ProgressEvent(
+                    LOADED, unit.index, unit.group, unit.layers, record.nbytes, seconds, record.tier
+                )
+            )
+
+    def resolve(self, block: bool = True) -> None:
+        """Fold finished CUDA event timings into the stats (all of them when ``block``)."""
+        if not self.pending:
+            return
+        import torch
+
+        if block:
+            torch.cuda.synchronize()
+        keep: list[ComputeRecord] = []
+        for rec in self.pending:
+            wait_start, compute_start, compute_end = rec.events
+            if not block and not compute_end.query():  # type: ignore[no-untyped-call]
+                keep.append(rec)
+                continue
+            s = self.stats
+            s.compute_seconds += compute_start.elapsed_time(compute_end) / 1e3
+            copy = rec.load.copy_events
+            if copy is not None:
+                s.load_seconds += copy[0].elapsed_time(copy[1]) / 1e3
+            if self.prefetch:
+                s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
+            if self.trace and copy is not None and self.gpu_origin is not None:
+                base, host = self.gpu_origin
+                t0 = host - self.origin
+                for lane, (a, b) in (("copy", copy), ("compute", (compute_start, compute_end))):
+                    start, end = t0 + base.elapsed_time(a) / 1e3, t0 + base.elapsed_time(b) / 1e3
+                    s.timeline.append(TimelineEntry(lane, rec.unit, rec.label, start, end))
+        self.pending = keep
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+            self.thread = None
+        self.resolve(block=True)
+        self.transport.close()
