@@ -52,22 +52,24 @@ def gemma3_weight_map(num_layers: int) -> dict[str, str]:
 
 
 def gpt2_weight_map(num_layers: int) -> dict[str, str]:
-    """GPT-2 as transformers names it (``transformer.h.{i}...``), to our names (prefix stripped).
+    """GPT-2 as transformers names it, to our names (`infer.models.gpt2`).
 
-    12 tensors per layer: ln_1 and ln_2 (weight, bias), fused c_attn, c_proj, and the
-    MLP's c_fc and c_proj (weight, bias each). Conv1D weights are stored [in, out].
+    Both spellings are listed: ``transformer.h.{i}...`` (GPT2LMHeadModel) and the bare
+    ``h.{i}...`` of older checkpoints saved from GPT2Model. 12 tensors per layer: ln_1
+    and ln_2 (weight, bias), the fused c_attn, c_proj, and the MLP's c_fc and c_proj
+    (weight, bias each). Conv1D weights are stored [in, out] and our GPT-2 keeps that
+    layout, so no tensor is transformed.
     """
-    mapping = {
-        "transformer.wte.weight": "wte.weight",
-        "transformer.wpe.weight": "wpe.weight",
-    }
+    inner = {"wte.weight": "embed_tokens.weight", "wpe.weight": "embed_positions.weight"}
     per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     for i in range(num_layers):
         for module in per_layer:
             for kind in ("weight", "bias"):
-                mapping[f"transformer.h.{i}.{module}.{kind}"] = f"h.{i}.{module}.{kind}"
-    mapping["transformer.ln_f.weight"] = "ln_f.weight"
-    mapping["transformer.ln_f.bias"] = "ln_f.bias"
+                inner[f"h.{i}.{module}.{kind}"] = f"layers.{i}.{module}.{kind}"
+    inner["ln_f.weight"] = "norm.weight"
+    inner["ln_f.bias"] = "norm.bias"
+    mapping = {f"transformer.{k}": v for k, v in inner.items()}
+    mapping.update(inner)
     mapping["lm_head.weight"] = "lm_head.weight"
     return mapping
 

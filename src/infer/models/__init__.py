@@ -5,6 +5,7 @@ from __future__ import annotations
 from infer.loader.config import ModelConfig
 from infer.models.base import DecoderLM
 from infer.models.gemma3 import Gemma3ForCausalLM, Gemma3TransformerBlock
+from infer.models.gpt2 import GPT2Block, GPT2LMHeadModel
 from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
 from infer.models.qwen3 import Qwen3ForCausalLM, Qwen3TransformerBlock
 
@@ -12,12 +13,14 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
 }
 
 BLOCK_CLASSES: dict[str, type] = {
     "llama": LlamaTransformerBlock,
     "qwen3": Qwen3TransformerBlock,
     "gemma3_text": Gemma3TransformerBlock,
+    "gpt2": GPT2Block,
 }
 
 
@@ -34,6 +37,8 @@ __all__ = [
     "BLOCK_CLASSES",
     "MODEL_CLASSES",
     "DecoderLM",
+    "GPT2Block",
+    "GPT2LMHeadModel",
     "Gemma3ForCausalLM",
     "Gemma3TransformerBlock",
     "LlamaForCausalLM",
