@@ -151,12 +151,12 @@ class SafetensorsCheckpoint:
         return handle
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a CPU tensor copied out of the file's memory map)."""
+        """Read one tensor (a CPU tensor copied out of the file's memory map), 64-byte aligned."""
         info = self.tensors.get(name)
         if info is None:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         tensor: torch.Tensor = self._handle(info.file).get_tensor(name)
-        return tensor
+        return aligned(tensor)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.tensors:
@@ -164,6 +164,18 @@ class SafetensorsCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
+    """``tensor``, copied if its data is not ``alignment``-byte aligned.
+
+    Tensors read from a safetensors file start wherever the header put them; CPU
+    matmul kernels on a misaligned weight ran ~15x slower here (8.9 ms vs 0.6 ms for
+    a 1536x576 matvec), so weights are realigned once at load.
+    """
+    if tensor.device.type == "cpu" and tensor.data_ptr() % alignment:
+        return tensor.clone()
+    return tensor
 
 
 def load_weights(
@@ -195,7 +207,7 @@ def load_weights(
                 raise ValueError(f"tensor {name!r} is stored twice: in {where[name]} and {file}")
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            state[name] = tensor
+            state[name] = aligned(tensor)
             where[name] = file
     if weight_map is not None:
         _validate_against_index(weight_map, where, path)
