@@ -168,7 +168,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 def e8m0_to_float_half(e: torch.Tensor) -> torch.Tensor:
     """E8M0 exponent byte -> float32 ``2^(e - 128)`` (half the scale: MXFP4 values are doubled)."""
     e32 = e.to(torch.int32)
-    bits = torch.where(e32 < 2, torch.bitwise_left_shift(torch.full_like(e32, 0x00200000), e32), (e32 - 1) << 23)
+    small = torch.bitwise_left_shift(torch.full_like(e32, 0x00200000), e32)  # subnormal 2^-128, 2^-127
+    bits = torch.where(e32 < 2, small, (e32 - 1) << 23)
     return bits.view(torch.float32)
 
 

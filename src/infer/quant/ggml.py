@@ -50,7 +50,9 @@ def check_supported(qtype: int | QType, what: str = "tensor") -> QType:
     qt = as_qtype(qtype, what)
     if qt not in SUPPORTED:
         names = ", ".join(sorted(t.name for t in SUPPORTED))
-        raise UnsupportedQuantType(f"{what}: GGML type {qt.name} (id {int(qt)}) is not supported; supported: {names}")
+        raise UnsupportedQuantType(
+            f"{what}: GGML type {qt.name} (id {int(qt)}) is not supported; supported: {names}"
+        )
     return qt
 
 

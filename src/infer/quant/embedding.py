@@ -1,0 +1,106 @@
+"""`QuantizedEmbedding`: an ``nn.Embedding`` lookup over quantized rows, dequantized on the fly.
+
+Two sources:
+
+- `from_gguf`: keeps the GGUF bytes as they are (a view of the memory-mapped file is
+  fine) and dequantizes only the looked-up rows, bit-exactly (`infer.quant.dequantize`).
+- `from_linear`: shares the packed storage of a `QuantizedLinear` (a tied ``lm_head``), so
+  a tied embedding costs no memory of its own; rows are the linear's `effective_weight`
+  rows (scales rounded to its compute dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.quant import int4
+from infer.quant.dequant import dequantize
+from infer.quant.ggml import QType, check_supported, row_bytes
+from infer.quant.linear import QuantizedLinear
+from infer.quant.planes import GROUP
+
+
+class QuantizedEmbedding(nn.Module):
+    """``ids [...] -> [..., embedding_dim]`` in ``dtype`` (float32 by default)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        raw: torch.Tensor | None = None,
+        qtype: QType | None = None,
+        linear: QuantizedLinear | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.qtype = qtype
+        self.raw: torch.Tensor | None = None
+        if raw is not None:
+            self.register_buffer("raw", raw)
+        # A shared QuantizedLinear is held outside the module tree (it is already the lm_head).
+        self._linear = [linear] if linear is not None else []
+
+    @classmethod
+    def from_gguf(
+        cls,
+        raw: torch.Tensor,
+        qtype: int | QType,
+        shape: tuple[int, ...] | list[int],
+        *,
+        name: str = "token_embd.weight",
+        dtype: torch.dtype = torch.float32,
+    ) -> QuantizedEmbedding:
+        """From a GGUF embedding's bytes, ``shape = (num_embeddings, embedding_dim)``; kept, not copied."""
+        qt = check_supported(qtype, name)
+        n, d = (int(s) for s in shape)
+        expected = n * row_bytes(qt, d, name)
+        if raw.numel() != expected:
+            raise ValueError(
+                f"{name}: {qt.name} tensor of shape {[n, d]} needs {expected} bytes, got {raw.numel()}"
+            )
+        return cls(n, d, raw=raw.reshape(n, -1), qtype=qt, dtype=dtype)
+
+    @classmethod
+    def from_linear(
+        cls, linear: QuantizedLinear, *, dtype: torch.dtype = torch.float32
+    ) -> QuantizedEmbedding:
+        """An embedding reading the rows of a (tied) ``lm_head`` without a copy of its own."""
+        return cls(linear.out_features, linear.in_features, linear=linear, dtype=dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes this module holds itself (0 when it shares a linear's storage)."""
+        return 0 if self.raw is None else self.raw.numel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self._rows(flat)  # [R, D] float32
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def _rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.raw is not None:
+            assert self.qtype is not None
+            return dequantize(self.raw[flat], self.qtype, (flat.numel(), self.embedding_dim))
+        lin = self._linear[0]
+        if lin.fmt == "dense":
+            return lin.weight[flat].to(torch.float32)
+        if lin.fmt == "int8":
+            return lin.qweight[flat].to(torch.float32) * lin.scales[flat].to(torch.float32)[:, None]
+        nib = int4.gather_rows(lin.packed, flat).to(torch.float32)  # [R, P*D]
+        sz = lin.scale_zero[:, flat].to(torch.float32)  # [P*D/32, R, 2]
+        scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*D/32, 1]
+        r = flat.numel()
+        w = ((nib.view(r, -1, GROUP) - 8) * scale + zero).view(r, lin.planes, self.embedding_dim)
+        return w.sum(dim=1)
+
+    def extra_repr(self) -> str:
+        src = self.qtype.name if self.qtype is not None else "shared with a QuantizedLinear"
+        return f"{self.num_embeddings}, {self.embedding_dim}, source={src}, dtype={self.dtype}"
+
+
+__all__ = ["QuantizedEmbedding"]

@@ -1,0 +1,160 @@
+"""The packed 4-bit layout of torch's CPU kernel ``aten._weight_int4pack_mm_for_cpu``.
+
+``_convert_weight_to_int4pack_for_cpu`` takes ``[N, K]`` int32 nibbles and returns
+``[N, K/2]`` uint8 in this layout (checked at run time by `cpu_kernel_usable`):
+
+- rows in blocks of 64: for each block, ``[K, 32]`` bytes; byte ``(k, j)`` holds row ``j``
+  of the block in its low nibble and row ``j + 32`` in its high nibble;
+- a last block of ``r < 64`` rows (``r`` a multiple of 16): ``[K, r/2]`` bytes; byte
+  ``(k, j)`` holds rows ``2j`` (low) and ``2j + 1`` (high).
+
+We pack and unpack it ourselves in torch, so packing never makes the ``[N, K]`` int32
+temporary the converter needs (1.3 GB for Gemma 3's embedding) and the weights can be
+unpacked again (for prefill, embedding lookups, or devices without the kernel).
+The kernel computes ``y = x @ ((q - 8) * scale + zero).T`` with ``scale``/``zero`` per
+group of ``group_size`` values along K, given as ``[K/group, N, 2]`` in x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_N = 64  # rows per packing block
+ROW_MULTIPLE = 16  # the kernel needs N % 16 == 0
+
+
+def _block_starts(n_rows: int) -> list[tuple[int, int]]:
+    return [(s, min(BLOCK_N, n_rows - s)) for s in range(0, n_rows, BLOCK_N)]
+
+
+def pack(nibbles: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` values 0..15 (any integer dtype) -> ``[N, K/2]`` uint8 in the CPU kernel layout."""
+    n, k = nibbles.shape
+    if n % ROW_MULTIPLE or k % 2:
+        raise ValueError(f"int4 packing needs rows % {ROW_MULTIPLE} == 0 and even columns, got {n}x{k}")
+    q = nibbles.to(torch.uint8)
+    out = torch.empty(n * k // 2, dtype=torch.uint8, device=nibbles.device)
+    full = n - n % BLOCK_N
+    if full:
+        blk = q[:full].reshape(full // BLOCK_N, 2, BLOCK_N // 2, k)  # [nb, half, j, K]
+        byte = blk[:, 0] | (blk[:, 1] << 4)  # [nb, 32, K]
+        out[: full * k // 2] = byte.transpose(1, 2).reshape(-1)  # [nb, K, 32]
+    if full < n:
+        r = n - full
+        tail = q[full:].reshape(r // 2, 2, k)  # [j, pair, K]
+        byte = tail[:, 0] | (tail[:, 1] << 4)  # [r/2, K]
+        out[full * k // 2 :] = byte.T.reshape(-1)  # [K, r/2]
+    return out.reshape(n, k // 2)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack`: ``[N, K/2]`` uint8 -> ``[N, K]`` uint8 values 0..15."""
+    n, half_k = packed.shape
+    k = half_k * 2
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    full = n - n % BLOCK_N
+    if full:
+        byte = flat[: full * half_k].reshape(full // BLOCK_N, k, BLOCK_N // 2)  # [nb, K, 32]
+        view = out[:full].reshape(full // BLOCK_N, 2, BLOCK_N // 2, k)  # [nb, half, j, K]
+        view[:, 0] = (byte & 0x0F).transpose(1, 2)
+        view[:, 1] = (byte >> 4).transpose(1, 2)
+    if full < n:
+        r = n - full
+        byte = flat[full * half_k :].reshape(k, r // 2)  # [K, r/2]
+        view = out[full:].reshape(r // 2, 2, k)
+        view[:, 0] = (byte & 0x0F).T
+        view[:, 1] = (byte >> 4).T
+    return out
+
+
+def unpack_transposed(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a packed ``[N, K/2]`` matrix, unpacked and transposed: ``[K, rows]`` uint8.
+
+    ``start`` must be a multiple of `BLOCK_N`. Written straight into the transposed
+    layout (which is how the packed bytes are ordered), ready for ``x @ w_t``.
+    """
+    n, half_k = packed.shape
+    k = half_k * 2
+    if start % BLOCK_N:
+        raise ValueError(f"unpack_transposed: start {start} is not a multiple of {BLOCK_N}")
+    out = torch.empty(k, stop - start, dtype=torch.uint8, device=packed.device)
+    full_stop = min(stop, n - n % BLOCK_N)
+    if full_stop > start:
+        nb = (full_stop - start) // BLOCK_N
+        byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
+        view = out[:, : full_stop - start].view(k, nb, 2, BLOCK_N // 2)
+        torch.bitwise_and(byte, 0x0F, out=view[:, :, 0])
+        torch.bitwise_right_shift(byte, 4, out=view[:, :, 1])
+    if stop > full_stop:
+        r = stop - full_stop  # the tail block (stop == N)
+        byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
+        view = out[:, full_stop - start :].view(k, r // 2, 2)
+        torch.bitwise_and(byte, 0x0F, out=view[..., 0])
+        torch.bitwise_right_shift(byte, 4, out=view[..., 1])
+    return out
+
+
+def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Unpack only ``rows`` (``[R]`` int64) of a packed ``[N, K/2]`` matrix -> ``[R, K]`` uint8."""
+    n, half_k = packed.shape
+    k = half_k * 2
+    full = n - n % BLOCK_N
+    flat = packed.reshape(-1)
+    block, within = rows // BLOCK_N, rows % BLOCK_N
+    # Full blocks: row j of a block is byte column j % 32, nibble j // 32.
+    col = within % (BLOCK_N // 2)
+    shift = (within // (BLOCK_N // 2)) * 4
+    width = torch.full_like(rows, BLOCK_N // 2)
+    base = block * BLOCK_N * half_k
+    if full < n:  # the tail block: pairs of adjacent rows
+        r = n - full
+        in_tail = rows >= full
+        t = rows - full
+        col = torch.where(in_tail, t // 2, col)
+        shift = torch.where(in_tail, (t % 2) * 4, shift)
+        width = torch.where(in_tail, torch.full_like(rows, r // 2), width)
+        base = torch.where(in_tail, torch.full_like(rows, full * half_k), base)
+    ks = torch.arange(k, device=packed.device)
+    index = base[:, None] + ks[None, :] * width[:, None] + col[:, None]  # [R, K] byte positions
+    return (flat[index] >> shift[:, None].to(torch.uint8)) & 0x0F
+
+
+@functools.cache
+def cpu_kernel_usable() -> bool:
+    """Whether this torch has the CPU int4 kernel and its converter uses the layout `pack` writes."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (BLOCK_N + 48, 64), generator=gen, dtype=torch.int32)
+        ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        if not torch.equal(ref, pack(q)):
+            return False
+        x = torch.ones(1, 64, dtype=torch.bfloat16)
+        sz = torch.zeros(2, q.shape[0], 2, dtype=torch.bfloat16)
+        sz[..., 0] = 1.0
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, ref, 32, sz)
+        return bool(torch.equal(y.float()[0], (q - 8).sum(1).float()))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def cpu_matmul(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor
+) -> torch.Tensor:
+    """``x [M, K]`` (bfloat16) times the packed weight: ``[M, N]`` in x's dtype."""
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
+    return y
+
+
+__all__ = [
+    "BLOCK_N",
+    "ROW_MULTIPLE",
+    "cpu_kernel_usable",
+    "cpu_matmul",
+    "gather_rows",
+    "pack",
+    "unpack",
+    "unpack_transposed",
+]

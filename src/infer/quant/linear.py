@@ -1,0 +1,235 @@
+"""`QuantizedLinear`: a drop-in ``nn.Linear`` whose weight stays packed.
+
+Three storage formats, chosen per GGML type (numbers and reasons in docs/quantization.md):
+
+- ``int4``: 4-bit planes with a scale and zero per group of 32 (`infer.quant.planes`),
+  packed for torch's CPU kernel (`infer.quant.int4`). Q4_0, Q4_1, Q4_K take one plane
+  (about their file size); Q5_0, Q5_1, Q5_K, Q8_0, MXFP4 take two (1.25 bytes a weight).
+- ``int8``: int8 per output channel with one scale per row (``quantize="int8"``).
+- ``dense``: a float copy in the compute dtype, for Q2_K, Q3_K, Q6_K (groups of 16, which
+  the kernel cannot take) and float GGUF tensors.
+
+Per call: with at most ``kernel_max_rows`` rows of input (decode) on CPU, the packed
+kernel runs on bfloat16 activations (``_weight_int4pack_mm_for_cpu`` /
+``_weight_int8pack_mm``); with more rows (prefill), or on other devices, the weight is
+dequantized tile by tile into the compute dtype and multiplied with a dense matmul.
+Scales are held in the compute dtype (bfloat16 by default), so every path computes with
+the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.quant import int4
+from infer.quant.dequant import dequantize
+from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
+from infer.quant.planes import GROUP, PLANE_DECODERS, to_planes
+from infer.quant.quantize import quantize_int8_per_channel
+
+# Decode/prefill switch: rows of input up to which the packed kernel beats dequantize + matmul.
+# Measured with benchmarks/quant_kernels.py (docs/quantization.md).
+KERNEL_MAX_ROWS = 32
+_TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
+_CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W [out_features, in_features]`` held packed.
+
+    Build with `from_gguf`, `from_int8` or `infer.quant.quantize_linear`; ``forward``
+    takes ``x [..., in_features]`` of any float dtype and returns ``[..., out_features]``
+    in x's dtype.
+    """
+
+    fmt: str
+    planes: int
+    # Buffers, present per format: int4 -> packed, scale_zero; int8 -> qweight, scales; dense -> weight.
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    weight: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        bias: torch.Tensor | None = None,
+        planes: int = 1,
+        source: str = "",
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        if fmt not in ("int4", "int8", "dense"):
+            raise ValueError(f"unknown QuantizedLinear format {fmt!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.planes = planes
+        self.source = source  # e.g. "Q4_1", "q4_0", "int8"
+        self.compute_dtype = compute_dtype
+        self.kernel_max_rows = KERNEL_MAX_ROWS
+        for key, value in tensors.items():
+            self.register_buffer(key, value)
+        self.bias: nn.Parameter | None = None
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    # ---- constructors ---------------------------------------------------------
+
+    @classmethod
+    def from_gguf(
+        cls,
+        raw: torch.Tensor,
+        qtype: int | QType,
+        shape: tuple[int, ...] | list[int],
+        bias: torch.Tensor | None = None,
+        *,
+        name: str = "tensor",
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> QuantizedLinear:
+        """From the bytes of a GGUF weight of ``shape = (out_features, in_features)`` (torch order).
+
+        ``raw`` (uint8, e.g. a view of the memory-mapped file) is converted, not kept.
+        ``name`` is used in error messages.
+        """
+        qt = check_supported(qtype, name)
+        n, k = (int(s) for s in shape)
+        device = torch.device(device) if device is not None else raw.device
+        if qt in FLOAT_TYPES or qt not in PLANE_DECODERS:
+            w = dequantize(raw, qt, (n, k), name=name).to(device=device, dtype=compute_dtype)
+            return cls(k, n, "dense", {"weight": w}, bias=bias, source=qt.name, compute_dtype=compute_dtype)
+        rows = raw.reshape(-1)
+        expected = n * row_bytes(qt, k, name)
+        if rows.numel() != expected:
+            raise ValueError(
+                f"{name}: {qt.name} tensor of shape {[n, k]} needs {expected} bytes, got {rows.numel()}"
+            )
+        rows = rows.reshape(n, -1)
+        p = 1 if qt in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 2
+        n_pad = _round_up(n, int4.ROW_MULTIPLE)
+        kp = p * k
+        packed = torch.zeros(n_pad, kp // 2, dtype=torch.uint8, device=device)
+        scale_zero = torch.zeros(kp // GROUP, n_pad, 2, dtype=compute_dtype, device=device)
+        for start in range(0, n, _CONVERT_ROWS):  # a multiple of 64: packing blocks stay whole
+            stop = min(n, start + _CONVERT_ROWS)
+            nib, scale, zero = to_planes(rows[start:stop].to(device), qt, k)
+            if stop == n and n_pad != n:  # pad the last rows to the kernel's multiple of 16
+                nib = torch.cat([nib, torch.full((n_pad - n, kp), 8, dtype=torch.uint8, device=device)])
+                stop = n_pad
+            packed[start:stop] = int4.pack(nib)
+            scale_zero[:, start : start + scale.shape[0], 0] = scale.T.to(compute_dtype)
+            scale_zero[:, start : start + zero.shape[0], 1] = zero.T.to(compute_dtype)
+        tensors = {"packed": packed, "scale_zero": scale_zero}
+        return cls(k, n, "int4", tensors, bias=bias, planes=p, source=qt.name, compute_dtype=compute_dtype)
+
+    @classmethod
+    def from_int8(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantizedLinear:
+        """Weight-only int8, symmetric per output channel (``quantize="int8"``)."""
+        q, scale = quantize_int8_per_channel(weight, compute_dtype)
+        n, k = q.shape
+        tensors = {"qweight": q, "scales": scale}
+        return cls(k, n, "int8", tensors, bias=bias, source="int8", compute_dtype=compute_dtype)
+
+    # ---- forward --------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
+        use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu"
+        if self.fmt == "int4":
+            y = self._int4(x2, use_kernel and int4.cpu_kernel_usable())
+        elif self.fmt == "int8":
+            y = self._int8(x2, use_kernel)
+        else:
+            y = F.linear(x2, self.weight)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
+        if use_kernel:
+            y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
+        else:
+            y = self._int4_dequant_matmul(xp)
+        return y[:, : self.out_features]
+
+    def _int4_dequant_matmul(self, xp: torch.Tensor) -> torch.Tensor:
+        n_pad, kp = self.packed.shape[0], self.packed.shape[1] * 2
+        out = torch.empty(xp.shape[0], n_pad, dtype=xp.dtype, device=xp.device)
+        tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
+        for start in range(0, n_pad, tile):
+            stop = min(n_pad, start + tile)
+            w_t = self._dequant_tile_t(start, stop)  # [P*K, rows]
+            torch.matmul(xp, w_t, out=out[:, start:stop])
+        return out
+
+    def _dequant_tile_t(self, start: int, stop: int) -> torch.Tensor:
+        """Effective weight rows ``start:stop`` transposed: ``[P*K, rows]`` in the compute dtype."""
+        kp = self.packed.shape[1] * 2
+        nib_t = int4.unpack_transposed(self.packed, start, stop)  # [P*K, rows]
+        sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
+        scale, zero = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]
+        w_t = torch.empty(kp // GROUP, GROUP, stop - start, dtype=self.compute_dtype, device=nib_t.device)
+        torch.addcmul(zero[:, None], nib_t.view(kp // GROUP, GROUP, -1), scale[:, None], out=w_t)
+        return w_t.view(kp, stop - start)
+
+    def _int8(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        if use_kernel:
+            return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)  # type: ignore[no-any-return]
+        n = self.out_features
+        out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+        tile = max(64, _TILE_VALUES // self.in_features // 64 * 64)
+        for start in range(0, n, tile):
+            stop = min(n, start + tile)
+            w = self.qweight[start:stop].to(x2.dtype)  # exact: |q| <= 127 fits bfloat16's mantissa
+            torch.matmul(x2, w.T, out=out[:, start:stop])
+        return out * self.scales
+
+    # ---- introspection ----------------------------------------------------------
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight every path computes with, ``[out_features, in_features]`` float32."""
+        n, k = self.out_features, self.in_features
+        if self.fmt == "dense":
+            return self.weight.to(torch.float32)
+        if self.fmt == "int8":
+            return self.qweight.to(torch.float32) * self.scales.to(torch.float32)[:, None]
+        nib = int4.unpack(self.packed)[:n].to(torch.float32)  # [N, P*K]
+        sz = self.scale_zero[:, :n].to(torch.float32)  # [P*K/32, N, 2]
+        scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [N, P*K/32, 1]
+        w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
+        return w.sum(dim=1)
+
+    def packed_nbytes(self) -> int:
+        """Bytes held by the weight (packed values and scales, not the bias)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, fmt={self.fmt}, source={self.source}, planes={self.planes}, "
+            f"compute_dtype={self.compute_dtype}"
+        )
+
+
+__all__ = ["KERNEL_MAX_ROWS", "QuantizedLinear"]
