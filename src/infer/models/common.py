@@ -270,7 +270,7 @@ def attend(
         if mask is not None and mask.shape[-2] != 1:
             mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.view(B, H, T, D)
+    return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
 
 
 def _attend_softcapped(
