@@ -264,6 +264,77 @@ def test_text_config_extraction(inner_model_type: bool) -> None:
     assert cfg.torch_dtype == "bfloat16"
 
 
+GEMMA_3_4B_IT: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_gemma_3_4b_it_text_config_written_as_a_diff() -> None:
+    """transformers saves a nested config as its difference from the defaults: they fill the gaps."""
+    before = copy.deepcopy(GEMMA_3_4B_IT)
+    cfg = config_from_dict(GEMMA_3_4B_IT)
+    assert before == GEMMA_3_4B_IT
+    assert cfg.model_type == "gemma3_text"
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (2560, 10240, 34)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.computed_head_dim) == (8, 4, 256)
+    assert cfg.vocab_size == 262208
+    assert cfg.query_pre_attn_scalar == 256.0
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (cfg.rope_theta, cfg.rope_local_base_freq) == (1_000_000.0, 10_000.0)
+    assert cfg.sliding_window == 1024
+    assert cfg.layer_types is not None
+    assert [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION] == [5, 11, 17, 23, 29]
+    assert cfg.eos_token_id == [1, 106]  # from the wrapper
+    assert cfg.tie_word_embeddings is True
+    assert cfg.torch_dtype == "bfloat16"
+
+
+def test_gemma_3_4b_it_agrees_with_transformers() -> None:
+    from transformers import Gemma3Config
+
+    hf_text = Gemma3Config.from_dict(copy.deepcopy(GEMMA_3_4B_IT)).text_config
+    ours = config_from_dict(GEMMA_3_4B_IT)
+    theirs = config_from_dict(hf_text.to_dict())
+    for field in ModelConfig.__dataclass_fields__:
+        if field not in (
+            "extra",
+            "sliding_window_pattern",
+            "eos_token_id",
+            "bos_token_id",
+            "pad_token_id",
+            "torch_dtype",
+        ):
+            assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.layer_types == list(hf_text.layer_types)
+
+
 def test_text_config_own_values_win_over_outer() -> None:
     text = _gemma3_text_config() | {"model_type": "gemma3_text", "tie_word_embeddings": True}
     cfg = config_from_dict({"model_type": "gemma3", "text_config": text, "tie_word_embeddings": False})

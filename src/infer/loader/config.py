@@ -141,6 +141,37 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Keys a nested text_config takes from the wrapper config when it doesn't set them itself.
+_INHERITED_BY_TEXT_CONFIG = (
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3 config.json leaves out of its text_config.
+_NESTED_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
+}
+
 _FLOAT_FIELDS = (
     "rms_norm_eps",
     "rope_theta",
@@ -218,13 +249,18 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
     text_config = raw.get("text_config")
     if isinstance(text_config, dict):
         # Multimodal wrappers (Gemma 3 4B+) nest the language model's config; keep the
-        # outer tie_word_embeddings / dtype if the inner one doesn't say.
+        # outer tie_word_embeddings / dtype / special tokens if the inner one doesn't say.
         inner = dict(text_config)
         outer_type = raw.get("model_type")
         inner.setdefault("model_type", f"{outer_type}_text" if outer_type else None)
-        for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        for key in _INHERITED_BY_TEXT_CONFIG:
             if key in raw and key not in inner:
                 inner[key] = raw[key]
+        # transformers writes a nested config as its difference from the class defaults
+        # (gemma-3-4b-it's text_config has no num_attention_heads, head_dim, vocab_size, ...).
+        for key, value in _NESTED_TEXT_DEFAULTS.get(inner["model_type"], {}).items():
+            if inner.get(key) is None:
+                inner[key] = value
         raw = inner
 
     model_type = raw.get("model_type")
