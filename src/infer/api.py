@@ -332,6 +332,7 @@ def load(
     torch_dtype = resolve_dtype(dtype, config.torch_dtype)
     tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
     cls = model_class(config)
+    model: torch.nn.Module
     if streaming is not None:
         from infer.streaming import build_streaming_model
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infer.loader.config import ModelConfig
-from infer.loader.weight_map import get_weight_map
+from infer.loader.weight_map import get_weight_map, map_checkpoint_names
 from infer.loader.weights import INDEX_FILE, SafetensorsCheckpoint
 
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
@@ -126,19 +126,16 @@ def load_safetensors_model(
     head gets its own quantized copy of the embedding.
     """
     ckpt = SafetensorsCheckpoint(path)
-    weight_map = get_weight_map(config)
-    unknown = sorted(n for n in ckpt.tensors if n not in weight_map)
-    if unknown:
-        raise ValueError(f"{ckpt.path}: unexpected tensor(s) for model_type {config.model_type!r}: {unknown}")
-    if not config.tie_word_embeddings and "lm_head.weight" not in ckpt:
+    names = map_checkpoint_names(config, ckpt.keys(), str(ckpt.path))  # checkpoint name -> module name
+    if not config.tie_word_embeddings and "lm_head.weight" not in names.values():
         where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.path / INDEX_FILE
         raise ValueError(
             f"{where}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
         )
     model = build_empty(config, model_cls)
-    order = {hf: i for i, hf in enumerate(weight_map)}  # layer by layer, so quantization can keep up
-    names = sorted(ckpt.keys(), key=order.__getitem__)
-    triples = [(hf, weight_map[hf], (lambda hf=hf: ckpt.get(hf))) for hf in names]
+    order = {name: i for i, name in enumerate(get_weight_map(config).values())}
+    ordered = sorted(names, key=lambda n: order[names[n]])  # layer by layer, so quantization keeps up
+    triples = [(n, names[n], (lambda n=n: ckpt.get(n))) for n in ordered]
     on_loaded = _quantizer(model, quantize) if quantize is not None else None
     load_into(
         model,

@@ -91,3 +91,46 @@ def get_weight_map(config: ModelConfig) -> dict[str, str]:
             f"no weight map for model_type {config.model_type!r}; supported: {sorted(_MAPS)}"
         ) from None
     return build(config.num_hidden_layers)
+
+
+# Multimodal Gemma 3 checkpoints (4B and up) nest the language model: hub files name it
+# ``language_model.model.*``, recent transformers ``model.language_model.*``. The vision
+# tower and projector are not part of a text-only model and are left out by name.
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.": ""}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def map_checkpoint_names(config: ModelConfig, names: list[str], source: str) -> dict[str, str]:
+    """Checkpoint tensor name -> internal name for every tensor the model uses.
+
+    Unknown names raise `ValueError` naming them; vision tensors of a multimodal
+    checkpoint are the only ones left out, and only when the language model's own
+    tensors are nested under a multimodal prefix.
+    """
+    weight_map = get_weight_map(config)
+    nested = any(n.startswith(p) for n in names for p in _TEXT_PREFIXES if p != "language_model.")
+    mapping: dict[str, str] = {}
+    unknown: list[str] = []
+    for name in names:
+        hf = name
+        if nested:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            for prefix, replacement in _TEXT_PREFIXES.items():
+                if name.startswith(prefix):
+                    hf = replacement + name[len(prefix) :]
+                    break
+        if hf in weight_map:
+            mapping[name] = weight_map[hf]
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(
+            f"{source}: unexpected tensor(s) for model_type {config.model_type!r}: {sorted(unknown)}"
+        )
+    return mapping

@@ -1,0 +1,56 @@
+"""Checkpoint layouts seen in the wild load to the same model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import infer
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_multimodal_gemma3_checkpoint_loads_its_language_model(
+    prefix: str, tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Gemma 3 4B+ layout: config under text_config, text weights nested, a vision tower beside them."""
+    src = tiny_ckpt_factory("gemma3")
+    text_config = json.loads((src / "config.json").read_text())
+    config = {"model_type": "gemma3", "text_config": text_config, "vision_config": {"hidden_size": 8}}
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        tensors[prefix + name.removeprefix("model.") if name.startswith("model.") else name] = t
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
+    tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
+    dst = tmp_path / "mm"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    ids = torch.randint(0, 260, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = infer.load(src).model(ids)
+        got = infer.load(dst).model(ids)
+    assert torch.equal(got, expected)
+
+
+def test_nested_names_without_multimodal_layout_are_rejected(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    src = tiny_ckpt_factory("llama")
+    tensors = load_file(src / "model.safetensors")
+    tensors["vision_tower.patch.weight"] = torch.zeros(2)
+    dst = tmp_path / "extra"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) for model_type 'llama': \['vision_tower"):
+        infer.load(dst)
