@@ -91,7 +91,7 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "sync"])
 def test_peak_memory_stays_within_budget(big_checkpoint: Path, prefetch: bool) -> None:
     src = Path(__file__).resolve().parents[2] / "src"
-    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(big_checkpoint), str(BUDGET), "1" if prefetch else "0"],
         capture_output=True,
