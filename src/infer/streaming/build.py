@@ -164,9 +164,11 @@ def build_from_source(
         device = torch.device("cuda", torch.cuda.current_device())
     model = source.build_skeleton(model_cls)
     _check_skeleton(model, source)
-    rope_bytes = sum(b.numel() * b.element_size() for b in model.rotary.buffers())
+    small = sum(b.numel() * b.element_size() for b in model.rotary.buffers())
+    if device.type == "cpu":  # host memory is device memory: the reader's conversion buffer counts
+        small += int(getattr(source, "scratch_bytes", 0))
     dtype = source.tensor(NORM).dtype
-    plan = plan_memory(source, streaming, dtype=dtype, max_context=max_context, small_extra=rope_bytes)
+    plan = plan_memory(source, streaming, dtype=dtype, max_context=max_context, small_extra=small)
     open_all = getattr(source, "open_all", None)
     if callable(open_all):
         open_all()

@@ -107,6 +107,7 @@ class Pipeline:
         """Block until ``unit_index`` is in a buffer; return the unit and the buffer index."""
         unit = self.units[unit_index]
         start = time.perf_counter()
+        wait_mark = self.transport.mark_wait()
         if not self.prefetch:
             buffer = 0
             record = self.transport.load(unit, buffer)
@@ -129,8 +130,8 @@ class Pipeline:
                     )
                 record = item
         waited = time.perf_counter() - start
-        compute = self.transport.before_compute(unit, buffer, record)
-        self._account_load(unit, record, waited, sync=not self.prefetch)
+        compute = self.transport.before_compute(unit, buffer, record, wait_mark)
+        self._account_load(unit, record, waited)
         self._current = (unit, buffer, record, compute, time.perf_counter())
         return unit, buffer
 
@@ -172,7 +173,7 @@ class Pipeline:
 
     # ---- accounting -----------------------------------------------------------
 
-    def _account_load(self, unit: Unit, record: LoadRecord, waited: float, sync: bool) -> None:
+    def _account_load(self, unit: Unit, record: LoadRecord, waited: float) -> None:
         s = self.stats
         s.bytes_loaded += record.nbytes
         s.bytes_read += record.bytes_read
@@ -180,8 +181,8 @@ class Pipeline:
         s.load_seconds += record.read_end - record.read_start
         if record.copy_events is None:
             s.wait_seconds += waited  # CPU: the consumer was blocked this long (all of it in sync mode)
-        else:
-            s.wait_seconds += waited if sync else 0.0  # CUDA: the GPU-side wait comes from events
+        # CUDA: the GPU's wait comes from events (`resolve`): from when the host asked for the
+        # unit (after the work queued before it) to when its compute could start.
         if self.trace:
             s.timeline.append(
                 TimelineEntry(
@@ -219,8 +220,7 @@ class Pipeline:
             copy = rec.load.copy_events
             if copy is not None:
                 s.load_seconds += copy[0].elapsed_time(copy[1]) / 1e3
-            if self.prefetch:
-                s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
+            s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
             if self.trace and copy is not None and self.gpu_origin is not None:
                 base, host = self.gpu_origin
                 t0 = host - self.origin

@@ -57,7 +57,7 @@ class MemoryPlan:
     buffer_bytes: int
     kv_bytes: int
     workspace_bytes: int
-    small_bytes: int  # final norm (+ RoPE tables)
+    small_bytes: int  # final norm, RoPE frequencies, the reader's conversion buffer
     resident_layer_bytes: int
     embed_resident: bool
     head_resident: bool
@@ -108,7 +108,7 @@ class MemoryPlan:
             "lm_head: "
             + ("resident" if self.head_resident else f"streamed in {len(self.head_unit_list)} chunk(s)")
             + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes else ""),
-            f"norms: {format_bytes(self.small_bytes)}",
+            f"norms and buffers: {format_bytes(self.small_bytes)}",
             f"total: {format_bytes(self.total)} of {format_bytes(self.budget)}",
         ]
         return "; ".join(parts)

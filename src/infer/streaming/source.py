@@ -5,8 +5,8 @@ shape and dtype the model holds it in) and reads them, one at a time, *into* a t
 the caller owns (a slot of a group buffer, a pinned staging buffer), converting the
 dtype on the way. Nothing is ever loaded whole.
 
-`SafetensorsSource` memory-maps each file and copies straight from the mapping
-(file-backed page cache) into the destination, so a read costs no anonymous memory.
+`SafetensorsSource` reads each tensor with ``pread`` straight into the destination
+(`infer.streaming.files`), so a read costs no memory beyond a small conversion buffer.
 A GGUF source implements the same interface: its skeleton holds quantized modules
 whose packed buffers are what `layer_tensors` lists, so packed bytes stream and the
 modules dequantize on the device.
@@ -14,10 +14,7 @@ modules dequantize on the device.
 
 from __future__ import annotations
 
-import json
-import mmap
-import struct
-import warnings
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ from infer.loader.config import ModelConfig
 from infer.loader.weight_map import get_weight_map
 from infer.loader.weights import SafetensorsCheckpoint
 from infer.models.base import DecoderLM
+from infer.streaming.files import SCRATCH_BYTES, ConvertingReader, SafetensorsFile
 
 EMBED = "embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -91,49 +89,6 @@ class WeightSource(Protocol):
     def close(self) -> None: ...
 
 
-def _safetensors_offsets(file: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """Start of the data section and each tensor's ``[begin, end)`` byte offsets within it."""
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    offsets = {
-        k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
-    return 8 + n, offsets
-
-
-class _MappedFile:
-    """A read-only memory map of one safetensors file, viewed as bytes."""
-
-    def __init__(self, file: Path) -> None:
-        self.file = file
-        self.data_start, self.offsets = _safetensors_offsets(file)
-        with open(file, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        with warnings.catch_warnings():  # the mapping is read-only and never written through
-            warnings.simplefilter("ignore", UserWarning)
-            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-
-    def view(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        begin, end = self.offsets[key]
-        raw = self.bytes[self.data_start + begin : self.data_start + end]
-        if (self.data_start + begin) % dtype.itemsize:
-            raw = raw.clone()  # misaligned in the file: an aligned copy of this one tensor
-        return raw.view(dtype).view(shape)
-
-    def will_need(self, key: str) -> None:
-        """Ask the kernel to read ahead the pages of ``key``."""
-        begin, end = self.offsets[key]
-        start = (self.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        self.map.madvise(mmap.MADV_WILLNEED, start, self.data_start + end - start)
-
-    def close(self) -> None:
-        del self.bytes
-        self.map.close()
-
-
 class SafetensorsSource:
     """A safetensors checkpoint (single file or sharded), read through memory maps.
 
@@ -162,7 +117,8 @@ class SafetensorsSource:
                 )
             if EMBED in self._key_of:
                 self._key_of[HEAD] = self._key_of[EMBED]  # tied: the head reads the embedding rows
-        self._maps: dict[Path, _MappedFile] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
+        self._converter = ConvertingReader()
 
     def build_skeleton(self, model_cls: Callable[[ModelConfig], nn.Module]) -> DecoderLM:
         model = build_empty(self.config, model_cls)
@@ -185,43 +141,58 @@ class SafetensorsSource:
     def tensor(self, name: str) -> TensorRef:
         return self._ref(name)
 
-    def _mapped(self, key: str) -> _MappedFile:
-        file = self.checkpoint.tensors[key].file
-        mapped = self._maps.get(file)
-        if mapped is None:
-            mapped = _MappedFile(file)
-            self._maps[file] = mapped
-        return mapped
-
-    def _stored(self, ref: TensorRef) -> torch.Tensor:
-        info = self.checkpoint.tensors[ref.key]
-        return self._mapped(ref.key).view(ref.key, info.dtype, info.shape)
+    def _file(self, key: str) -> SafetensorsFile:
+        path = self.checkpoint.tensors[key].file
+        handle = self._files.get(path)
+        if handle is None:
+            handle = SafetensorsFile(path)
+            self._files[path] = handle
+        return handle
 
     def open_all(self) -> None:
-        """Map every file now (so reader threads never race to create a mapping)."""
+        """Open every file now (so reader threads never race to open one)."""
         for key in self.checkpoint.tensors:
-            self._mapped(key)
+            self._file(key)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Host memory a read may allocate: the conversion buffer, when some tensor changes dtype."""
+        converts = any(
+            self._ref(name).dtype != self.checkpoint.tensors[key].dtype for name, key in self._key_of.items()
+        )
+        return SCRATCH_BYTES if converts else 0
 
     def prefetch_hint(self, ref: TensorRef) -> None:
-        self._mapped(ref.key).will_need(ref.key)
+        """Start the kernel's readahead of ``ref`` (a unit hints all its tensors before reading them)."""
+        handle = self._file(ref.key)
+        begin, end = handle.offsets[ref.key]
+        os.posix_fadvise(handle.fd, handle.data_start + begin, end - begin, os.POSIX_FADV_WILLNEED)
 
     def read_into(self, ref: TensorRef, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        src = self._stored(ref)
-        if rows is not None:
-            src = src[rows[0] : rows[1]]
-        if tuple(out.shape) != tuple(src.shape):
+        info = self.checkpoint.tensors[ref.key]
+        shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
+        if tuple(out.shape) != tuple(shape) or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(
                 f"{self.description}: tensor {ref.key!r}{'' if rows is None else f' rows {rows}'} has shape "
-                f"{list(src.shape)}, destination expects {list(out.shape)}"
+                f"{list(shape)}; the destination is {list(out.shape)} on {out.device}"
+                f"{'' if out.is_contiguous() else ' (not contiguous)'}"
             )
-        out.copy_(src)
+        handle = self._file(ref.key)
+        offset = handle.offsets[ref.key][0]
+        if rows is not None:
+            offset += rows[0] * (TensorRef(ref.key, info.shape, info.dtype).row_bytes())
+        if out.dtype == info.dtype:
+            handle.pread(out, offset)
+        else:
+            self._converter.read(handle, offset, info.dtype, out)
 
     def read_rows(self, ref: TensorRef, index: torch.Tensor) -> torch.Tensor:
-        rows = self._stored(ref).index_select(0, index.to("cpu", torch.long))
-        return rows.to(ref.dtype)
+        info = self.checkpoint.tensors[ref.key]
+        table = self._file(ref.key).mapped(ref.key, info.dtype, info.shape)
+        return table.index_select(0, index.to("cpu", torch.long)).to(ref.dtype)
 
     def close(self) -> None:
-        for mapped in self._maps.values():
-            mapped.close()
-        self._maps.clear()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
         self.checkpoint.close()

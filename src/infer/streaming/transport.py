@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -60,7 +60,11 @@ class Transport(Protocol):
 
     def load(self, unit: Unit, buffer: int) -> LoadRecord: ...
 
-    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None: ...
+    def mark_wait(self) -> Any: ...
+
+    def before_compute(
+        self, unit: Unit, buffer: int, load: LoadRecord, wait: Any
+    ) -> ComputeRecord | None: ...
 
     def after_compute(self, buffer: int, record: ComputeRecord | None) -> None: ...
 
@@ -92,7 +96,10 @@ class CpuTransport:
         _read_unit(self.source, unit, self.buffers[buffer])
         return LoadRecord(unit.index, unit.nbytes, unit.nbytes, "disk", start, time.perf_counter())
 
-    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None:
+    def mark_wait(self) -> Any:
+        return None
+
+    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord, wait: Any) -> ComputeRecord | None:
         return None
 
     def after_compute(self, buffer: int, record: ComputeRecord | None) -> None:
@@ -177,12 +184,17 @@ class CudaTransport:
         self.ready[buffer] = copy_end
         return LoadRecord(unit.index, unit.nbytes, bytes_read, tier, start, read_end, (copy_start, copy_end))
 
-    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord) -> ComputeRecord | None:
+    def mark_wait(self) -> Any:
+        """An event on the compute stream recorded when the consumer starts waiting for a unit."""
+        event = cuda_event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def before_compute(self, unit: Unit, buffer: int, load: LoadRecord, wait: Any) -> ComputeRecord | None:
         stream = torch.cuda.current_stream(self.device)
-        wait_start = cuda_event()
+        wait_start: torch.cuda.Event = wait
         compute_start = cuda_event()
         compute_end = cuda_event()
-        wait_start.record(stream)
         ready = self.ready[buffer]
         if ready is not None:
             stream.wait_event(ready)
