@@ -342,6 +342,9 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="a checkpoint of several GB")
     parser.add_argument("--budget", default=None, help="memory budget (default: a quarter of the checkpoint)")
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="hidden size (512 CPU, 1024 --big, 2048 CUDA)"
+    )
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--groups", default="1,4", help="layer group sizes to stream with")
@@ -367,8 +370,11 @@ def main() -> None:
 
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    size = parse_bytes(args.size or ("4GB" if args.big else "600MB"), "--size")
-    spec = spec_for_size(size, dtype, hidden_size=1024 if args.big else 512)
+    size = parse_bytes(
+        args.size or ("4GB" if args.big else "2GB" if args.device == "cuda" else "600MB"), "--size"
+    )
+    hidden = args.hidden or (2048 if args.device == "cuda" else 1024 if args.big else 512)
+    spec = spec_for_size(size, dtype, hidden_size=hidden)
     path = ROOT / ".bench" / "streaming" / f"llama-{spec.num_hidden_layers}x{spec.hidden_size}-{dtype_name}"
     if not (path / "config.json").exists():
         print(f"writing {path} ...", file=sys.stderr)
