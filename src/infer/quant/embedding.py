@@ -24,6 +24,8 @@ from infer.quant.planes import GROUP
 class QuantizedEmbedding(nn.Module):
     """``ids [...] -> [..., embedding_dim]`` in ``dtype`` (float32 by default)."""
 
+    raw: torch.Tensor | None
+
     def __init__(
         self,
         num_embeddings: int,
@@ -39,9 +41,7 @@ class QuantizedEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.dtype = dtype
         self.qtype = qtype
-        self.raw: torch.Tensor | None = None
-        if raw is not None:
-            self.register_buffer("raw", raw)
+        self.register_buffer("raw", raw)  # None when sharing a linear's storage
         # A shared QuantizedLinear is held outside the module tree (it is already the lm_head).
         self._linear = [linear] if linear is not None else []
 

@@ -70,30 +70,33 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack_transposed(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of a packed ``[N, K/2]`` matrix, unpacked and transposed: ``[K, rows]`` uint8.
+def unpack_transposed(
+    packed: torch.Tensor, start: int, stop: int, dtype: torch.dtype = torch.uint8
+) -> torch.Tensor:
+    """Rows ``start:stop`` of a packed ``[N, K/2]`` matrix, unpacked and transposed: ``[K, rows]``.
 
-    ``start`` must be a multiple of `BLOCK_N`. Written straight into the transposed
-    layout (which is how the packed bytes are ordered), ready for ``x @ w_t``.
+    ``start`` must be a multiple of `BLOCK_N`. The values (0..15) are written straight
+    into the transposed layout (the order of the packed bytes) as ``dtype``, ready for
+    ``x @ w_t``.
     """
     n, half_k = packed.shape
     k = half_k * 2
     if start % BLOCK_N:
         raise ValueError(f"unpack_transposed: start {start} is not a multiple of {BLOCK_N}")
-    out = torch.empty(k, stop - start, dtype=torch.uint8, device=packed.device)
+    out = torch.empty(k, stop - start, dtype=dtype, device=packed.device)
     full_stop = min(stop, n - n % BLOCK_N)
     if full_stop > start:
         nb = (full_stop - start) // BLOCK_N
         byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
         view = out[:, : full_stop - start].view(k, nb, 2, BLOCK_N // 2)
-        torch.bitwise_and(byte, 0x0F, out=view[:, :, 0])
-        torch.bitwise_right_shift(byte, 4, out=view[:, :, 1])
+        view[:, :, 0].copy_(byte & 0x0F)
+        view[:, :, 1].copy_(byte >> 4)
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
         view = out[:, full_stop - start :].view(k, r // 2, 2)
-        torch.bitwise_and(byte, 0x0F, out=view[..., 0])
-        torch.bitwise_right_shift(byte, 4, out=view[..., 1])
+        view[..., 0].copy_(byte & 0x0F)
+        view[..., 1].copy_(byte >> 4)
     return out
 
 

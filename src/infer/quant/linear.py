@@ -29,9 +29,12 @@ from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
 from infer.quant.planes import GROUP, PLANE_DECODERS, to_planes
 from infer.quant.quantize import quantize_int8_per_channel
 
-# Decode/prefill switch: rows of input up to which the packed kernel beats dequantize + matmul.
-# Measured with benchmarks/quant_kernels.py (docs/quantization.md).
-KERNEL_MAX_ROWS = 32
+# Decode/prefill switch per format, for bfloat16 compute: rows of input up to which the
+# packed kernel beats dequantize + matmul (the kernel's cost grows linearly with the rows;
+# the dequantization is paid once per call). With float32 compute the kernels are 10-30x
+# slower and dequantize + matmul wins from one row on. Measured with
+# benchmarks/quant_kernels.py (docs/quantization.md).
+KERNEL_MAX_ROWS = {"int4": 64, "int8": 16, "dense": 0}
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
@@ -78,7 +81,7 @@ class QuantizedLinear(nn.Module):
         self.planes = planes
         self.source = source  # e.g. "Q4_1", "q4_0", "int8"
         self.compute_dtype = compute_dtype
-        self.kernel_max_rows = KERNEL_MAX_ROWS
+        self.kernel_max_rows = KERNEL_MAX_ROWS[fmt] if compute_dtype == torch.bfloat16 else 0
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias: nn.Parameter | None = None
@@ -166,32 +169,43 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-        xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
         if use_kernel:
+            xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
             y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
         else:
-            y = self._int4_dequant_matmul(xp)
+            y = self._int4_dequant_matmul(x2)
         return y[:, : self.out_features]
 
-    def _int4_dequant_matmul(self, xp: torch.Tensor) -> torch.Tensor:
-        n_pad, kp = self.packed.shape[0], self.packed.shape[1] * 2
-        out = torch.empty(xp.shape[0], n_pad, dtype=xp.dtype, device=xp.device)
+    def _int4_dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        n_pad = self.packed.shape[0]
+        out = torch.empty(x2.shape[0], n_pad, dtype=x2.dtype, device=x2.device)
+        kp = self.planes * self.in_features
         tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
         for start in range(0, n_pad, tile):
             stop = min(n_pad, start + tile)
-            w_t = self._dequant_tile_t(start, stop)  # [P*K, rows]
-            torch.matmul(xp, w_t, out=out[:, start:stop])
+            torch.matmul(x2, self._dequant_tile_t(start, stop), out=out[:, start:stop])
         return out
 
     def _dequant_tile_t(self, start: int, stop: int) -> torch.Tensor:
-        """Effective weight rows ``start:stop`` transposed: ``[P*K, rows]`` in the compute dtype."""
-        kp = self.packed.shape[1] * 2
-        nib_t = int4.unpack_transposed(self.packed, start, stop)  # [P*K, rows]
+        """Effective weight rows ``start:stop``, transposed: ``[K, rows]`` in the compute dtype.
+
+        Unpacks straight to float32 (cheap), applies the scales in one ``addcmul`` without
+        dtype mixing (mixed or bfloat16 broadcasting is ~3x slower on CPU), sums the planes
+        and rounds to the compute dtype once.
+        """
+        k, r = self.in_features, stop - start
+        kp = self.planes * k
+        f = int4.unpack_transposed(self.packed, start, stop, torch.float32)  # [P*K, rows]
         sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
-        scale, zero = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]
-        w_t = torch.empty(kp // GROUP, GROUP, stop - start, dtype=self.compute_dtype, device=nib_t.device)
-        torch.addcmul(zero[:, None], nib_t.view(kp // GROUP, GROUP, -1), scale[:, None], out=w_t)
-        return w_t.view(kp, stop - start)
+        scale = sz[..., 0]
+        zero = sz[..., 1] - 8 * scale
+        f3 = f.view(kp // GROUP, GROUP, r)
+        torch.addcmul(zero[:, None], f3, scale[:, None], out=f3)
+        if self.planes == 1:
+            return f.to(self.compute_dtype)
+        w_t = torch.empty(k, r, dtype=self.compute_dtype, device=f.device)
+        torch.add(f[:k], f[k:], out=w_t)
+        return w_t
 
     def _int8(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel:

@@ -1,0 +1,252 @@
+"""`QuantizedLinear` / `QuantizedEmbedding`: outputs vs ``F.linear`` on the dequantized weight.
+
+Two references: the exact weight (`infer.quant.dequantize`, itself bit-exact with gguf)
+and the module's `effective_weight` (the exact weight with scales rounded to the compute
+dtype). With a float32 compute dtype the effective weight *is* the exact one (so the
+packed forms are exact mappings); with bfloat16 the error is that of bfloat16 scales
+and activations. Both the packed kernel (decode) and the tile-wise dequantization
+(prefill) paths are forced and checked, for T=1 and T>1. Errors are printed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize, int4, quantize_linear, quantize_q4_0
+from infer.quant.quantize import quantize_int8_per_channel
+
+T = GGMLQuantizationType
+QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+FP16_FIELDS = {
+    T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [],
+}  # fmt: skip
+# Packed bytes / GGUF bytes expected per type (int4: bf16 scale+zero per group of 32 and plane;
+# dense: a bfloat16 copy), for a shape with no row padding.
+MEMORY_RATIO = {
+    T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 160 / 144, T.Q5_0: 40 / 22, T.Q5_1: 40 / 24,
+    T.Q5_K: 320 / 176, T.Q8_0: 40 / 34, T.MXFP4: 40 / 17,
+    T.Q2_K: 512 / 84, T.Q3_K: 512 / 110, T.Q6_K: 512 / 210,
+}  # fmt: skip
+KERNEL = 1 << 30  # kernel_max_rows that forces the packed kernel
+TILES = 0  # ... that forces tile-wise dequantization + matmul
+
+
+def random_gguf(qtype: T, rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        raw[:, off : off + 2] = (
+            (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+        )
+    if qtype == T.MXFP4:
+        raw[:, 0] = rng.integers(118, 124, size=n)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def shape_for(qtype: T) -> tuple[int, int]:
+    """(out, in): out is not a multiple of 64 (a tail block in the packing) nor of 16 (padding)."""
+    block, _ = GGML_QUANT_SIZES[qtype]
+    return 200, 512 if block == 256 else 96
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_float32_compute_is_an_exact_mapping(qtype: T) -> None:
+    n, k = shape_for(qtype)
+    raw = random_gguf(qtype, n, k, int(qtype))
+    exact = dequantize(raw, qtype, (n, k))
+    lin = QuantizedLinear.from_gguf(raw, qtype, (n, k), compute_dtype=torch.float32)
+    w_err = rel_err(lin.effective_weight(), exact)
+    errs = {}
+    for rows in (1, 9):
+        x = torch.randn(rows, k)
+        ref = F.linear(x, exact)
+        for label, limit in (("kernel", KERNEL), ("tiles", TILES)):
+            lin.kernel_max_rows = limit
+            errs[f"{label} T={rows}"] = rel_err(lin(x), ref)
+    print(f"{qtype.name} fmt={lin.fmt} planes={lin.planes}: weight {w_err:.1e}; output {errs}")
+    # Exact up to float32 rounding: the zero of K-quants is 8*d*sc - dmin*m, rounded once.
+    assert w_err < 1e-6
+    assert max(errs.values()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_bfloat16_paths_match_effective_weight(qtype: T) -> None:
+    n, k = shape_for(qtype)
+    raw = random_gguf(qtype, n, k, 50 + int(qtype))
+    exact = dequantize(raw, qtype, (n, k))
+    lin = QuantizedLinear.from_gguf(raw, qtype, (n, k))
+    eff = lin.effective_weight()
+    report = {"weight vs exact": rel_err(eff, exact)}
+    for shape in ((1, k), (2, 3, k), (70, k)):  # decode, batched, prefill
+        x = torch.randn(*shape)
+        ref = F.linear(x, eff)
+        for label, limit in (("kernel", KERNEL), ("tiles", TILES)):
+            lin.kernel_max_rows = limit
+            y = lin(x)
+            assert y.shape == (*shape[:-1], n) and y.dtype == torch.float32
+            report[f"{label} {tuple(shape)} vs eff"] = rel_err(y, ref)
+        report[f"vs exact {tuple(shape)}"] = rel_err(y, F.linear(x, exact))
+    print(f"{qtype.name} ({lin.fmt}): " + ", ".join(f"{k} {v:.1e}" for k, v in report.items()))
+    assert report["weight vs exact"] < 2**-8  # bfloat16 scales: relative rounding 2^-9
+    assert max(v for key, v in report.items() if "vs eff" in key) < 2e-2  # bfloat16 activations/output
+    assert max(v for key, v in report.items() if "vs exact" in key) < 2e-2
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_memory_is_about_the_file_size(qtype: T) -> None:
+    n, k = 256, 1024
+    raw = random_gguf(qtype, n, k, 3)
+    lin = QuantizedLinear.from_gguf(raw, qtype, (n, k))
+    ratio = lin.packed_nbytes() / raw.numel()
+    print(f"{qtype.name}: {raw.numel()} GGUF bytes -> {lin.packed_nbytes()} held ({ratio:.3f}x, {lin.fmt})")
+    assert ratio == pytest.approx(MEMORY_RATIO[qtype], rel=1e-6)
+
+
+def test_bias_dtype_and_leading_shape() -> None:
+    raw = random_gguf(T.Q4_0, 64, 64, 1)
+    bias = torch.randn(64)
+    lin = QuantizedLinear.from_gguf(raw, T.Q4_0, (64, 64), bias=bias)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    y = lin(x)
+    ref = F.linear(x.float(), lin.effective_weight(), bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 64)
+    assert rel_err(y, ref) < 2e-2
+
+
+def test_float_gguf_types_are_dense() -> None:
+    w = torch.randn(32, 48)
+    lin = QuantizedLinear.from_gguf(
+        w.view(torch.uint8).reshape(-1), T.F32, (32, 48), compute_dtype=torch.float32
+    )
+    assert lin.fmt == "dense"
+    x = torch.randn(3, 48)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_wrong_byte_count_names_the_tensor() -> None:
+    with pytest.raises(
+        ValueError, match=r"blk\.3\.ffn_up\.weight: Q4_1 tensor of shape \[64, 64\] needs 2560 bytes"
+    ):
+        QuantizedLinear.from_gguf(
+            torch.zeros(100, dtype=torch.uint8), T.Q4_1, (64, 64), name="blk.3.ffn_up.weight"
+        )
+
+
+# ---- the packed layout --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [16, 64, 112, 192, 208])
+def test_int4_layout_matches_torch_converter(rows: int) -> None:
+    q = torch.randint(0, 16, (rows, 96), dtype=torch.int32)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(int4.pack(q), ref)
+    assert torch.equal(int4.unpack(ref), q.to(torch.uint8))
+    idx = torch.tensor([0, rows - 1, rows // 2, 5])
+    assert torch.equal(int4.gather_rows(ref, idx), q[idx].to(torch.uint8))
+    for start in range(0, rows, 64):
+        assert torch.equal(int4.unpack_transposed(ref, start, rows), q[start:].T.to(torch.uint8))
+    assert int4.cpu_kernel_usable()
+
+
+# ---- embeddings -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_embedding_lookup(qtype: T) -> None:
+    n, k = shape_for(qtype)
+    raw = random_gguf(qtype, n, k, 9)
+    exact = dequantize(raw, qtype, (n, k))
+    ids = torch.tensor([[0, 5, n - 1], [7, 7, 199]])
+    emb = QuantizedEmbedding.from_gguf(raw, qtype, (n, k))
+    assert torch.equal(emb(ids), exact[ids])  # from the GGUF bytes: bit-exact
+    head = QuantizedLinear.from_gguf(raw, qtype, (n, k))
+    tied = QuantizedEmbedding.from_linear(head)
+    assert torch.equal(tied(ids), head.effective_weight()[ids])  # shares the head's packed storage
+    assert tied.weight_nbytes == 0
+    print(f"{qtype.name}: tied lookup vs exact rows {rel_err(tied(ids), exact[ids]):.1e}")
+
+
+# ---- quantize at load ---------------------------------------------------------------
+
+
+def reference_q4_0(w: np.ndarray) -> np.ndarray:
+    """The reference loader's Q4_0 (shared/seeds/001), block by block, in float32."""
+    out = []
+    for row in w.astype(np.float32):
+        for blk in row.reshape(-1, 32):
+            d = np.float32(np.abs(blk).max()) / np.float32(7.0)
+            inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
+            q = []
+            for v in blk:
+                x = np.float32(v) * inv
+                r = np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))  # Rust f32::round: half away from 0
+                q.append(int(np.clip(r, -8, 7)) + 8)
+            qs = [q[z] | (q[z + 16] << 4) for z in range(16)]
+            out.append(np.concatenate([np.array([d], np.float16).view(np.uint8), np.array(qs, np.uint8)]))
+    return np.concatenate(out).reshape(w.shape[0], -1)
+
+
+def test_q4_0_quantizer_follows_the_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 64, generator=gen)
+    w[0, :32] = 0  # an all-zero block: d = 0
+    w[1, :32] = torch.tensor([7.0] + [(i % 14) - 6.5 for i in range(31)])  # d = 1: ties at every value
+    ours = quantize_q4_0(w).numpy()
+    ref = reference_q4_0(w.numpy())
+    assert np.array_equal(ours, ref)
+    err = rel_err(dequantize(torch.from_numpy(ours), T.Q4_0, (6, 64)), w)
+    print(f"q4_0 bytes identical to the reference; quantization error {err:.3f} of max |w|")
+
+
+def test_quantize_linear_q4_0_and_int8() -> None:
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=gen) * 0.05)
+    x = torch.randn(4, 96, generator=gen)
+    ref = linear(x)
+    q4 = quantize_linear(linear, "q4_0")
+    q8 = quantize_linear(linear, "int8")
+    assert isinstance(q4, QuantizedLinear) and isinstance(q8, QuantizedLinear)
+    q, s = quantize_int8_per_channel(linear.weight)
+    assert torch.equal(q8.effective_weight(), q.float() * s.float()[:, None])
+    e4, e8 = rel_err(q4(x), ref), rel_err(q8(x), ref)
+    print(f"quantize_linear: q4_0 output error {e4:.3f}, int8 {e8:.4f} (of max |y|)")
+    assert e4 < 0.15 and e8 < 0.02
+    odd = nn.Linear(40, 8)
+    assert quantize_linear(odd, "q4_0") is odd  # 40 % 32 != 0: stays float
+    assert isinstance(quantize_linear(odd, "int8"), QuantizedLinear)
+    with pytest.raises(ValueError, match="unknown quantization scheme 'q3'"):
+        quantize_linear(linear, "q3")
+
+
+# ---- CUDA ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_cuda_matches_cpu(qtype: T) -> None:
+    n, k = shape_for(qtype)
+    raw = random_gguf(qtype, n, k, 11)
+    cpu = QuantizedLinear.from_gguf(raw, qtype, (n, k))
+    gpu = QuantizedLinear.from_gguf(raw.cuda(), qtype, (n, k))
+    x = torch.randn(3, k)
+    ref = F.linear(x, cpu.effective_weight())
+    assert torch.equal(gpu.effective_weight().cpu(), cpu.effective_weight())
+    err = rel_err(gpu(x.cuda()).cpu(), ref)
+    print(f"{qtype.name} on CUDA: {err:.1e}")
+    assert err < 2e-2
