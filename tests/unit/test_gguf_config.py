@@ -86,7 +86,8 @@ def _base(arch: str) -> dict[str, Any]:
 
 def test_qwen3_head_dim_from_key_length(tmp_path: Path) -> None:
     meta = {**_base("qwen3"), "qwen3.attention.key_length": 32, "qwen3.attention.value_length": 32}
-    tensors = {"token_embd.weight": np.zeros((100, 64), np.float32), "output.weight": np.zeros((100, 64), np.float32)}
+    zeros = np.zeros((100, 64), np.float32)
+    tensors = {"token_embd.weight": zeros, "output.weight": zeros}
     c = config_from_gguf(GGUFFile(_write(tmp_path / "q.gguf", "qwen3", meta, tensors)))
     assert c.model_type == "qwen3" and c.computed_head_dim == 32 and c.num_key_value_heads == 2
     assert c.rope_theta == 5000.0 and c.vocab_size == 100 and not c.tie_word_embeddings
@@ -138,7 +139,11 @@ def test_gemma3_pattern_and_linear_rope(tmp_path: Path) -> None:
         ("llama", {"llama.block_count": 0}, "'llama.block_count' = 0, expected > 0"),
         ("llama", {"llama.rope.dimension_count": 8}, "partial RoPE"),
         ("llama", {"llama.vocab_size": 99}, "'llama.vocab_size' = 99 but token_embd.weight has 100 rows"),
-        ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "unsupported RoPE scaling"),
+        (
+            "llama",
+            {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+            "unsupported RoPE scaling",
+        ),
         (
             "qwen3",
             {"qwen3.attention.key_length": 32, "qwen3.attention.value_length": 16},
@@ -157,6 +162,7 @@ def test_errors_name_the_key(tmp_path: Path, arch: str, change: dict[str, Any], 
 
 
 def test_missing_token_embedding(tmp_path: Path) -> None:
-    path = _write(tmp_path / "bad.gguf", "llama", _base("llama"), {"output_norm.weight": np.ones(64, np.float32)})
-    with pytest.raises(ValueError, match="missing required tensor 'token_embd.weight'"):
+    norm_only = {"output_norm.weight": np.ones(64, np.float32)}
+    path = _write(tmp_path / "bad.gguf", "llama", _base("llama"), norm_only)
+    with pytest.raises(ValueError, match=r"missing required tensor 'token_embd\.weight'"):
         config_from_gguf(GGUFFile(path))

@@ -33,7 +33,8 @@ def _config(model_type: str, layers: int = 2) -> ModelConfig:
 
 
 @pytest.mark.parametrize(
-    ("arch", "model_type", "per_layer"), [("llama", "llama", 9), ("qwen3", "qwen3", 11), ("gemma3", "gemma3_text", 13)]
+    ("arch", "model_type", "per_layer"),
+    [("llama", "llama", 9), ("qwen3", "qwen3", 11), ("gemma3", "gemma3_text", 13)],
 )
 def test_maps_cover_the_safetensors_maps(arch: str, model_type: str, per_layer: int) -> None:
     gguf = gguf_weight_map(arch, 3)

@@ -55,7 +55,8 @@ def _compare_with_reader(path: Path) -> int:
         assert info.shape == tuple(int(d) for d in reversed(t.shape)), t.name
         assert info.offset == t.data_offset, t.name
         assert info.nbytes == t.n_bytes, t.name
-        np.testing.assert_array_equal(ours.raw(t.name)[:256], np.asarray(t.data).reshape(-1).view(np.uint8)[:256])
+        head = np.asarray(t.data).reshape(-1).view(np.uint8)[:256]
+        np.testing.assert_array_equal(ours.raw(t.name)[:256], head)
     assert ours.data_offset == ref.data_offset
     return len(keys)
 
