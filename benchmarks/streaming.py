@@ -149,29 +149,38 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
         )
     _sync(device)
     load_s = time.perf_counter() - t0
-    tokens: list[int] = []
-    with torch.inference_mode():
-        cache = model.make_cache(1, job["prompt"] + job["new"] + 1)
-        t0 = time.perf_counter()
-        h = model.forward_hidden(prompt, cache)
-        nxt = model.head(h[:, -1:])[:, -1].argmax(-1)  # [1]
-        tokens.append(int(nxt.item()))
-        ttft = time.perf_counter() - t0
-        executor = getattr(model.executor, "stats", None) and model.executor
-        prefill_stats = executor.stats if executor else None
-        if executor:
-            executor.reset_stats()
-        t0 = time.perf_counter()
-        for _ in range(job["new"]):
-            h = model.forward_hidden(nxt[:, None], cache)
-            nxt = model.head(h)[:, -1].argmax(-1)
-            tokens.append(int(nxt.item()))
-        decode_s = time.perf_counter() - t0
+    executor = model.executor if hasattr(model.executor, "plan") else None
+
+    def generate(new: int) -> tuple[list[int], float, float, Any]:
+        """Greedy prefill + ``new`` decode steps with a fresh cache: tokens, TTFT, seconds per token."""
+        out: list[int] = []
+        with torch.inference_mode():
+            cache = model.make_cache(1, job["prompt"] + job["new"] + 1)
+            t0 = time.perf_counter()
+            h = model.forward_hidden(prompt, cache)
+            nxt = model.head(h[:, -1:])[:, -1].argmax(-1)  # [1]
+            out.append(int(nxt.item()))
+            ttft = time.perf_counter() - t0
+            prefill = executor.stats if executor else None
+            if executor:
+                executor.reset_stats()
+            t0 = time.perf_counter()
+            for _ in range(new):
+                h = model.forward_hidden(nxt[:, None], cache)
+                nxt = model.head(h)[:, -1].argmax(-1)
+                out.append(int(nxt.item()))
+            return out, ttft, (time.perf_counter() - t0) / max(new, 1), prefill
+
+    # The first request pays one-time costs (CUDA kernels loading lazily, the host cache filling):
+    # reported as the cold TTFT; the timed request is the second one.
+    _, cold_ttft, _, _ = generate(4)
+    tokens, ttft, per_token, prefill_stats = generate(job["new"])
     peak, rss = sampler.stop()
     result: dict[str, Any] = {
         "load_s": load_s,
         "ttft_s": ttft,
-        "decode_s_per_token": decode_s / job["new"],
+        "cold_ttft_s": cold_ttft,
+        "decode_s_per_token": per_token,
         "peak_bytes": peak,
         "rss_bytes": rss,
         "tokens": tokens,
@@ -221,6 +230,10 @@ def _child_accelerate(job: dict[str, Any], path: Path, dtype: Any, prompt: Any) 
             placement[str(where)] = placement.get(str(where), 0) + 1
         with torch.inference_mode():
             t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)  # cold, like ours
+            _sync(device)
+            cold_ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
             first = model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)
             _sync(device)
             ttft = time.perf_counter() - t0
@@ -234,6 +247,7 @@ def _child_accelerate(job: dict[str, Any], path: Path, dtype: Any, prompt: Any) 
     return {
         "load_s": load_s,
         "ttft_s": ttft,
+        "cold_ttft_s": cold_ttft,
         "decode_s_per_token": max(0.0, total - ttft) / job["new"],
         "peak_bytes": peak,
         "rss_bytes": rss,
@@ -373,7 +387,7 @@ def main() -> None:
     size = parse_bytes(
         args.size or ("4GB" if args.big else "2GB" if args.device == "cuda" else "600MB"), "--size"
     )
-    hidden = args.hidden or (2048 if args.device == "cuda" else 1024 if args.big else 512)
+    hidden = args.hidden or (1024 if args.device == "cuda" or args.big else 512)
     spec = spec_for_size(size, dtype, hidden_size=hidden)
     path = ROOT / ".bench" / "streaming" / f"llama-{spec.num_hidden_layers}x{spec.hidden_size}-{dtype_name}"
     if not (path / "config.json").exists():
@@ -426,13 +440,13 @@ def main() -> None:
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
         + ".",
         "",
-        "| configuration | TTFT (s) | TTFT / resident | s / token | MB moved / token | achieved GB/s "
-        "(% of copy bw) | load hidden | peak memory | peak RSS | tokens = resident |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | cold TTFT (s) | TTFT (s) | TTFT / resident | s / token | MB moved / token "
+        "| achieved GB/s (% of copy bw) | load hidden | peak memory | peak RSS | tokens = resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} ||||||||")
+            lines.append(f"| {name} | {r['error']} |||||||||")
             continue
         ratio = r["ttft_s"] / resident["ttft_s"] if resident.get("ttft_s") else float("nan")
         moved = r.get("bytes_per_token")
@@ -446,7 +460,8 @@ def main() -> None:
         rss = fmt_bytes(r["rss_bytes"]) if args.device == "cpu" else "-"
         same = "yes" if resident.get("tokens") == r["tokens"] else ("-" if not resident else "no")
         lines.append(
-            f"| {name} | {r['ttft_s']:.3f} | {ratio:.2f}x | {r['decode_s_per_token']:.3f} | {moved_s} | "
+            f"| {name} | {r['cold_ttft_s']:.3f} | {r['ttft_s']:.3f} | {ratio:.2f}x | "
+            f"{r['decode_s_per_token']:.3f} | {moved_s} | "
             f"{bw} | {hidden} | {fmt_bytes(r['peak_bytes'])} | {rss} | {same} |"
         )
     lines.append("")

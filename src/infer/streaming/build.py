@@ -145,6 +145,7 @@ def _transport(
             pin_memory=streaming.pin_memory,
             cached_units=cached,
             all_cached=len(cached) == len(plan.units),
+            blocking=not streaming.prefetch,
         )
     raise ValueError(f"layer streaming supports cpu and cuda devices, not {device}")
 

@@ -1,7 +1,7 @@
 """Moving a unit's weights into a device buffer: the CPU and the CUDA way.
 
-`CpuTransport`: the reader copies from the checkpoint's memory map straight into the
-buffer, converting the dtype on the way (one pass, no temporary).
+`CpuTransport`: the reader reads the checkpoint straight into the buffer
+(``pread``; a dtype conversion goes through a small scratch buffer).
 
 `CudaTransport`: the reader fills a page-locked host buffer (a staging buffer, or
 the unit's slot in the pinned host cache, which later loads copy from without
@@ -10,7 +10,8 @@ records an event. The compute stream waits on that event (`before_compute`), and
 the copy into a buffer waits on the event recorded after the buffer's last use
 (`after_compute`), so neither stream ever sees a buffer the other is still using;
 the buffers are allocated once and never handed back to the caching allocator
-while the executor lives.
+while the executor lives. In sync mode (``blocking``) every step waits for the
+previous one, so nothing overlaps.
 """
 
 from __future__ import annotations
@@ -122,11 +123,13 @@ class CudaTransport:
         pin_memory: bool,
         cached_units: dict[int, int],
         all_cached: bool,
+        blocking: bool = False,
     ) -> None:
         self.source = source
         self.device = device
         self.num_buffers = num_buffers
         self.pin = pin_memory
+        self.blocking = blocking  # sync mode: nothing overlaps (copy, then compute, then the next read)
         self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.buffers = [
             torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)
@@ -182,6 +185,8 @@ class CudaTransport:
         if staging is not None:
             self.staging_done[staging] = copy_end
         self.ready[buffer] = copy_end
+        if self.blocking:
+            copy_end.synchronize()
         return LoadRecord(unit.index, unit.nbytes, bytes_read, tier, start, read_end, (copy_start, copy_end))
 
     def mark_wait(self) -> Any:
@@ -210,6 +215,8 @@ class CudaTransport:
             event = cuda_event(timing=False)
             event.record(stream)
             self.free[buffer] = event
+        if self.blocking:
+            stream.synchronize()
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
