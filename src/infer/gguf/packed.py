@@ -32,13 +32,7 @@ def packed_embedding(
     raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int], *, name: str, dtype: torch.dtype
 ) -> QuantizedEmbedding:
     """An embedding table kept in its GGUF block format (rows dequantized on lookup)."""
-    try:
-        return QuantizedEmbedding.from_gguf(raw, qtype, shape, name=name, dtype=dtype)
-    except KeyError:  # TEMP: infer.quant's from_gguf registers "raw" over an existing attribute
-        emb = QuantizedEmbedding(shape[0], shape[1], qtype=GGMLQuantizationType(qtype), dtype=dtype)
-        del emb.raw
-        emb.register_buffer("raw", raw.reshape(shape[0], -1))
-        return emb
+    return QuantizedEmbedding.from_gguf(raw, qtype, shape, name=name, dtype=dtype)
 
 
 __all__ = [

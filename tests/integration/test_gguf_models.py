@@ -1,0 +1,144 @@
+"""Tiny Llama / Qwen 3 / Gemma 3 models written as GGUF (like llama.cpp's converter) and loaded back.
+
+The reference is the transformers model itself, with every weight matrix replaced by
+what the file holds: rounded to F16/BF16, or quantized and dequantized with
+`gguf.quants` (independent of our code). At ``dtype=float32`` our logits must match it
+to float32 rounding; that checks the config, the name maps, the undone Q/K permutation
+and Gemma norm offset, and the packed modules. The default bfloat16 compute is printed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+import infer
+from infer.gguf import GGUFFile, config_from_gguf
+from infer.gguf.loader import GGUFModelLoader
+from infer.gguf.writer import write_gguf
+from infer.models import model_class
+from infer.models.base import DecoderLM
+from infer.quant import QuantizedEmbedding, QuantizedLinear
+from infer.testing import build_tokenizer, tiny_hf_model
+
+# What GGUF can express of each tiny config (it has no llama3 RoPE scaling, no Gemma
+# soft-capping and fixes Gemma's query scale to head_dim).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "qwen3": {},
+    "gemma3": {"query_pre_attn_scalar": 32, "final_logit_softcapping": None},
+}
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"]
+
+
+def stored_weights(model: Any, qtype: str) -> Any:
+    """A copy of ``model`` whose weight matrices hold exactly what a ``qtype`` file stores."""
+    ref = copy.deepcopy(model)
+    qt = GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() != 2 or qtype == "F32" or "wpe" in name:
+                continue
+            w = p.detach().float().numpy()
+            if qtype == "F16":
+                back = w.astype(np.float16).astype(np.float32)
+            else:
+                back = dequantize(quantize(w, qt), qt).reshape(w.shape)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    return ref
+
+
+def load_model(path: Path, dtype: torch.dtype) -> DecoderLM:
+    gguf = GGUFFile(path)
+    config = config_from_gguf(gguf)
+    return GGUFModelLoader(gguf, config, dtype=dtype).load(model_class(config))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, Any]:
+    return {arch: tiny_hf_model(arch, **kw) for arch, kw in OVERRIDES.items()}
+
+
+IDS = torch.randint(0, 262, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("arch", list(OVERRIDES))
+def test_logits_match_transformers(
+    arch: str, qtype: str, hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path
+) -> None:
+    hf = hf_models[arch]
+    path = write_gguf(tmp_path / f"{arch}-{qtype}.gguf", hf, tokenizer, qtype=qtype)
+    ref = stored_weights(hf, qtype)
+    ours = load_model(path, torch.float32)
+    if qtype not in ("F32", "F16", "BF16"):
+        linears = [m for m in ours.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 7 * hf.config.num_hidden_layers + 1  # every matrix and the head stay packed
+        assert isinstance(ours.embed_tokens, QuantizedEmbedding)
+    with torch.no_grad():
+        expected = ref(IDS).logits
+        got = ours(IDS)
+        got_bf16 = load_model(path, torch.bfloat16)(IDS).float()
+    err = (got - expected).abs().max().item()
+    err_bf16 = (got_bf16 - expected).abs().max().item()
+    agree_bf16 = (got_bf16.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    scale = expected.abs().max().item()
+    print(
+        f"\n{arch} {qtype}: float32 max abs {err:.2e}; bfloat16 max abs {err_bf16:.3f}, top-1 {agree_bf16:.3f}"
+    )
+    assert err <= 1e-4 * max(1.0, scale)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", list(OVERRIDES))
+def test_cache_and_padding_with_packed_weights(
+    arch: str, hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path
+) -> None:
+    """KV-cache decode and left padding give the full-sequence logits with packed (Q8_0) modules."""
+    path = write_gguf(tmp_path / f"{arch}.gguf", hf_models[arch], tokenizer, qtype="Q8_0")
+    model = load_model(path, torch.float32)
+    with torch.no_grad():
+        full = model(IDS)
+        cache = model.make_cache(2, IDS.shape[1])
+        first = model(IDS[:, :10], cache=cache)
+        steps = [model(IDS[:, t : t + 1], cache=cache) for t in range(10, IDS.shape[1])]
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), IDS[:1]], dim=1)
+        mask = torch.cat([torch.zeros(1, 3), torch.ones(1, IDS.shape[1])], dim=1)
+        left = model(padded, attention_mask=mask)[:, 3:]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(left, full[:1], atol=1e-4, rtol=1e-4)
+
+
+def test_infer_load_generates(
+    hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`infer.load` on a .gguf: tokenizer from the metadata, batched greedy generation."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "qwen3.gguf", hf_models["qwen3"], tokenizer, qtype="Q4_0")
+    llm = infer.load(path, dtype="float32")
+    assert llm.tokenizer.encode("hello") == tokenizer.encode("hello")
+    assert llm.tokenizer.hf.chat_template == tokenizer.chat_template
+    results = llm.generate(["hello", "a longer prompt here"], max_new_tokens=6)
+    singles = [llm.generate(p, max_new_tokens=6) for p in ("hello", "a longer prompt here")]
+    assert [r.token_ids for r in results] == [s.token_ids for s in singles]
+    assert (tmp_path / "cache" / "infer" / "tokenizers").is_dir()
+
+
+def test_default_dtype_is_bfloat16(hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "llama.gguf", hf_models["llama"], tokenizer, qtype="Q4_1")
+    model = load_model(path, torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    head = model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.compute_dtype == torch.bfloat16

@@ -1,0 +1,151 @@
+"""The two shipped real checkpoints against transformers' own GGUF loading.
+
+References come from ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (which
+dequantizes everything to float32). They are computed by transformers in every fresh
+run and kept in pytest's cache directory, keyed by the file's header digest, the
+transformers version and the prompt, so a local re-run skips the slow transformers load.
+
+Logit parity runs at ``dtype=float32``: every packed matrix then computes in float32
+and our logits must match transformers' to float32 rounding. The default GGUF dtype,
+bfloat16 (packed kernels with bfloat16 activations, several times faster decode), is
+what the generation tests use; its agreement with the float32 reference is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import infer
+from infer.gguf import GGUFFile, config_from_gguf, load_gguf
+from infer.gguf.tokenizer import gguf_tokenizer
+from infer.realmodels import gemma3_270m_path, smollm2_path
+
+pytestmark = pytest.mark.realmodel
+
+TEXT = (
+    "The history of the city begins in the Roman era, when a small settlement grew up beside the river "
+    "crossing. Over the following centuries it became a center of trade, art and learning, drawing merchants, "
+    "scholars and travelers from across the continent. Its cathedral took two hundred years to build, and its "
+    "university, founded in the thirteenth century, is still one of the oldest in Europe. Today the museums, "
+    "libraries and markets attract millions of visitors every year."
+)
+GREEDY_PROMPT = "The capital of France is"
+GREEDY_TOKENS = 12
+
+
+def _reference(cache: Any, path: Path) -> dict[str, torch.Tensor]:
+    """transformers' float32 logits on TEXT and its greedy continuation of GREEDY_PROMPT (cached)."""
+    import transformers
+
+    key = hashlib.sha256(f"{GGUFFile(path).header_digest()}|{transformers.__version__}|{TEXT}|v1".encode())
+    file = Path(cache.mkdir("infer-gguf-reference")) / f"{path.stem}-{key.hexdigest()[:16]}.pt"
+    if file.is_file():
+        return dict(torch.load(file))
+    from transformers import AutoModelForCausalLM
+
+    gguf = GGUFFile(path)
+    tok = gguf_tokenizer(gguf, config_from_gguf(gguf))  # the ids are an input; see test_gguf_tokenizer
+    ids = torch.tensor([tok.encode(TEXT)])
+    prompt = torch.tensor([tok.encode(GREEDY_PROMPT)])
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+        greedy = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)[0, prompt.shape[1] :]
+    ref = {"ids": ids, "logits": logits, "prompt": prompt, "greedy": greedy}
+    torch.save(ref, file)
+    return ref
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def real(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    path = smollm2_path() if request.param == "smollm2" else gemma3_270m_path()
+    ref = _reference(request.config.cache, path)
+    _, model, _ = load_gguf(path, dtype=torch.float32)
+    yield {"name": request.param, "path": path, "ref": ref, "model": model}
+
+
+def test_logits_match_transformers(real: dict[str, Any]) -> None:
+    ref, model = real["ref"], real["model"]
+    ids, expected = ref["ids"], ref["logits"]
+    assert ids.shape[1] >= 64
+    with torch.no_grad():
+        got = model(ids)[0].float()
+    err = (got - expected).abs()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(
+        f"\n{real['path'].name} float32, {ids.shape[1]} positions: max abs {err.max().item():.2e}, "
+        f"mean abs {err.mean().item():.2e}, top-1 agreement {agree:.4f} (logits up to {expected.abs().max():.1f})"
+    )
+    assert agree >= 0.99
+    assert err.max().item() < 1e-2
+
+
+def test_cached_decode_matches_transformers(real: dict[str, Any]) -> None:
+    """Prefill half, then decode token by token through the KV cache."""
+    ref, model = real["ref"], real["model"]
+    ids, expected = ref["ids"], ref["logits"]
+    half = ids.shape[1] - 8
+    cache = model.make_cache(1, ids.shape[1])
+    with torch.no_grad():
+        model(ids[:, :half], cache=cache)
+        steps = torch.cat([model(ids[:, t : t + 1], cache=cache)[0] for t in range(half, ids.shape[1])])
+    err = (steps.float() - expected[half:]).abs().max().item()
+    print(f"\n{real['path'].name} float32 decode steps: max abs {err:.2e}")
+    assert torch.equal(steps.argmax(-1), expected[half:].argmax(-1))
+
+
+def test_greedy_tokens_match_transformers(real: dict[str, Any]) -> None:
+    ref, model = real["ref"], real["model"]
+    ids = ref["prompt"]
+    out: list[int] = []
+    cache = model.make_cache(1, ids.shape[1] + GREEDY_TOKENS)
+    with torch.no_grad():
+        logits = model(ids, cache=cache)
+        for _ in range(GREEDY_TOKENS):
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            logits = model(torch.tensor([[nxt]]), cache=cache)
+    print(
+        f"\n{real['path'].name} greedy: ours {out}\n{' ' * len(real['path'].name)} transformers {ref['greedy'].tolist()}"
+    )
+    assert out == ref["greedy"].tolist()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> infer.LLM:
+    return infer.load(smollm2_path())  # the default dtype (bfloat16 compute)
+
+
+def test_smollm2_knows_paris(smollm2: infer.LLM) -> None:
+    result = smollm2.generate(GREEDY_PROMPT, max_new_tokens=12)
+    print(f"\n{GREEDY_PROMPT!r} -> {result.text!r}")
+    assert "Paris" in result.text
+
+
+def test_smollm2_chats(smollm2: infer.LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of Germany? Answer in one word."}]
+    result = smollm2.chat(messages, max_new_tokens=24)
+    print(f"\nchat -> {result.text!r} ({result.finish_reason})")
+    assert "Berlin" in result.text
+    assert result.finish_reason == "eos"  # it ends its turn with <|im_end|>
+
+
+def test_smollm2_default_dtype_agreement(smollm2: infer.LLM, request: pytest.FixtureRequest) -> None:
+    """bfloat16 compute vs the float32 reference: reported, with a loose floor."""
+    ref = _reference(request.config.cache, smollm2_path())
+    with torch.no_grad():
+        got = smollm2.model(ref["ids"])[0].float()
+    agree = (got.argmax(-1) == ref["logits"].argmax(-1)).float().mean().item()
+    err = (got - ref["logits"]).abs().max().item()
+    print(
+        f"\nSmolLM2 bfloat16 (default): max abs {err:.3f}, top-1 agreement {agree:.4f} vs float32 transformers"
+    )
+    assert smollm2.model.dtype == torch.bfloat16
+    assert agree >= 0.85
