@@ -96,7 +96,8 @@ def test_logits_match_transformers(
     agree_bf16 = (got_bf16.argmax(-1) == expected.argmax(-1)).float().mean().item()
     scale = expected.abs().max().item()
     print(
-        f"\n{arch} {qtype}: float32 max abs {err:.2e}; bfloat16 max abs {err_bf16:.3f}, top-1 {agree_bf16:.3f}"
+        f"\n{arch} {qtype}: float32 max abs {err:.2e}; "
+        f"bfloat16 max abs {err_bf16:.3f}, top-1 {agree_bf16:.3f}"
     )
     assert err <= 1e-4 * max(1.0, scale)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -30,10 +30,10 @@ pytestmark = pytest.mark.realmodel
 
 TEXT = (
     "The history of the city begins in the Roman era, when a small settlement grew up beside the river "
-    "crossing. Over the following centuries it became a center of trade, art and learning, drawing merchants, "
-    "scholars and travelers from across the continent. Its cathedral took two hundred years to build, and its "
-    "university, founded in the thirteenth century, is still one of the oldest in Europe. Today the museums, "
-    "libraries and markets attract millions of visitors every year."
+    "crossing. Over the following centuries it became a center of trade, art and learning, drawing "
+    "merchants, scholars and travelers from across the continent. Its cathedral took two hundred years "
+    "to build, and its university, founded in the thirteenth century, is still one of the oldest in "
+    "Europe. Today the museums, libraries and markets attract millions of visitors every year."
 )
 GREEDY_PROMPT = "The capital of France is"
 GREEDY_TOKENS = 12
@@ -81,7 +81,8 @@ def test_logits_match_transformers(real: dict[str, Any]) -> None:
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     print(
         f"\n{real['path'].name} float32, {ids.shape[1]} positions: max abs {err.max().item():.2e}, "
-        f"mean abs {err.mean().item():.2e}, top-1 agreement {agree:.4f} (logits up to {expected.abs().max():.1f})"
+        f"mean abs {err.mean().item():.2e}, top-1 agreement {agree:.4f} "
+        f"(logits up to {expected.abs().max():.1f})"
     )
     assert agree >= 0.99
     assert err.max().item() < 1e-2
@@ -112,9 +113,7 @@ def test_greedy_tokens_match_transformers(real: dict[str, Any]) -> None:
             nxt = int(logits[0, -1].argmax())
             out.append(nxt)
             logits = model(torch.tensor([[nxt]]), cache=cache)
-    print(
-        f"\n{real['path'].name} greedy: ours {out}\n{' ' * len(real['path'].name)} transformers {ref['greedy'].tolist()}"
-    )
+    print(f"\n{real['path'].name} greedy:\n  ours         {out}\n  transformers {ref['greedy'].tolist()}")
     assert out == ref["greedy"].tolist()
 
 
@@ -145,7 +144,8 @@ def test_smollm2_default_dtype_agreement(smollm2: infer.LLM, request: pytest.Fix
     agree = (got.argmax(-1) == ref["logits"].argmax(-1)).float().mean().item()
     err = (got - ref["logits"]).abs().max().item()
     print(
-        f"\nSmolLM2 bfloat16 (default): max abs {err:.3f}, top-1 agreement {agree:.4f} vs float32 transformers"
+        f"\nSmolLM2 bfloat16 (default) vs float32 transformers: max abs {err:.3f}, "
+        f"top-1 agreement {agree:.4f}"
     )
     assert smollm2.model.dtype == torch.bfloat16
     assert agree >= 0.85
