@@ -74,8 +74,11 @@ def _metadata(w: GGUFWriter, arch: str, c: ModelConfig) -> None:
                 w.add_array(f"{a}.attention.sliding_window_pattern", sliding)
 
 
-def _tokenizer_metadata(w: GGUFWriter, tok: Any) -> None:
-    """A byte-level BPE fast tokenizer as ``tokenizer.ggml.*`` (llama.cpp's "gpt2" tokenizer model)."""
+def _tokenizer_metadata(w: GGUFWriter, tok: Any, vocab_size: int) -> None:
+    """A byte-level BPE fast tokenizer as ``tokenizer.ggml.*`` (llama.cpp's "gpt2" tokenizer model).
+
+    Like the converter, the token list is padded to the model's vocabulary with unused ``[PAD{i}]``.
+    """
     state = json.loads(tok.backend_tokenizer.to_str())
     model = state["model"]
     if model.get("type") != "BPE":
@@ -86,11 +89,12 @@ def _tokenizer_metadata(w: GGUFWriter, tok: Any) -> None:
         vocab[added["content"]] = added["id"]
         if added.get("special"):
             special.add(added["id"])
-    n = max(vocab.values()) + 1
+    n = max(max(vocab.values()) + 1, vocab_size)
     tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [TokenType.UNUSED] * n
     for text, idx in vocab.items():
         tokens[idx] = text
-    types = [TokenType.CONTROL if i in special else TokenType.NORMAL for i in range(n)]
+        types[idx] = TokenType.CONTROL if idx in special else TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
@@ -148,7 +152,7 @@ def write_gguf(path: str | Path, model: Any, tokenizer: Any | None = None, *, qt
     w.add_name(f"tiny-{arch}")
     _metadata(w, arch, config)
     if tokenizer is not None:
-        _tokenizer_metadata(w, tokenizer)
+        _tokenizer_metadata(w, tokenizer, config.vocab_size)
     state = model.state_dict()
     written: set[str] = set()
     for hf_name, tensor in state.items():
