@@ -42,7 +42,9 @@ FP16_FIELDS = {
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [],
 }  # fmt: skip
 DEFAULT_TYPES = "Q4_0,Q4_1,Q4_K,Q5_0,Q8_0,Q6_K,int8"
-DEFAULT_SHAPES = "576x1536,2048x8192"  # in_features x out_features (SmolLM2's MLP, a 1B model's MLP)
+# in_features x out_features: SmolLM2's gate/up and down projections, a 1B model's gate/up.
+# K-quants (256-value blocks) skip shapes whose in_features is not a multiple of 256.
+DEFAULT_SHAPES = "576x1536,1536x576,2048x8192"
 
 
 def random_gguf(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -150,6 +152,9 @@ def main() -> None:
     for type_name in args.types.split(","):
         for shape in args.shapes.split(","):
             in_f, out_f = (int(s) for s in shape.split("x"))
+            if type_name != "int8" and in_f % GGML_QUANT_SIZES[T[type_name]][0]:
+                print(f"{type_name:6s} {shape:>11s}  skipped: {in_f} is not a multiple of the block size\n")
+                continue
             for rows in (int(r) for r in args.rows.split(",")):
                 results = bench_case(type_name, in_f, out_f, rows, args.budget, not args.no_naive, cdt)
                 by = {k: t for k, t, _ in results}

@@ -156,7 +156,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
-        use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.device.type == "cpu"
+        use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.is_cpu
         if self.fmt == "int4":
             y = self._int4(x2, use_kernel and int4.cpu_kernel_usable())
         elif self.fmt == "int8":
@@ -166,7 +166,7 @@ class QuantizedLinear(nn.Module):
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+        return y.view(*lead, self.out_features)
 
     def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel:
@@ -174,7 +174,9 @@ class QuantizedLinear(nn.Module):
             y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
         else:
             y = self._int4_dequant_matmul(x2)
-        return y[:, : self.out_features]
+        if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
+            y = y[:, : self.out_features].contiguous()
+        return y
 
     def _int4_dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         n_pad = self.packed.shape[0]
