@@ -26,7 +26,7 @@ from torch import nn
 from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
-from infer.quant.planes import GROUP, PLANE_DECODERS, to_planes
+from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes, to_planes
 from infer.quant.quantize import quantize_int8_per_channel
 
 # Decode/prefill switch per format, for bfloat16 compute: rows of input up to which the
@@ -110,6 +110,7 @@ class QuantizedLinear(nn.Module):
         qt = check_supported(qtype, name)
         n, k = (int(s) for s in shape)
         device = torch.device(device) if device is not None else raw.device
+        bias = bias.to(device) if bias is not None else None
         if qt in FLOAT_TYPES or qt not in PLANE_DECODERS:
             w = dequantize(raw, qt, (n, k), name=name).to(device=device, dtype=compute_dtype)
             return cls(k, n, "dense", {"weight": w}, bias=bias, source=qt.name, compute_dtype=compute_dtype)
@@ -120,7 +121,7 @@ class QuantizedLinear(nn.Module):
                 f"{name}: {qt.name} tensor of shape {[n, k]} needs {expected} bytes, got {rows.numel()}"
             )
         rows = rows.reshape(n, -1)
-        p = 1 if qt in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 2
+        p = num_planes(qt)
         n_pad = _round_up(n, int4.ROW_MULTIPLE)
         kp = p * k
         packed = torch.zeros(n_pad, kp // 2, dtype=torch.uint8, device=device)
