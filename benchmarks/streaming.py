@@ -154,6 +154,8 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     def generate(new: int) -> tuple[list[int], float, float, Any]:
         """Greedy prefill + ``new`` decode steps with a fresh cache: tokens, TTFT, seconds per token."""
         out: list[int] = []
+        if executor:
+            executor.reset_stats()
         with torch.inference_mode():
             cache = model.make_cache(1, job["prompt"] + job["new"] + 1)
             t0 = time.perf_counter()
@@ -310,6 +312,15 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def first_steps(entries: list[list[Any]], steps: int) -> list[list[Any]]:
+    """The entries of the first ``steps`` forwards (a forward starts when unit 0 starts computing)."""
+    starts = sorted(e[3] for e in entries if e[0] == "compute" and e[1] == 0)
+    if len(starts) <= steps:
+        return entries
+    end = starts[steps]
+    return [e for e in entries if e[3] < end]
+
+
 def plot_timeline(result: dict[str, Any], out: Path, title: str) -> None:
     import matplotlib
 
@@ -371,6 +382,7 @@ def main() -> None:
     parser.add_argument(
         "--timeline", type=Path, default=None, help="write a PNG timeline of one streamed run"
     )
+    parser.add_argument("--timeline-steps", type=int, default=3, help="decode steps shown in the timeline")
     parser.add_argument("--out", type=Path, default=None, help="write all results as JSON")
     args = parser.parse_args()
     if args.child:
@@ -441,12 +453,13 @@ def main() -> None:
         + ".",
         "",
         "| configuration | cold TTFT (s) | TTFT (s) | TTFT / resident | s / token | MB moved / token "
-        "| achieved GB/s (% of copy bw) | load hidden | peak memory | peak RSS | tokens = resident |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| achieved GB/s (% of copy bw) | load hidden | overlap | peak memory | peak RSS "
+        "| tokens = resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} |||||||||")
+            lines.append(f"| {name} | {r['error']} ||||||||||")
             continue
         ratio = r["ttft_s"] / resident["ttft_s"] if resident.get("ttft_s") else float("nan")
         moved = r.get("bytes_per_token")
@@ -454,15 +467,18 @@ def main() -> None:
             achieved = moved / r["load_s_per_token"] / 1e9 if r["load_s_per_token"] else float("nan")
             bw = f"{achieved:.2f} ({100 * achieved / bandwidth[bw_key]:.0f}%)"
             hidden = f"{100 * r['hidden_fraction']:.0f}%"
+            load, wait, compute = r["load_s_per_token"], r["wait_s_per_token"], r["compute_s_per_token"]
+            hideable = min(load, compute)
+            overlap = f"{100 * max(0.0, min(1.0, (load - wait) / hideable)):.0f}%" if hideable > 0 else "-"
             moved_s = f"{moved / 1e6:.0f}"
         else:
-            bw = hidden = moved_s = "-"
+            bw = hidden = overlap = moved_s = "-"
         rss = fmt_bytes(r["rss_bytes"]) if args.device == "cpu" else "-"
         same = "yes" if resident.get("tokens") == r["tokens"] else ("-" if not resident else "no")
         lines.append(
             f"| {name} | {r['cold_ttft_s']:.3f} | {r['ttft_s']:.3f} | {ratio:.2f}x | "
             f"{r['decode_s_per_token']:.3f} | {moved_s} | "
-            f"{bw} | {hidden} | {fmt_bytes(r['peak_bytes'])} | {rss} | {same} |"
+            f"{bw} | {hidden} | {overlap} | {fmt_bytes(r['peak_bytes'])} | {rss} | {same} |"
         )
     lines.append("")
     for name, r in results.items():
@@ -474,9 +490,10 @@ def main() -> None:
     if args.timeline:
         traced = [(n, r) for n, r in results.items() if r.get("timeline")]
         for name, r in traced[-1:]:
-            decode = r["timeline"]
+            decode = first_steps(r["timeline"], args.timeline_steps)
             title = (
-                f"{name}: {args.new} decode steps, {args.device}, {fmt_bytes(model_bytes)} model, "
+                f"{name}: {min(args.new, args.timeline_steps)} decode steps, {args.device}, "
+                f"{fmt_bytes(model_bytes)} model, "
                 f"budget {fmt_bytes(budget)}"
             )
             plot_timeline({"timeline": decode}, args.timeline, title)
