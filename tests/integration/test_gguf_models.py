@@ -4,7 +4,7 @@ The reference is the transformers model itself, with every weight matrix replace
 what the file holds: rounded to F16/BF16, or quantized and dequantized with
 `gguf.quants` (independent of our code). At ``dtype=float32`` our logits must match it
 to float32 rounding; that checks the config, the name maps, the undone Q/K permutation
-and Gemma norm offset, and the packed modules. The default bfloat16 compute is printed.
+and Gemma norm offset, and the packed modules. The default (bfloat16 packed products) is printed.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 import infer
-from infer.gguf import GGUFFile, config_from_gguf
-from infer.gguf.loader import GGUFModelLoader
+from infer.gguf import GGUFFile, config_from_gguf, load_gguf
+from infer.gguf.loader import DEFAULT_COMPUTE_DTYPE, GGUFModelLoader
 from infer.gguf.writer import write_gguf
 from infer.models import model_class
 from infer.models.base import DecoderLM
@@ -55,10 +55,13 @@ def stored_weights(model: Any, qtype: str) -> Any:
     return ref
 
 
-def load_model(path: Path, dtype: torch.dtype) -> DecoderLM:
+def load_model(path: Path, dtype: torch.dtype | None) -> DecoderLM:
+    """As `load_gguf` loads it (``None``: the default mix), without the tokenizer."""
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
-    return GGUFModelLoader(gguf, config, dtype=dtype).load(model_class(config))
+    compute = DEFAULT_COMPUTE_DTYPE if dtype is None else dtype
+    loader = GGUFModelLoader(gguf, config, dtype=dtype or torch.float32, compute_dtype=compute)
+    return loader.load(model_class(config))
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +93,14 @@ def test_logits_match_transformers(
     with torch.no_grad():
         expected = ref(IDS).logits
         got = ours(IDS)
-        got_bf16 = load_model(path, torch.bfloat16)(IDS).float()
+        got_default = load_model(path, None)(IDS)
     err = (got - expected).abs().max().item()
-    err_bf16 = (got_bf16 - expected).abs().max().item()
-    agree_bf16 = (got_bf16.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    err_default = (got_default - expected).abs().max().item()
+    agree_default = (got_default.argmax(-1) == expected.argmax(-1)).float().mean().item()
     scale = expected.abs().max().item()
     print(
         f"\n{arch} {qtype}: float32 max abs {err:.2e}; "
-        f"bfloat16 max abs {err_bf16:.3f}, top-1 {agree_bf16:.3f}"
+        f"default (bfloat16 products) max abs {err_default:.3f}, top-1 {agree_default:.3f}"
     )
     assert err <= 1e-4 * max(1.0, scale)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -137,9 +140,18 @@ def test_infer_load_generates(
     assert (tmp_path / "cache" / "infer" / "tokenizers").is_dir()
 
 
-def test_default_dtype_is_bfloat16(hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path) -> None:
+def test_default_dtypes(
+    hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default: float32 activations, bfloat16 packed products; an explicit dtype applies to both."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "llama.gguf", hf_models["llama"], tokenizer, qtype="Q4_1")
-    model = load_model(path, torch.bfloat16)
-    assert model.dtype == torch.bfloat16
-    head = model.lm_head
-    assert isinstance(head, QuantizedLinear) and head.compute_dtype == torch.bfloat16
+    for dtype, activations, products in [
+        (None, torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ]:
+        config, model, _ = load_gguf(path, dtype=dtype)
+        head = model.lm_head
+        assert model.dtype == activations and config.torch_dtype == str(activations).removeprefix("torch.")
+        assert isinstance(head, QuantizedLinear) and head.compute_dtype == products

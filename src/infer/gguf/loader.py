@@ -44,6 +44,10 @@ from infer.models.gpt2 import Conv1D
 
 ProgressFn = Callable[[int, int], None]
 
+# Packed matrix products by default run in bfloat16: torch's CPU int4/int8 kernels take
+# bfloat16 activations and are 10-30x slower with float32 (docs/gguf.md has the numbers).
+DEFAULT_COMPUTE_DTYPE = torch.bfloat16
+
 T = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
@@ -62,10 +66,18 @@ class _Module:
 class GGUFModelLoader:
     """Validates a GGUF file against the model its metadata describes and fills that model."""
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         self.gguf = gguf
         self.config = config
-        self.dtype = dtype
+        self.dtype = dtype  # activations, norms, biases, float matrices
+        self.compute_dtype = compute_dtype if compute_dtype is not None else dtype  # packed matmuls
         self.arch = architecture_of(gguf)
         self.source = str(gguf.path)
         biases = config.attention_bias or config.mlp_bias
@@ -167,7 +179,9 @@ class GGUFModelLoader:
             raw = self._rows_fixed(weight, self.raw(weight))
             bias = self._bias(group, module)
             name = f"{self.source}: {weight.name}"
-            linear = packed_linear(raw, weight.ggml_type, shape, bias, name=name, compute_dtype=self.dtype)
+            linear = packed_linear(
+                raw, weight.ggml_type, shape, bias, name=name, compute_dtype=self.compute_dtype
+            )
             self._set_module(model, group.path, linear)
             return
         if isinstance(module, nn.Embedding) and packed:
@@ -177,7 +191,12 @@ class GGUFModelLoader:
             if group.path == "embed_tokens" and self.config.tie_word_embeddings:
                 # One packed copy serves both: the head, and the lookup reading the head's rows.
                 head = packed_linear(
-                    self.raw(weight), weight.ggml_type, shape, None, name=name, compute_dtype=self.dtype
+                    self.raw(weight),
+                    weight.ggml_type,
+                    shape,
+                    None,
+                    name=name,
+                    compute_dtype=self.compute_dtype,
                 )
                 self._set_module(model, "lm_head", head)
                 embedding = QuantizedEmbedding.from_linear(head, dtype=self.dtype)
@@ -230,16 +249,26 @@ def load_gguf(
 ) -> tuple[ModelConfig, DecoderLM, Tokenizer]:
     """Load a GGUF file: its config, a ready `DecoderLM` (packed weights stay packed) and its tokenizer.
 
-    ``dtype`` is the activation / float-weight dtype (default float32). Quantized
-    weight matrices keep their packed format on ``device``; norms, biases and float
-    matrices are converted to ``dtype``. ``progress(done, total)`` is called per module.
-    Errors name the file and the tensor or metadata key at fault.
+    Quantized weight matrices keep a packed format (`infer.quant.QuantizedLinear`);
+    norms, biases and float matrices are converted to the activation dtype.
+
+    ``dtype=None`` (default): float32 activations (residual stream, norms, attention,
+    KV cache) with the packed matrix products in bfloat16, which is what torch's fast
+    packed kernels take; the mix is as fast as all-bfloat16 and more accurate.
+    ``dtype=torch.float32``: everything in float32 (the packed products too), which
+    matches transformers' dequantized float32 model to rounding but decodes several
+    times slower. Any other dtype: everything in that dtype.
+
+    ``progress(done, total)`` is called per module. Errors name the file and the
+    tensor or metadata key at fault.
     """
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
-    run_dtype = dtype if dtype is not None else torch.bfloat16
+    run_dtype = dtype if dtype is not None else torch.float32
+    compute_dtype = dtype if dtype is not None else DEFAULT_COMPUTE_DTYPE
     config.torch_dtype = str(run_dtype).removeprefix("torch.")
-    model = GGUFModelLoader(gguf, config, dtype=run_dtype).load(model_class(config), progress)
+    loader = GGUFModelLoader(gguf, config, dtype=run_dtype, compute_dtype=compute_dtype)
+    model = loader.load(model_class(config), progress)
     model.to(device)
     tokenizer = gguf_tokenizer(gguf, config)
     return config, model, tokenizer
