@@ -9,28 +9,12 @@ while the current one computes. See ``docs/streaming.md``.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
-import torch
-
-from infer.streaming.build import build_from_source, build_streaming_model
+from infer.streaming.build import build_from_source, build_streaming_model, build_streaming_model_gguf
 from infer.streaming.config import StreamingConfig, format_bytes, parse_bytes
 from infer.streaming.executor import StreamingExecutor
 from infer.streaming.plan import BudgetError, MemoryPlan, plan_memory
 from infer.streaming.source import SafetensorsSource, TensorRef, WeightSource
 from infer.streaming.stats import ProgressEvent, StreamingStats, TimelineEntry
-
-
-def build_streaming_model_gguf(
-    path: str | Path, *, device: torch.device | str, dtype: torch.dtype | None, streaming: StreamingConfig
-) -> tuple[Any, Any, Any]:
-    """Streaming from a GGUF file: ``(config, model, tokenizer)``, packed weights streamed as they are."""
-    raise NotImplementedError(
-        f"{path}: layer streaming from GGUF needs a GGUF WeightSource (infer.streaming.source); "
-        "not available yet: convert to safetensors or load without streaming"
-    )
-
 
 __all__ = [
     "BudgetError",

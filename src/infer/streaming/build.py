@@ -11,6 +11,7 @@ from torch import nn
 
 from infer.loader.build import assign_parameter
 from infer.loader.config import ModelConfig
+from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
 from infer.streaming.executor import StreamingExecutor
@@ -56,7 +57,37 @@ def build_streaming_model(
         raise
 
 
-def _check_skeleton(model: DecoderLM, source: WeightSource) -> None:
+def build_streaming_model_gguf(
+    path: str | Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+    streaming: StreamingConfig,
+    max_context: int | None = None,
+) -> tuple[ModelConfig, DecoderLM, Tokenizer]:
+    """``(config, model, tokenizer)`` for a GGUF file whose layers stream in their packed form.
+
+    ``dtype`` means what it means for `infer.gguf.load_gguf` (``None``: float32
+    activations, bfloat16 packed products). The layers are converted to the packed
+    modules' storage once, at load, into a temporary file; the embedding, ``lm_head``
+    and final norm stay resident.
+    """
+    from infer.gguf.tokenizer import gguf_tokenizer
+    from infer.models import model_class
+    from infer.streaming.gguf_source import GGUFSource
+
+    source = GGUFSource(path, dtype=dtype)
+    try:
+        model = build_from_source(
+            source, model_class(source.config), device=device, streaming=streaming, max_context=max_context
+        )
+    except BaseException:
+        source.close()
+        raise
+    return source.config, model, gguf_tokenizer(source.gguf, source.config)
+
+
+def _check_skeleton(model: DecoderLM, source: WeightSource, *, layers_only: bool = False) -> None:
     """Every layer tensor of the model has a tensor in the source with the same shape, and the reverse."""
     for i, layer in enumerate(model.layers):
         refs = source.layer_tensors(i)
@@ -78,6 +109,8 @@ def _check_skeleton(model: DecoderLM, source: WeightSource) -> None:
                 raise ValueError(
                     f"{source.description}: tensor {ref.key!r} has dtype {ref.dtype}, expected {want.dtype}"
                 )
+    if layers_only:
+        return
     for name, ref in (
         (EMBED, source.tensor(EMBED)),
         (HEAD, source.tensor(HEAD)),
@@ -98,10 +131,21 @@ def _read(source: WeightSource, ref: TensorRef, device: torch.device) -> torch.T
 
 
 def _place_resident(model: DecoderLM, source: WeightSource, plan: MemoryPlan, device: torch.device) -> None:
-    assign_parameter(model, NORM, _read(source, source.tensor(NORM), device))
     for i in plan.resident_layers:
+        layer = model.layers[i]
         for name, ref in source.layer_tensors(i).items():
-            assign_parameter(model.layers[i], name, _read(source, ref, device))
+            module_name, _, attr = name.rpartition(".")
+            module = layer.get_submodule(module_name) if module_name else layer
+            if attr in module._buffers:  # packed modules hold their weights as buffers
+                module._buffers[attr] = _read(source, ref, device)
+            else:
+                assign_parameter(layer, name, _read(source, ref, device))
+    model.rotary.to(device)
+    place = getattr(source, "place_nonlayer", None)
+    if callable(place):  # the source loaded embedding, head and norm itself (GGUF: packed)
+        place(model, device)
+        return
+    assign_parameter(model, NORM, _read(source, source.tensor(NORM), device))
     tied = model.config.tie_word_embeddings
     if plan.head_resident:
         assign_parameter(model, HEAD, _read(source, source.tensor(HEAD), device))
@@ -111,7 +155,6 @@ def _place_resident(model: DecoderLM, source: WeightSource, plan: MemoryPlan, de
         assign_parameter(model, EMBED, _read(source, source.tensor(EMBED), device))
     if not plan.embed_resident:
         model.embed_tokens = StreamedEmbedding(source, source.tensor(EMBED), device)  # type: ignore[assignment]
-    model.rotary.to(device)
 
 
 def _host_cache_units(plan: MemoryPlan, host_budget: int) -> dict[int, int]:
@@ -164,11 +207,15 @@ def build_from_source(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     model = source.build_skeleton(model_cls)
-    _check_skeleton(model, source)
+    source_places_nonlayer = callable(getattr(source, "place_nonlayer", None))
+    if source_places_nonlayer and streaming.resident_embeddings is False:
+        raise ValueError(f"{source.description}: this source keeps the embedding and lm_head resident")
+    _check_skeleton(model, source, layers_only=source_places_nonlayer)
     small = sum(b.numel() * b.element_size() for b in model.rotary.buffers())
+    small += int(getattr(source, "workspace_extra", 0))
     if device.type == "cpu":  # host memory is device memory: the reader's conversion buffer counts
         small += int(getattr(source, "scratch_bytes", 0))
-    dtype = source.tensor(NORM).dtype
+    dtype = model.dtype if source_places_nonlayer else source.tensor(NORM).dtype
     plan = plan_memory(source, streaming, dtype=dtype, max_context=max_context, small_extra=small)
     open_all = getattr(source, "open_all", None)
     if callable(open_all):

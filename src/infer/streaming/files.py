@@ -17,6 +17,7 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ class SafetensorsFile:
         self.file = file
         self.data_start, self.offsets = safetensors_offsets(file)
         self.fd = os.open(file, os.O_RDONLY)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -86,7 +88,7 @@ class SafetensorsFile:
             with contextlib.suppress(BufferError):  # a row view still alive keeps the map
                 self._map.close()
             self._map = None
-        os.close(self.fd)
+        self._close_fd()
 
 
 class ConvertingReader:

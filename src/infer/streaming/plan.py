@@ -156,11 +156,12 @@ class _Inputs:
     streaming: StreamingConfig
     dtype: torch.dtype
     layer_refs: list[dict[str, TensorRef]]
-    embed: TensorRef
-    head: TensorRef
-    norm: TensorRef
+    embed: TensorRef | None  # None: the source places embedding, head and norm itself
+    head: TensorRef | None
+    norm: TensorRef | None
     tied: bool
     small_extra: int  # RoPE buffers and anything else resident and tiny
+    fixed_nonlayer: int | None = None  # bytes of a source-placed embedding + head + norm (always resident)
 
 
 def _candidate(
@@ -174,6 +175,7 @@ def _candidate(
         units.append(layer_unit(len(units), g, [(i, inp.layer_refs[i]) for i in members]))
     max_group = max((u.nbytes for u in units), default=0)
     if not head_resident:
+        assert inp.head is not None
         row = inp.head.row_bytes()
         target = max_group if max_group else max(layer_bytes(r) for r in inp.layer_refs)
         rows = max(1, min(inp.head.shape[0], target // max(row, 1)))
@@ -184,8 +186,10 @@ def _candidate(
     ws = workspace_bytes(
         inp.config, inp.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
     )
-    # Embedding rows read on demand: the stored rows and their converted copy.
-    ws += 2 * limits.max_batch_size * limits.max_prefill_tokens * inp.embed.row_bytes()
+    # Embedding rows read on demand (or dequantized): the stored rows and their converted copy.
+    row_bytes = inp.embed.row_bytes() if inp.embed is not None else inp.config.hidden_size * 4
+    ws += 2 * limits.max_batch_size * limits.max_prefill_tokens * row_bytes
+    fixed = inp.fixed_nonlayer
     return MemoryPlan(
         budget=inp.streaming.budget_bytes,
         limits=limits,
@@ -196,12 +200,14 @@ def _candidate(
         buffer_bytes=buffer,
         kv_bytes=kv,
         workspace_bytes=ws,
-        small_bytes=aligned(inp.norm.nbytes) + inp.small_extra,
+        small_bytes=(aligned(inp.norm.nbytes) if inp.norm is not None else 0) + inp.small_extra,
         resident_layer_bytes=sum(layer_bytes(inp.layer_refs[i]) for i in range(resident)),
-        embed_resident=head_resident and inp.tied,
+        embed_resident=fixed is not None or (head_resident and inp.tied),
         head_resident=head_resident,
         embed_bytes=0,
-        head_bytes=aligned(inp.head.nbytes) if head_resident else 0,
+        head_bytes=(fixed if fixed is not None else aligned(inp.head.nbytes) if inp.head else 0)
+        if head_resident
+        else 0,
     )
 
 
@@ -210,6 +216,8 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
     n = len(inp.layer_refs)
     cap = n if inp.streaming.max_resident_layers is None else min(n, inp.streaming.max_resident_layers)
     head_options = [False] if inp.streaming.resident_embeddings is False else [True, False]
+    if inp.fixed_nonlayer is not None:
+        head_options = [True]
     best: MemoryPlan | None = None
     for head_resident in head_options:
         for r in range(cap, -1, -1):
@@ -220,7 +228,7 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
                 break
     if best is None:
         return None
-    if not inp.tied and inp.streaming.resident_embeddings is not False:
+    if inp.embed is not None and not inp.tied and inp.streaming.resident_embeddings is not False:
         with_embed = replace(best, embed_resident=True, embed_bytes=aligned(inp.embed.nbytes))
         if with_embed.total <= best.budget:
             best = with_embed
@@ -228,7 +236,7 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
 
 
 def _minimum(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> MemoryPlan:
-    return _candidate(inp, limits, False, 0, group_size, prefetch)
+    return _candidate(inp, limits, inp.fixed_nonlayer is not None, 0, group_size, prefetch)
 
 
 def _largest_context(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> int:
@@ -289,16 +297,18 @@ def plan_memory(
     """The plan for ``source`` under ``streaming``; raises `BudgetError` when nothing fits."""
     config = source.config
     limits = limits_for(config, streaming, max_context)
+    fixed: int | None = getattr(source, "nonlayer_bytes", None)  # e.g. GGUF: packed embedding and head
     inp = _Inputs(
         config=config,
         streaming=streaming,
         dtype=dtype,
         layer_refs=[source.layer_tensors(i) for i in range(config.num_hidden_layers)],
-        embed=source.tensor(EMBED),
-        head=source.tensor(HEAD),
-        norm=source.tensor(NORM),
+        embed=source.tensor(EMBED) if fixed is None else None,
+        head=source.tensor(HEAD) if fixed is None else None,
+        norm=source.tensor(NORM) if fixed is None else None,
         tied=config.tie_word_embeddings,
         small_extra=small_extra,
+        fixed_nonlayer=fixed,
     )
     plan = _best(inp, limits, streaming.layer_group_size, streaming.prefetch)
     if plan is None:
