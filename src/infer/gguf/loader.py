@@ -4,13 +4,14 @@ The model skeleton is created on the meta device; then, module by module, each G
 tensor is validated (known name, supported type, expected shape), undone where
 llama.cpp's converter changed it (`infer.gguf.names.Fix`) and placed:
 
-* a quantized weight matrix becomes a packed linear module in place of the float one;
-* a quantized embedding becomes a `QuantizedEmbedding` (rows dequantized on lookup);
-  a tied head is a packed linear module over the same bytes;
+* a quantized weight matrix becomes a packed linear module (`infer.quant.QuantizedLinear`)
+  in place of the float one;
+* a quantized embedding becomes a `QuantizedEmbedding` (rows dequantized on lookup); when
+  tied, the head is packed once and the lookup reads the head's rows;
 * float tensors (norms, biases, F16/F32 matrices) are converted to ``dtype``.
 
-Float tensors come straight from the file's memory map; nothing is unpacked that
-stays packed.
+Each tensor's bytes are read from the file one at a time (not through the memory map),
+so the file's pages do not pile up in the process while the model is built.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class GGUFModelLoader:
     # ---- tensors --------------------------------------------------------------
 
     def raw(self, info: TensorInfo) -> torch.Tensor:
-        """The tensor's stored bytes as ``uint8 [rows, row_bytes]`` (a view of the memory map)."""
-        flat = torch.from_numpy(self.gguf.raw(info.name))
+        """The tensor's stored bytes as ``uint8 [rows, row_bytes]`` (read from the file: our own copy)."""
+        flat = torch.from_numpy(self.gguf.read(info.name))
         rows = info.numel // info.shape[-1]
         return flat.view(rows, row_bytes(info.ggml_type, info.shape[-1]))
 
@@ -164,7 +165,7 @@ class GGUFModelLoader:
         if not isinstance(expected, torch.Tensor):
             raise ValueError(f"{self.source}: unexpected tensor {info.name!r}: {group.path!r} has no bias")
         self._expect(info, f"{group.path}.bias", tuple(expected.shape))
-        return self.float_tensor(info).to(self.dtype, copy=True)
+        return self.float_tensor(info).to(self.dtype)
 
     def _place(self, model: nn.Module, group: _Module) -> None:
         module = model.get_submodule(group.path)
@@ -200,8 +201,8 @@ class GGUFModelLoader:
                 )
                 self._set_module(model, "lm_head", head)
                 embedding = QuantizedEmbedding.from_linear(head, dtype=self.dtype)
-            else:  # copied out of the memory map, so the file can be closed
-                raw = self.raw(weight).clone()
+            else:
+                raw = self.raw(weight)
                 embedding = packed_embedding(raw, weight.ggml_type, shape, name=name, dtype=self.dtype)
             self._set_module(model, group.path, embedding)
             return
@@ -211,7 +212,7 @@ class GGUFModelLoader:
         expected = tuple(param.shape)
         stored = expected[::-1] if isinstance(module, Conv1D) else expected  # Conv1D is [in, out]
         self._expect(weight, f"{group.path}.weight", stored)
-        values = self.float_tensor(weight).to(self.dtype, copy=True)  # a copy: the file can be closed
+        values = self.float_tensor(weight).to(self.dtype)
         assign_parameter(model, f"{group.path}.weight", values)
         bias_values = self._bias(group, module)
         if bias_values is not None:

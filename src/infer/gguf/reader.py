@@ -142,6 +142,20 @@ class GGUFFile:
         info = self.tensors[name]
         return self._map[info.offset : info.offset + info.nbytes]
 
+    def read(self, name: str) -> np.ndarray:
+        """A fresh copy of tensor ``name``'s bytes (``uint8``), read from the file, not the mapping.
+
+        Reading keeps the file's pages out of this process's resident set: after a
+        tensor is converted, nothing of it stays mapped.
+        """
+        info = self.tensors[name]
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        with self.path.open("rb") as f:
+            f.seek(info.offset)
+            if f.readinto(memoryview(out)) != info.nbytes:
+                raise self._fail(f"tensor {name!r} could not be read in full (the file shrank?)")
+        return out
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
