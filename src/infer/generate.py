@@ -79,6 +79,24 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, pad
 
 
+def context_limits(model: DecoderLM, batch: int) -> tuple[int, int | None]:
+    """``(context, prefill chunk)`` for a batch: the model's context, capped by what the executor planned for.
+
+    A streaming executor plans its memory for ``max_batch_size x max_context`` cached
+    tokens and ``max_batch_size x max_prefill_tokens`` tokens per forward (batches
+    trade with length); a resident model has no such limits (chunk None).
+    """
+    context = model.config.max_position_embeddings
+    limits = getattr(model.executor, "limits", None)
+    if limits is None:
+        return context, None
+    slots = limits.max_batch_size * limits.max_context
+    context = min(context, slots // batch)
+    per_forward = limits.max_batch_size * limits.max_prefill_tokens
+    chunk = min(per_forward // batch, per_forward * limits.max_context // max(1, batch * context))
+    return context, max(1, chunk)
+
+
 @torch.inference_mode()
 def generate_steps(
     model: DecoderLM,
@@ -99,7 +117,7 @@ def generate_steps(
     """
     import time
 
-    context = model.config.max_position_embeddings
+    context, chunk = context_limits(model, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest + 1 > context:
         raise ValueError(f"prompt has {longest} tokens; the model's context is {context} tokens")
@@ -120,7 +138,9 @@ def generate_steps(
     eos = set(eos_ids)
 
     t0 = time.perf_counter()
-    h = model.forward_hidden(ids, cache)
+    step = chunk or ids.shape[1]
+    for start in range(0, ids.shape[1], step):  # chunked prefill when the executor asks for it
+        h = model.forward_hidden(ids[:, start : start + step], cache)
     logits = model.head(h[:, -1:])[:, -1]  # [B, V]: only the last position is needed
     next_tokens = sample(logits, params, generator)
     if timings is not None:
