@@ -255,7 +255,7 @@ def load_gguf(
 
     ``dtype=None`` (default): float32 activations (residual stream, norms, attention,
     KV cache) with the packed matrix products in bfloat16, which is what torch's fast
-    packed kernels take; the mix is as fast as all-bfloat16 and more accurate.
+    packed kernels take; as fast as all-bfloat16, with float32 everywhere else.
     ``dtype=torch.float32``: everything in float32 (the packed products too), which
     matches transformers' dequantized float32 model to rounding but decodes several
     times slower. Any other dtype: everything in that dtype.
