@@ -148,3 +148,11 @@ def test_gguf_tokenizer_and_generation(
     assert len(result.token_ids) == 5
     meta = json.loads(json.dumps({k: str(v)[:40] for k, v in GGUFFile(path).metadata.items()}))
     assert meta["tokenizer.ggml.model"] == "gpt2"
+
+
+def test_unsupported_attention_scaling(checkpoint: Path, tmp_path: Path) -> None:
+    data = json.loads((checkpoint / "config.json").read_text())
+    data["scale_attn_by_inverse_layer_idx"] = True
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unsupported GPT-2 attention scaling"):
+        load_config(tmp_path)

@@ -152,7 +152,7 @@ class GGUFFile:
         out = np.empty(info.nbytes, dtype=np.uint8)
         with self.path.open("rb") as f:
             f.seek(info.offset)
-            if f.readinto(memoryview(out)) != info.nbytes:
+            if f.readinto(out.data) != info.nbytes:
                 raise self._fail(f"tensor {name!r} could not be read in full (the file shrank?)")
         return out
 

@@ -290,6 +290,14 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
         raw.setdefault("mlp_bias", True)
         raw.setdefault("tie_word_embeddings", True)
         raw.setdefault("rms_norm_eps", 1e-5)
+        raw.setdefault("hidden_act", "gelu_new")
+        # Variants infer.models.gpt2 does not implement (transformers' GPT2Config flags).
+        if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("scale_attn_weights") is False:
+            raise ValueError(
+                f"{source}: unsupported GPT-2 attention scaling: scale_attn_weights="
+                f"{raw.get('scale_attn_weights')}, scale_attn_by_inverse_layer_idx="
+                f"{raw.get('scale_attn_by_inverse_layer_idx')} (supported: true, false)"
+            )
 
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
