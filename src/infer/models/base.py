@@ -81,7 +81,13 @@ class DecoderLM(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialized) weight skips nn.Embedding's normal_() init: weights are
+        # loaded anyway, and normal_ on the meta device costs ~1.6 s of imports per process.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

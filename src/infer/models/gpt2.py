@@ -101,7 +101,8 @@ class GPT2LMHeadModel(DecoderLM):
             raise ValueError(f"GPT-2 has only full-attention layers; config.layer_types has {found}")
         layers: list[nn.Module] = [GPT2Block(config) for _ in range(config.num_hidden_layers)]
         super().__init__(config, layers, nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps))
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        n, d = config.max_position_embeddings, config.hidden_size
+        self.embed_positions = nn.Embedding(n, d, _weight=torch.empty(n, d))  # skip normal_() (see base.py)
         self.rotary = nn.ModuleDict()  # absolute positions: no RoPE tables to compute per step
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
