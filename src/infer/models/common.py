@@ -53,7 +53,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32) for vanilla, llama3- or linear-scaled RoPE."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    # Explicit device: also computed on the CPU inside a meta-device context (model skeletons),
+    # where meta arithmetic would pull in sympy and cost ~1 s per process.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
     if rope_type == "default":
