@@ -54,3 +54,34 @@ def test_nested_names_without_multimodal_layout_are_rejected(
             (dst / f.name).write_bytes(f.read_bytes())
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\) for model_type 'llama': \['vision_tower"):
         infer.load(dst)
+
+
+def test_stored_buffers_are_ignored(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """Older Llama checkpoints saved RoPE inv_freq buffers: recomputed, not loaded, not an error."""
+    src = tiny_ckpt_factory("llama")
+    tensors = load_file(src / "model.safetensors")
+    for i in range(3):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    dst = tmp_path / "buffers"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    ids = torch.randint(0, 260, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(infer.load(dst).model(ids), infer.load(src).model(ids))
+
+
+def test_gpt2_mask_buffers_are_ignored() -> None:
+    from infer.loader.config import config_from_dict
+    from infer.loader.weight_map import get_weight_map, map_checkpoint_names
+
+    config = config_from_dict(
+        {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 16, "vocab_size": 10}
+    )
+    names = [*list(get_weight_map(config))[:5], "h.0.attn.bias", "transformer.h.0.attn.masked_bias"]
+    mapping = map_checkpoint_names(config, names, "ckpt")
+    assert sorted(mapping) == sorted(names[:5])
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\).*h.0.attn.extra"):
+        map_checkpoint_names(config, [*names, "h.0.attn.extra"], "ckpt")

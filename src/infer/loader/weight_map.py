@@ -10,6 +10,7 @@ it when embeddings are tied; reusing ``embed_tokens.weight`` is the model's deci
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from infer.loader.config import ModelConfig
@@ -105,12 +106,20 @@ _VISION_PREFIXES = (
 )
 
 
+# Buffers that older checkpoints saved beside the weights; they are recomputed, never loaded.
+_BUFFERS = re.compile(
+    r"(?:^|\.)(?:self_attn\.rotary_emb\.inv_freq"  # Llama-family RoPE frequencies
+    r"|h\.\d+\.attn\.(?:masked_)?bias)$"  # GPT-2's causal-mask buffers
+)
+
+
 def map_checkpoint_names(config: ModelConfig, names: list[str], source: str) -> dict[str, str]:
     """Checkpoint tensor name -> internal name for every tensor the model uses.
 
-    Unknown names raise `ValueError` naming them; vision tensors of a multimodal
-    checkpoint are the only ones left out, and only when the language model's own
-    tensors are nested under a multimodal prefix.
+    Unknown names raise `ValueError` naming them. Left out by name: the vision tensors
+    of a multimodal checkpoint (only when the language model's own tensors are nested
+    under a multimodal prefix) and the precomputed buffers older checkpoints stored
+    (RoPE ``inv_freq``, GPT-2's ``attn.bias`` / ``attn.masked_bias`` masks).
     """
     weight_map = get_weight_map(config)
     nested = any(n.startswith(p) for n in names for p in _TEXT_PREFIXES if p != "language_model.")
@@ -118,6 +127,8 @@ def map_checkpoint_names(config: ModelConfig, names: list[str], source: str) -> 
     unknown: list[str] = []
     for name in names:
         hf = name
+        if _BUFFERS.search(name):
+            continue
         if nested:
             if name.startswith(_VISION_PREFIXES):
                 continue
