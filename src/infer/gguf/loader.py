@@ -104,7 +104,7 @@ class GGUFModelLoader:
                     f"supported: {[t.name for t in SUPPORTED_TYPES]}"
                 )
 
-    def _modules(self) -> list[_Module]:
+    def modules(self) -> list[_Module]:
         modules: dict[str, _Module] = {}
         for name, info in self.gguf.tensors.items():
             target = self.weight_map[name]
@@ -167,7 +167,7 @@ class GGUFModelLoader:
         self._expect(info, f"{group.path}.bias", tuple(expected.shape))
         return self.float_tensor(info).to(self.dtype)
 
-    def _place(self, model: nn.Module, group: _Module) -> None:
+    def place(self, model: nn.Module, group: _Module) -> None:
         module = model.get_submodule(group.path)
         weight = group.tensors.get("weight")
         if weight is None:
@@ -226,9 +226,9 @@ class GGUFModelLoader:
             raise TypeError(f"{model_cls} built a {type(model).__name__}, expected a DecoderLM")
         if "token_embd.weight" not in self.gguf.tensors:
             raise ValueError(f"{self.source}: missing required tensor 'token_embd.weight'")
-        groups = self._modules()
+        groups = self.modules()
         for done, group in enumerate(groups, 1):
-            self._place(model, group)
+            self.place(model, group)
             if progress is not None:
                 progress(done, len(groups))
         if self.config.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):

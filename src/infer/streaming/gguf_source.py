@@ -83,7 +83,7 @@ class GGUFSource:
             raise ValueError(f"{self.description}: missing required tensor 'token_embd.weight'")
         groups: dict[int, list[Any]] = {}
         others: list[Any] = []
-        for group in self.loader._modules():  # one entry per module to fill: path + GGUF tensors
+        for group in self.loader.modules():  # one entry per module to fill: path + GGUF tensors
             parts = group.path.split(".")
             if parts[0] == "layers":
                 groups.setdefault(int(parts[1]), []).append(group)
@@ -91,7 +91,7 @@ class GGUFSource:
                 others.append(group)
         for i in range(len(model.layers)):
             for group in groups.get(i, []):
-                self.loader._place(model, group)
+                self.loader.place(model, group)
             layer = model.layers[i]  # the placement swapped packed modules in
             state = layer.state_dict()
             missing = [name for name, t in state.items() if t.is_meta]
@@ -103,7 +103,7 @@ class GGUFSource:
             self._refs.append({k: TensorRef(f"{i}:{k}", tuple(v.shape), v.dtype) for k, v in state.items()})
             layer.to("meta")
         for group in others:
-            self.loader._place(model, group)
+            self.loader.place(model, group)
         if self.config.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
             model.lm_head.weight = model.embed_tokens.weight  # a float embedding: one Parameter
         modules = [model.get_submodule(name) for name in NONLAYER]
