@@ -14,28 +14,15 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / ".bench"
 
-SMOL_SHAPE: dict[str, Any] = dict(  # SmolLM2-135M's dimensions (llama architecture)
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-)
-
 
 def default_checkpoints() -> list[Path]:
-    from infer.testing import build_checkpoint
+    from infer.testing import SMOLLM2_SHAPE, build_checkpoint
 
     paths = []
     for arch in ("llama", "qwen3", "gemma3"):
@@ -45,12 +32,14 @@ def default_checkpoints() -> list[Path]:
         paths.append(path)
     smol = BENCH_DIR / "smol-shaped-llama"
     if not (smol / "config.json").is_file():
-        build_checkpoint(smol, "llama", **SMOL_SHAPE)
+        build_checkpoint(smol, "llama", **SMOLLM2_SHAPE)
     paths.append(smol)
     return paths
 
 
-def bench_infer(path: Path, dtype: torch.dtype, prompt: list[int], new: int, reps: int) -> tuple[float, float]:
+def bench_infer(
+    path: Path, dtype: torch.dtype, prompt: list[int], new: int, reps: int
+) -> tuple[float, float]:
     import infer
     from infer.generate import SamplingParams, generate_steps, run_to_end
 
@@ -98,7 +87,9 @@ def bench_transformers(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--path", type=Path, action="append", help="checkpoint directory (repeatable)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -109,8 +100,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     paths = args.path or default_checkpoints()
-    print(f"torch {torch.__version__}, {args.threads} threads, dtype {args.dtype}, prompt {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new tokens, median of {args.reps}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, dtype {args.dtype}, "
+        f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, median of {args.reps}"
+    )
     header = f"{'checkpoint':<22} {'':>12} {'prefill tok/s':>14} {'decode tok/s':>13}"
     print(header)
     print("-" * len(header))

@@ -37,6 +37,20 @@ CHAT_TEMPLATE = (
 
 SLIDING_WINDOW = 8
 
+# SmolLM2-135M's dimensions (llama architecture), for benchmarks on random weights:
+# `build_checkpoint(path, "llama", **SMOLLM2_SHAPE)`.
+SMOLLM2_SHAPE: dict[str, Any] = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
     """A transformers config object for a tiny model of ``arch`` (llama, qwen3, gemma3)."""

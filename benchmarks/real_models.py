@@ -1,7 +1,7 @@
 """GGUF end to end: infer vs transformers on the two shipped real models, one run.
 
-    uv run python benchmarks/gguf.py                    # both models, both libraries
-    uv run python benchmarks/gguf.py --threads 1 --decode 32 --json out.json
+    uv run python benchmarks/real_models.py                    # both models, both libraries
+    uv run python benchmarks/real_models.py --threads 1 --decode 32 --json out.json
 
 For SmolLM2-135M-Instruct (Q4_1) and Gemma 3 270M (Q4_K_M), each library runs in its own
 fresh subprocess (so peak RSS is honest and nothing is shared) and reports:
@@ -25,9 +25,6 @@ import time
 from pathlib import Path
 
 T_START = time.perf_counter()
-# Run as a script, this file's folder comes first on sys.path and "gguf" would import this
-# file instead of the gguf package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
