@@ -34,7 +34,7 @@ def quantize_q4_0(weight: torch.Tensor, *, name: str = "weight") -> torch.Tensor
         )
     n, k = weight.shape
     if n > _CHUNK_ROWS:  # bound the float32 temporaries (a 262k-row embedding would need GBs)
-        return torch.cat([quantize_q4_0(part, name=name) for part in weight.split(_CHUNK_ROWS)])
+        return torch.cat([quantize_q4_0(part, name=name) for part in torch.split(weight, _CHUNK_ROWS)])
     x = weight.detach().to(torch.float32).reshape(n, k // Q4_0_BLOCK, Q4_0_BLOCK)  # [N, blocks, 32]
     d = x.abs().amax(dim=-1, keepdim=True) / 7.0
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
@@ -53,7 +53,7 @@ def quantize_int8_per_channel(
     and the values are rounded against that rounded scale.
     """
     if weight.shape[0] > _CHUNK_ROWS:  # bound the float32 temporaries
-        parts = [quantize_int8_per_channel(part, scale_dtype) for part in weight.split(_CHUNK_ROWS)]
+        parts = [quantize_int8_per_channel(p, scale_dtype) for p in torch.split(weight, _CHUNK_ROWS)]
         return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
     w = weight.detach().to(torch.float32)
     scale = (w.abs().amax(dim=1) / 127.0).to(scale_dtype)
