@@ -76,7 +76,7 @@ def main() -> None:
         ("safetensors, quantize=int8", smol, {"dtype": "bfloat16", "quantize": "int8"}, disk),
         ("safetensors, quantize=q4_0", smol, {"dtype": "bfloat16", "quantize": "q4_0"}, disk),
         (
-            "safetensors, streaming 64MB",
+            "safetensors, streaming 96MB",
             smol,
             {
                 "dtype": "bfloat16",
