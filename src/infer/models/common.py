@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
@@ -252,6 +253,9 @@ class Attention(nn.Module):
         return projected
 
 
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -271,7 +275,14 @@ def attend(
         q = q.reshape(B, Hkv, G * T, D)
         if mask is not None and mask.shape[-2] != 1:
             mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if q.is_cuda:
+        # cuDNN's SDPA builds a new graph whenever the key length changes, i.e. every
+        # decode step: 1.35 ms of host time per call measured on an H100. Flash and
+        # memory-efficient attention have no such cost.
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
 
 
