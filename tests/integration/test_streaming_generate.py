@@ -46,3 +46,31 @@ def test_streamed_context_is_capped_by_the_plan(tiny_ckpt_factory: Callable[...,
     g = llm.generate([5] * 20, max_new_tokens=50)
     assert len(g.token_ids) <= 12
     assert torch.is_tensor(llm.model(torch.tensor([[1, 2, 3]])))
+
+
+@pytest.mark.parametrize("scheme", ["q4_0", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_streamed_quantized_equals_resident_quantized(
+    arch: str, scheme: str, tiny_ckpt_factory: Callable[..., Path]
+) -> None:
+    """quantize= with streaming: packed layers stream, and the results are the resident quantized model's."""
+    path = tiny_ckpt_factory(arch)
+    resident = infer.load(path, quantize=scheme)
+    streaming = infer.StreamingConfig(layer_group_size=2, memory_budget="64MB", max_resident_layers=0)
+    streamed = infer.load(path, quantize=scheme, streaming=streaming)
+    ids = torch.randint(0, 260, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(streamed.model(ids), resident.model(ids))
+    assert streamed.generate("Hello", max_new_tokens=12).token_ids == resident.generate(
+        "Hello", max_new_tokens=12
+    ).token_ids
+    floating = infer.load(path, streaming=streaming)  # float32 weights
+
+    def moved(llm: infer.LLM) -> int:
+        before = llm.streaming_stats.bytes_loaded
+        llm.generate([5, 6, 7], max_new_tokens=4)
+        return int(llm.streaming_stats.bytes_loaded - before)
+
+    packed, full = moved(streamed), moved(floating)
+    print(f"\n{arch} {scheme}: {packed} bytes streamed for 4 tokens, {full} for float32 ({packed / full:.2f}x)")
+    assert packed < 0.4 * full

@@ -42,12 +42,13 @@ def build_streaming_model(
     `ValueError`) when the configuration cannot fit ``streaming.memory_budget``,
     with what would fit.
     """
+    source: WeightSource
     if quantize is not None:
-        raise ValueError(
-            f"{path}: quantize={quantize!r} is not supported with layer streaming yet; "
-            "stream a GGUF checkpoint (packed weights stream as they are) or load without quantize"
-        )
-    source = SafetensorsSource(path, config, dtype)
+        from infer.streaming.quantized_source import QuantizedSafetensorsSource
+
+        source = QuantizedSafetensorsSource(path, config, dtype, quantize)
+    else:
+        source = SafetensorsSource(path, config, dtype)
     try:
         return build_from_source(
             source, model_cls, device=device, streaming=streaming, max_context=max_context
