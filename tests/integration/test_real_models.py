@@ -162,3 +162,15 @@ def test_smollm2_default_dtype_agreement(smollm2: infer.LLM, request: pytest.Fix
     )
     assert smollm2.model.dtype == torch.float32
     assert agree >= 0.85
+
+
+def test_smollm2_default_mode_answers_france(smollm2: infer.LLM) -> None:
+    """A near-tie the bfloat16 head used to flip: "The" leads "L" by 0.08 logits at the first token.
+
+    Without exact re-scoring of the head's top logits the default mode answered
+    "L'Étoile, la Marseillaise, ..."; float32 arithmetic answers Paris.
+    """
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    result = smollm2.chat(messages, max_new_tokens=20)
+    print(f"\nchat -> {result.text!r}")
+    assert result.text.startswith("The capital of France is Paris")

@@ -250,3 +250,30 @@ def test_cuda_matches_cpu(qtype: T) -> None:
     err = rel_err(gpu(x.cuda()).cpu(), ref)
     print(f"{qtype.name} on CUDA: {err:.1e}")
     assert err < 2e-2
+
+
+def test_head_rescoring_makes_top_logits_exact() -> None:
+    """An output head built with exact_rescoring: its top-k outputs per row equal float32 arithmetic."""
+    import gguf.quants as gq
+    from gguf import GGMLQuantizationType as G
+
+    from infer.quant import QuantizedLinear, dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 300, 64
+    w = torch.randn(n, k, generator=gen)
+    raw = torch.from_numpy(gq.quantize(w.numpy(), G.Q8_0))
+    exact_w = dequantize(raw, G.Q8_0, (n, k))
+    fast = QuantizedLinear.from_gguf(raw, G.Q8_0, (n, k))
+    head = QuantizedLinear.from_gguf(raw, G.Q8_0, (n, k), exact_rescoring=True)
+    x = torch.randn(5, k, generator=gen)
+    ref = x @ exact_w.T
+    with torch.no_grad():
+        y_fast, y_head = fast(x), head(x)
+    idx = y_head.topk(16, dim=-1).indices
+    err_fast = (y_fast.gather(-1, idx) - ref.gather(-1, idx)).abs().max().item()
+    err_head = (y_head.gather(-1, idx) - ref.gather(-1, idx)).abs().max().item()
+    print(f"\ntop-16 logits vs float32: bfloat16 path {err_fast:.2e}, re-scored {err_head:.2e}")
+    assert err_head <= 1e-4 < err_fast
+    assert torch.equal(y_head.argmax(-1), ref.argmax(-1))
+    assert torch.equal(head.exact_rows(torch.tensor([0, 17, 299])), exact_w[[0, 17, 299]])

@@ -181,7 +181,13 @@ class GGUFModelLoader:
             bias = self._bias(group, module)
             name = f"{self.source}: {weight.name}"
             linear = packed_linear(
-                raw, weight.ggml_type, shape, bias, name=name, compute_dtype=self.compute_dtype
+                raw,
+                weight.ggml_type,
+                shape,
+                bias,
+                name=name,
+                compute_dtype=self.compute_dtype,
+                head=group.path == "lm_head",
             )
             self._set_module(model, group.path, linear)
             return
@@ -198,6 +204,7 @@ class GGUFModelLoader:
                     None,
                     name=name,
                     compute_dtype=self.compute_dtype,
+                    head=True,
                 )
                 self._set_module(model, "lm_head", head)
                 embedding = QuantizedEmbedding.from_linear(head, dtype=self.dtype)

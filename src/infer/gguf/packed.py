@@ -23,9 +23,15 @@ def packed_linear(
     *,
     name: str,
     compute_dtype: torch.dtype,
+    head: bool = False,
 ) -> QuantizedLinear:
-    """A linear layer ``[out, in] = shape`` over the packed GGUF bytes ``raw`` (converted, not kept)."""
-    return QuantizedLinear.from_gguf(raw, qtype, shape, bias, name=name, compute_dtype=compute_dtype)
+    """A linear layer ``[out, in] = shape`` over the packed GGUF bytes ``raw`` (converted, not kept).
+
+    ``head``: the output head, whose top logits are re-scored exactly (`QuantizedLinear.rescore`).
+    """
+    return QuantizedLinear.from_gguf(
+        raw, qtype, shape, bias, name=name, compute_dtype=compute_dtype, exact_rescoring=head
+    )
 
 
 def packed_embedding(

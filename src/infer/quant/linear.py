@@ -35,6 +35,8 @@ from infer.quant.quantize import quantize_int8_per_channel
 # slower and dequantize + matmul wins from one row on. Measured with
 # benchmarks/quant_kernels.py (docs/quantization.md).
 KERNEL_MAX_ROWS = {"int4": 64, "int8": 16, "dense": 0}
+# Outputs re-scored exactly per row by an output head that kept float32 scales (see `rescore`).
+RESCORE_TOP_K = 16
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
@@ -59,6 +61,7 @@ class QuantizedLinear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
     weight: torch.Tensor
+    scale_zero_f32: torch.Tensor  # int4 output heads only: float32 scales for `rescore`
 
     def __init__(
         self,
@@ -101,11 +104,14 @@ class QuantizedLinear(nn.Module):
         name: str = "tensor",
         compute_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        exact_rescoring: bool = False,
     ) -> QuantizedLinear:
         """From the bytes of a GGUF weight of ``shape = (out_features, in_features)`` (torch order).
 
         ``raw`` (uint8, e.g. a view of the memory-mapped file) is converted, not kept.
-        ``name`` is used in error messages.
+        ``name`` is used in error messages. ``exact_rescoring`` (for an output head with a
+        compute dtype below float32) also keeps the scales in float32 and re-scores each
+        row's top outputs exactly (`rescore`).
         """
         qt = check_supported(qtype, name)
         n, k = (int(s) for s in shape)
@@ -126,6 +132,10 @@ class QuantizedLinear(nn.Module):
         kp = p * k
         packed = torch.zeros(n_pad, kp // 2, dtype=torch.uint8, device=device)
         scale_zero = torch.zeros(kp // GROUP, n_pad, 2, dtype=compute_dtype, device=device)
+        exact = exact_rescoring and compute_dtype != torch.float32
+        scale_zero_f32 = (
+            torch.zeros(kp // GROUP, n_pad, 2, dtype=torch.float32, device=device) if exact else None
+        )
         for start in range(0, n, _CONVERT_ROWS):  # a multiple of 64: packing blocks stay whole
             stop = min(n, start + _CONVERT_ROWS)
             nib, scale, zero = to_planes(rows[start:stop].to(device), qt, k)
@@ -135,7 +145,12 @@ class QuantizedLinear(nn.Module):
             packed[start:stop] = int4.pack(nib)
             scale_zero[:, start : start + scale.shape[0], 0] = scale.T.to(compute_dtype)
             scale_zero[:, start : start + zero.shape[0], 1] = zero.T.to(compute_dtype)
+            if scale_zero_f32 is not None:
+                scale_zero_f32[:, start : start + scale.shape[0], 0] = scale.T.to(torch.float32)
+                scale_zero_f32[:, start : start + zero.shape[0], 1] = zero.T.to(torch.float32)
         tensors = {"packed": packed, "scale_zero": scale_zero}
+        if scale_zero_f32 is not None:
+            tensors["scale_zero_f32"] = scale_zero_f32
         return cls(k, n, "int4", tensors, bias=bias, planes=p, source=qt.name, compute_dtype=compute_dtype)
 
     @classmethod
@@ -167,7 +182,34 @@ class QuantizedLinear(nn.Module):
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
+        if hasattr(self, "scale_zero_f32"):
+            y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
+
+    def rescore(self, x2: torch.Tensor, y: torch.Tensor, top_k: int = RESCORE_TOP_K) -> torch.Tensor:
+        """``y [M, N]`` with each row's ``top_k`` largest outputs recomputed exactly in float32.
+
+        For an output head: the fast path rounds the scales and its output to bfloat16,
+        which ties or flips near-equal logits; the exact weights of the top candidates
+        (float32 scales) decide between them, so greedy choices equal exact arithmetic's
+        whenever the exact winner is among the fast top ``top_k``.
+        """
+        k = min(top_k, self.out_features)
+        idx = y.float().topk(k, dim=-1).indices  # [M, k]
+        rows = self.exact_rows(idx.reshape(-1)).view(*idx.shape, self.in_features)  # [M, k, K]
+        exact = torch.einsum("mk,mjk->mj", x2.float(), rows)
+        if self.bias is not None:
+            exact = exact + self.bias.float()[idx]
+        return y.scatter(-1, idx, exact.to(y.dtype))
+
+    def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``[R, in_features]`` (float32) with the float32 scales kept for rescoring."""
+        n, k = rows.numel(), self.in_features
+        nib = int4.gather_rows(self.packed, rows).to(torch.float32)  # [R, P*K]
+        sz = self.scale_zero_f32[:, rows]  # [P*K/32, R, 2]
+        scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*K/32, 1]
+        w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
+        return w.sum(dim=1)
 
     def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel:
