@@ -61,9 +61,10 @@ def test_streamed_quantized_equals_resident_quantized(
     ids = torch.randint(0, 260, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(streamed.model(ids), resident.model(ids))
-    assert streamed.generate("Hello", max_new_tokens=12).token_ids == resident.generate(
-        "Hello", max_new_tokens=12
-    ).token_ids
+    assert (
+        streamed.generate("Hello", max_new_tokens=12).token_ids
+        == resident.generate("Hello", max_new_tokens=12).token_ids
+    )
     floating = infer.load(path, streaming=streaming)  # float32 weights
 
     def moved(llm: infer.LLM) -> int:
@@ -72,5 +73,7 @@ def test_streamed_quantized_equals_resident_quantized(
         return int(llm.streaming_stats.bytes_loaded - before)
 
     packed, full = moved(streamed), moved(floating)
-    print(f"\n{arch} {scheme}: {packed} bytes streamed for 4 tokens, {full} for float32 ({packed / full:.2f}x)")
+    print(
+        f"\n{arch} {scheme}: {packed} bytes streamed for 4 tokens, {full} for float32 ({packed / full:.2f}x)"
+    )
     assert packed < 0.4 * full
