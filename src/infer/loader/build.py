@@ -151,7 +151,7 @@ def load_safetensors_model(
 
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         head.weight = model.get_parameter("embed_tokens.weight")
-        model.lm_head = quantize_linear(head, quantize)
+        model.lm_head = quantize_linear(head, quantize, head=True)
     model.to(device)  # buffers (RoPE frequencies)
     ckpt.close()
     return model.eval()
@@ -172,6 +172,6 @@ def _quantizer(model: nn.Module, scheme: str) -> Callable[[str], None]:
             return
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, quantize_linear(module, scheme))
+        setattr(parent, attr, quantize_linear(module, scheme, head=module_name == "lm_head"))
 
     return on_loaded

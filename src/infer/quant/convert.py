@@ -65,13 +65,14 @@ def _check_scheme(scheme: str) -> None:
 
 
 def quantize_linear(
-    linear: nn.Linear, scheme: str, *, compute_dtype: torch.dtype = torch.bfloat16
+    linear: nn.Linear, scheme: str, *, compute_dtype: torch.dtype = torch.bfloat16, head: bool = False
 ) -> nn.Module:
     """``linear`` as a `QuantizedLinear` under ``scheme`` ("q4_0" or "int8").
 
     Returns ``linear`` itself, unchanged and float, when ``scheme`` is "q4_0" and
     ``in_features`` is not a multiple of 32. The original weight is not modified
-    (a weight tied to an embedding stays float there).
+    (a weight tied to an embedding stays float there). ``head``: the output head, whose
+    top logits a q4_0 module re-scores exactly (`QuantizedLinear.rescore`).
     """
     _check_scheme(scheme)
     bias = linear.bias.detach() if linear.bias is not None else None
@@ -81,8 +82,9 @@ def quantize_linear(
     if linear.in_features % Q4_0_BLOCK != 0:
         return linear
     raw = quantize_q4_0(weight)
+    shape = (linear.out_features, linear.in_features)
     return QuantizedLinear.from_gguf(
-        raw, QType.Q4_0, (linear.out_features, linear.in_features), bias, compute_dtype=compute_dtype
+        raw, QType.Q4_0, shape, bias, compute_dtype=compute_dtype, exact_rescoring=head
     )
 
 

@@ -93,7 +93,7 @@ class QuantizedSafetensorsSource(ConvertedSource):
             head = tied
         if not isinstance(head, nn.Linear):
             raise TypeError(f"{self.description}: lm_head is {type(head).__name__}, expected nn.Linear")
-        setattr(model, "lm_head", quantize_linear(head, self.scheme))  # noqa: B010 (nn.Module typing)
+        setattr(model, "lm_head", quantize_linear(head, self.scheme, head=True))  # noqa: B010 (nn.Module typing)
 
     def close(self) -> None:
         super().close()
