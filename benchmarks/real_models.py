@@ -78,14 +78,20 @@ def run_infer(path: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
 
     with torch.inference_mode():
         prefill_s, decode_s = _time_steps(forward, ids, args.decode, args.reps)
+    return _result(model, ready, t_load, ids.shape[1], prefill_s, decode_s, args.decode)
+
+
+def _result(
+    model: Any, ready: float, t_load: float, prompt: int, prefill_s: float, decode_s: float, decode: int
+) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return {
         "ready_s": ready - T_START,
         "load_s": ready - t_load,
-        "prefill_tok_s": ids.shape[1] / prefill_s,
-        "decode_tok_s": args.decode / decode_s,
+        "prefill_tok_s": prompt / prefill_s,
+        "decode_tok_s": decode / decode_s,
         "model_bytes": nbytes,
-        "prompt_tokens": ids.shape[1],
+        "prompt_tokens": prompt,
     }
 
 
@@ -106,15 +112,7 @@ def run_transformers(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     with torch.inference_mode():
         prefill_s, decode_s = _time_steps(forward, ids, args.decode, args.reps)
-    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return {
-        "ready_s": ready - T_START,
-        "load_s": ready - t_load,
-        "prefill_tok_s": ids.shape[1] / prefill_s,
-        "decode_tok_s": args.decode / decode_s,
-        "model_bytes": nbytes,
-        "prompt_tokens": ids.shape[1],
-    }
+    return _result(model, ready, t_load, ids.shape[1], prefill_s, decode_s, args.decode)
 
 
 PROMPT_TEXT = " ".join(

@@ -174,16 +174,17 @@ class LLM:
         def stop_check(row: int, tokens: list[int]) -> bool:
             return _cut_at_stop(self.tokenizer.decode(tokens), stop)[1]
 
+        eos_ids = self._eos_ids()
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
-            pad_id = self._eos_ids()[0] if self._eos_ids() else 0
+            pad_id = eos_ids[0] if eos_ids else 0
         self._timings: dict[str, float] = {}
         yield from generate_steps(
             self.model,
             prompts,
             max_new_tokens=max_new_tokens,
             params=params,
-            eos_ids=self._eos_ids(),
+            eos_ids=eos_ids,
             pad_id=pad_id,
             stop_check=stop_check if stop else None,
             timings=self._timings,

@@ -32,19 +32,6 @@ class StepInputs:
     cache: KVCache | None
 
 
-class Block(Protocol):
-    layer_type: str
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: object | None = None,
-    ) -> torch.Tensor: ...
-
-
 class LayerExecutor(Protocol):
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor: ...
 

@@ -61,7 +61,7 @@ class QuantizedLinear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
     weight: torch.Tensor
-    scale_zero_f32: torch.Tensor  # int4 output heads only: float32 scales for `rescore`
+    scale_zero_residual: torch.Tensor  # int4 output heads only: float32 scales - scale_zero, for `rescore`
 
     def __init__(
         self,
@@ -110,8 +110,9 @@ class QuantizedLinear(nn.Module):
 
         ``raw`` (uint8, e.g. a view of the memory-mapped file) is converted, not kept.
         ``name`` is used in error messages. ``exact_rescoring`` (for an output head with a
-        compute dtype below float32) also keeps the scales in float32 and re-scores each
-        row's top outputs exactly (`rescore`).
+        compute dtype below float32) also keeps what the compute-dtype scales lost (their
+        residual, in bfloat16: exact for fp16 GGUF scales, to 2^-17 for products of
+        scales) and re-scores each row's top outputs exactly (`rescore`).
         """
         qt = check_supported(qtype, name)
         n, k = (int(s) for s in shape)
@@ -150,7 +151,8 @@ class QuantizedLinear(nn.Module):
                 scale_zero_f32[:, start : start + zero.shape[0], 1] = zero.T.to(torch.float32)
         tensors = {"packed": packed, "scale_zero": scale_zero}
         if scale_zero_f32 is not None:
-            tensors["scale_zero_f32"] = scale_zero_f32
+            residual = scale_zero_f32 - scale_zero.to(torch.float32)
+            tensors["scale_zero_residual"] = residual.to(torch.bfloat16)
         return cls(k, n, "int4", tensors, bias=bias, planes=p, source=qt.name, compute_dtype=compute_dtype)
 
     @classmethod
@@ -182,7 +184,7 @@ class QuantizedLinear(nn.Module):
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        if hasattr(self, "scale_zero_f32"):
+        if hasattr(self, "scale_zero_residual"):
             y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
 
@@ -203,10 +205,10 @@ class QuantizedLinear(nn.Module):
         return y.scatter(-1, idx, exact.to(y.dtype))
 
     def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Weight rows ``[R, in_features]`` (float32) with the float32 scales kept for rescoring."""
+        """Weight rows ``[R, in_features]`` (float32) with the exact scales kept for rescoring."""
         n, k = rows.numel(), self.in_features
         nib = int4.gather_rows(self.packed, rows).to(torch.float32)  # [R, P*K]
-        sz = self.scale_zero_f32[:, rows]  # [P*K/32, R, 2]
+        sz = self.scale_zero[:, rows].float() + self.scale_zero_residual[:, rows].float()  # [P*K/32, R, 2]
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*K/32, 1]
         w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
