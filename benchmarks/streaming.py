@@ -94,14 +94,13 @@ def _warm_up(device: str, config: Any) -> None:
     import torch
 
     from infer.loader.build import build_empty
-    from infer.models import model_class
 
     a = torch.randn(256, 256, device=device)
     (a @ a).sum().item()
     tiny = dataclasses.replace(
         config, hidden_size=64, intermediate_size=64, num_hidden_layers=1, vocab_size=16
     )
-    build_empty(tiny, model_class(tiny))
+    build_empty(tiny)
 
 
 def _sync(device: str) -> None:
@@ -126,14 +125,14 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     _warm_up(device, config)
     sampler = PeakSampler(device)
     t0 = time.perf_counter()
-    if job["kind"] == "resident":
-        from infer.loader.build import load_safetensors_model
-        from infer.models import model_class
+    from infer.loader.weights import SafetensorsSource
 
-        model: Any = load_safetensors_model(path, config, model_class(config), dtype=dtype, device=device)
+    if job["kind"] == "resident":
+        from infer.loader.build import load_model
+
+        model: Any = load_model(SafetensorsSource(path), config, dtype=dtype, device=device)
     else:
-        from infer.models import model_class
-        from infer.streaming import StreamingConfig, build_streaming_model
+        from infer.streaming import StreamingConfig, build_streamed
 
         streaming = StreamingConfig(
             layer_group_size=job["group"],
@@ -144,8 +143,8 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
             max_prefill_tokens=job["prompt"],
             trace=job.get("trace", False),
         )
-        model = build_streaming_model(
-            path, config, model_class(config), device=device, dtype=dtype, streaming=streaming
+        model = build_streamed(
+            SafetensorsSource(path), config, device=device, dtype=dtype, streaming=streaming
         )
     _sync(device)
     load_s = time.perf_counter() - t0
@@ -263,14 +262,18 @@ def _child_accelerate(job: dict[str, Any], path: Path, dtype: Any, prompt: Any) 
 
 def copy_bandwidth(device: str, path: Path) -> dict[str, float]:
     """GB/s of the copies streaming makes (best of 5): checkpoint -> host buffer; pinned host -> device."""
+    import os
+
     import torch
 
-    from infer.streaming.files import SafetensorsFile
+    from infer.loader.source import pread_into
 
-    handle = SafetensorsFile(path / "model.safetensors")
-    n = min(256 * 2**20, (path / "model.safetensors").stat().st_size - handle.data_start)
+    file = path / "model.safetensors"
+    fd = os.open(file, os.O_RDONLY)
+    n = min(256 * 2**20, file.stat().st_size)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=device == "cuda")
-    handle.pread(host, 0)  # the file is in the page cache, as it is for a streamed model after a token
+    read = lambda: pread_into(fd, host, 0, str(file))  # noqa: E731
+    read()  # the file is in the page cache, as it is for a streamed model after a token
 
     def best(fn: Any, repeats: int = 5) -> float:
         times = []
@@ -280,7 +283,7 @@ def copy_bandwidth(device: str, path: Path) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return n / min(times) / 1e9
 
-    result = {"file_to_host_GBps": best(lambda: handle.pread(host, 0))}
+    result = {"file_to_host_GBps": best(read)}
     if device == "cuda":
         gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
 
@@ -290,7 +293,7 @@ def copy_bandwidth(device: str, path: Path) -> dict[str, float]:
 
         h2d()
         result["host_to_device_GBps"] = best(h2d)
-    handle.close()
+    os.close(fd)
     return result
 
 

@@ -14,7 +14,7 @@ transformers models saved with ``save_pretrained``, with a byte-level tokenizer 
   (``AutoModelForCausalLM``, eager attention, eval mode), cached per ``(path, dtype)``.
   Treat the returned model as read-only: it is shared.
 * ``our_model_factory`` (session): ``load(path, dtype=torch.float32) -> DecoderLM`` built with
-  our loader (`infer.loader.build.load_safetensors_model`), cached per ``(path, dtype)``;
+  our loader (`infer.loader.build.load_model`), cached per ``(path, dtype)``;
   read-only as well (build a fresh cache per test with ``model.make_cache``).
 * ``tokenizer_dir`` (session): a directory holding only the tiny tokenizer files
   (no ``generation_config.json``).
@@ -197,17 +197,16 @@ def hf_model_factory() -> Callable[..., Any]:
 
 @pytest.fixture(scope="session")
 def our_model_factory() -> Callable[..., Any]:
-    from infer.loader.build import load_safetensors_model
+    from infer.loader.build import load_model
     from infer.loader.config import load_config
-    from infer.models import model_class
+    from infer.loader.weights import SafetensorsSource
 
     cache: dict[tuple[Path, torch.dtype], Any] = {}
 
     def load(path: Path, dtype: torch.dtype = torch.float32) -> Any:
         key = (Path(path), dtype)
         if key not in cache:
-            config = load_config(path)
-            cache[key] = load_safetensors_model(path, config, model_class(config), dtype=dtype, device="cpu")
+            cache[key] = load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cpu")
         return cache[key]
 
     return load

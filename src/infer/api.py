@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from infer.config import ModelConfig, load_config
 from infer.generate import RowState, SamplingParams, generate_steps, run_to_end
-from infer.loader.config import ModelConfig, load_config
+from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
-from infer.models import model_class
 from infer.models.base import DecoderLM
 
 if TYPE_CHECKING:
@@ -138,8 +138,11 @@ class LLM:
 
     @property
     def streaming_stats(self) -> Any:
-        """Layer-streaming statistics (None when the model is resident)."""
-        return getattr(self.model.executor, "stats", None)
+        """Layer-streaming statistics (`infer.streaming.StreamingStats`; None when the model is resident)."""
+        from infer.streaming.executor import StreamingExecutor
+
+        executor = self.model.executor
+        return executor.stats if isinstance(executor, StreamingExecutor) else None
 
     # ---- prompts --------------------------------------------------------------
 
@@ -307,6 +310,12 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+# GGUF files default to float32 activations with the packed matrix products in bfloat16:
+# torch's CPU int4/int8 kernels take bfloat16 and are 10-30x slower with float32
+# (docs/gguf.md has the numbers).
+GGUF_COMPUTE_DTYPE = torch.bfloat16
+
+
 def load(
     path_or_hub_id: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -315,66 +324,76 @@ def load(
     quantize: str | None = None,
     streaming: StreamingConfig | None = None,
     progress: ProgressFn | None = None,
+    validate: bool = True,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
     ``path_or_hub_id``: a directory with ``config.json`` + safetensors (+ tokenizer
     files), a ``.gguf`` file, or a hub id already in the local HF cache (or
-    downloadable). ``dtype`` defaults to the checkpoint's. ``quantize`` ("q4_0" or
-    "int8") quantizes the weight matrices of a safetensors checkpoint at load time.
-    ``streaming`` runs the layers through the device under a memory budget instead
-    of keeping them resident. ``progress(done, total)`` is called as tensors load.
+    downloadable). ``dtype`` defaults to the checkpoint's; a GGUF file's default is
+    float32 activations with its packed matrix products in bfloat16 (``dtype=
+    torch.float32`` computes everything in float32: exact, slower). ``quantize`` ("q4_0"
+    or "int8") quantizes the weight matrices of a safetensors checkpoint at load time.
+    ``streaming`` runs the layers through the device under a memory budget instead of
+    keeping them resident. ``validate`` refuses weights holding NaN or inf (a pass over
+    every weight; streamed weights are checked the first time they are read).
+    ``progress(done, total)`` is called as modules load.
     """
     device = torch.device(device)
     path = resolve_checkpoint(path_or_hub_id)
+    source: WeightSource
+    compute_dtype: torch.dtype | None = None
     if path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, quantize=quantize, streaming=streaming, progress=progress)
-    config = load_config(path)
-    torch_dtype = resolve_dtype(dtype, config.torch_dtype)
-    tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
-    cls = model_class(config)
-    model: torch.nn.Module
-    if streaming is not None:
-        from infer.streaming import build_streaming_model
+        from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
+        from infer.gguf.tokenizer import gguf_tokenizer
 
-        model = build_streaming_model(
-            path, config, cls, device=device, dtype=torch_dtype, streaming=streaming, quantize=quantize
-        )
+        if quantize is not None:
+            raise ValueError(
+                f"{path}: quantize= applies to safetensors checkpoints; a GGUF file is already quantized"
+            )
+        gguf = GGUFFile(path)
+        config = config_from_gguf(gguf)
+        torch_dtype = torch.float32 if dtype is None else resolve_dtype(dtype)
+        compute_dtype = GGUF_COMPUTE_DTYPE if dtype is None else torch_dtype
+        config.torch_dtype = str(torch_dtype).removeprefix("torch.")
+        tokenizer = gguf_tokenizer(gguf, config)
+        source = GGUFSource(gguf)
     else:
-        from infer.loader.build import load_safetensors_model
+        from infer.loader.weights import SafetensorsSource
 
-        model = load_safetensors_model(
-            path, config, cls, dtype=torch_dtype, device=device, progress=progress, quantize=quantize
-        )
-    if not isinstance(model, DecoderLM):
-        raise TypeError(f"model builder returned {type(model).__name__}, expected a DecoderLM")
-    return LLM(config, tokenizer, model, path)
+        config = load_config(path)
+        torch_dtype = resolve_dtype(dtype, config.torch_dtype)
+        tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
+        source = SafetensorsSource(path)
+    try:
+        if streaming is not None:
+            from infer.streaming import build_streamed
 
+            model = build_streamed(
+                source,
+                config,
+                device=device,
+                dtype=torch_dtype,
+                compute_dtype=compute_dtype,
+                quantize=quantize,
+                streaming=streaming,
+                validate=validate,
+            )
+        else:
+            from infer.loader.build import load_model
 
-def _load_gguf(
-    path: Path,
-    device: torch.device,
-    dtype: torch.dtype | str | None,
-    *,
-    quantize: str | None,
-    streaming: StreamingConfig | None,
-    progress: ProgressFn | None,
-) -> LLM:
-    from infer.gguf import load_gguf
-
-    if quantize is not None:
-        raise ValueError(
-            f"{path}: quantize= applies to safetensors checkpoints; a GGUF file is already quantized"
-        )
-    torch_dtype = None if dtype is None else resolve_dtype(dtype)
-    if streaming is not None:
-        from infer.streaming import build_streaming_model_gguf
-
-        config, model, tokenizer = build_streaming_model_gguf(
-            path, device=device, dtype=torch_dtype, streaming=streaming
-        )
-    else:
-        config, model, tokenizer = load_gguf(path, device=device, dtype=torch_dtype, progress=progress)
-    if not isinstance(model, DecoderLM):
-        raise TypeError(f"GGUF loader returned {type(model).__name__}, expected a DecoderLM")
+            model = load_model(
+                source,
+                config,
+                device=device,
+                dtype=torch_dtype,
+                compute_dtype=compute_dtype,
+                quantize=quantize,
+                validate=validate,
+                progress=progress,
+            )
+            source.close()
+    except BaseException:
+        source.close()
+        raise
     return LLM(config, tokenizer, model, path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.loader.config import SLIDING_ATTENTION, ModelConfig
+from infer.config import SLIDING_ATTENTION, ModelConfig
 
 
 class LayerKV:

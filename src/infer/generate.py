@@ -87,7 +87,7 @@ def context_limits(model: DecoderLM, batch: int) -> tuple[int, int | None]:
     trade with length); a resident model has no such limits (chunk None).
     """
     context = model.config.max_position_embeddings
-    limits = getattr(model.executor, "limits", None)
+    limits = model.executor.limits
     if limits is None:
         return context, None
     slots = limits.max_batch_size * limits.max_context

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from infer.cache import KVCache
-from infer.loader.config import ModelConfig, load_config
-from infer.loader.weights import SafetensorsCheckpoint
+from infer.config import ModelConfig, load_config
+from infer.loader.weights import SafetensorsSource
 
 
 @dataclass(frozen=True)
@@ -37,19 +37,22 @@ def _gib(n: float) -> str:
 
 
 def _rows_safetensors(path: Path) -> list[TensorRow]:
-    ckpt = SafetensorsCheckpoint(path)
+    source = SafetensorsSource(path)
     kinds = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    return [
+    rows = [
         TensorRow(t.name, t.shape, kinds.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.nbytes)
-        for t in ckpt.tensors.values()
+        for t in source.tensors().values()
     ]
+    source.close()
+    return rows
 
 
 def _rows_gguf(path: Path) -> tuple[ModelConfig, list[TensorRow]]:
-    from infer.gguf import inspect_rows
+    from infer.gguf import GGUFFile, config_from_gguf
 
-    config, rows = inspect_rows(path)
-    return config, [TensorRow(*r) for r in rows]
+    gguf = GGUFFile(path)
+    config = config_from_gguf(gguf)
+    return config, [TensorRow(t.name, t.shape, t.type_name, t.nbytes) for t in gguf.tensors.values()]
 
 
 def inspect_checkpoint(

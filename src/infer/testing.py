@@ -9,8 +9,10 @@ Each tiny config keeps what distinguishes its architecture: GQA with 2 query hea
 per KV head; ``head_dim != hidden_size // num_heads`` (Qwen 3, Gemma 3); llama3 RoPE
 scaling (Llama); QK-norm (Qwen 3, Gemma 3); ``query_pre_attn_scalar != head_dim``,
 a sliding window of 8 (shorter than the test sequences), linear-scaled global RoPE
-and final-logit soft-capping (Gemma 3); tied (Qwen 3, Gemma 3) and untied (Llama)
-embeddings.
+and final-logit soft-capping (Gemma 3); Q/K/V biases (Qwen 2); a sliding window on
+every layer (Mistral); fused ``qkv_proj`` / ``gate_up_proj`` and partial RoPE over half
+of each head (Phi-3); learned positions, LayerNorm and Conv1D weights (GPT-2); tied
+(Qwen 3, Gemma 3, GPT-2) and untied (Llama, Qwen 2, Mistral, Phi-3) embeddings.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen3", "gemma3", "gpt2", "qwen2", "mistral", "phi3")
 
 SPECIAL_TOKENS = ["<|begin|>", "<|end|>", "<|eot|>", "<|pad|>", "<|user|>", "<|assistant|>"]
 BOS, EOS, EOT, PAD = 256, 257, 258, 259  # ids of the first four special tokens
@@ -53,8 +55,16 @@ SMOLLM2_SHAPE: dict[str, Any] = dict(
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
-    """A transformers config object for a tiny model of ``arch`` (llama, qwen3, gemma3)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    """A transformers config object for a tiny model of ``arch`` (one of `ARCHITECTURES`)."""
+    from transformers import (
+        Gemma3TextConfig,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
@@ -114,14 +124,75 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
         )
         kw.update(overrides)
         return Gemma3TextConfig(**kw)
+    if arch == "qwen2":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+        )
+        kw.update(overrides)
+        return Qwen2Config(**kw)
+    if arch == "mistral":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+        kw.update(overrides)
+        return MistralConfig(**kw)
+    if arch == "phi3":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+        kw.update(overrides)
+        return Phi3Config(**kw)
+    if arch == "gpt2":
+        kw = dict(
+            vocab_size=VOCAB_SIZE,
+            n_embd=64,
+            n_layer=3,
+            n_head=4,
+            n_positions=256,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        )
+        kw.update(overrides)
+        return GPT2Config(**kw)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     """A perturbed transformers model (float32, eval mode) of a tiny ``arch`` config."""
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        GPT2LMHeadModel,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Phi3ForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
-    classes = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}
+    classes = {
+        "llama": LlamaForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "gemma3": Gemma3ForCausalLM,
+        "gpt2": GPT2LMHeadModel,
+        "qwen2": Qwen2ForCausalLM,
+        "mistral": MistralForCausalLM,
+        "phi3": Phi3ForCausalLM,
+    }
     config = tiny_hf_config(arch, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

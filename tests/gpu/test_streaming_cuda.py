@@ -20,13 +20,26 @@ import pytest
 import torch
 
 from infer.generate import left_pad
-from infer.loader.build import load_safetensors_model
+from infer.loader.build import load_model
 from infer.loader.config import load_config
-from infer.models import model_class
+from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.streaming import SafetensorsSource, StreamingConfig, build_from_source, build_streaming_model
+from infer.streaming import StreamingConfig, build_streamed
 from infer.streaming.stats import TimelineEntry
 from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
+
+
+def build_streaming_model(
+    path: Path, *, device: str, dtype: torch.dtype, streaming: StreamingConfig
+) -> DecoderLM:
+    return build_streamed(
+        SafetensorsSource(path), load_config(path), device=device, dtype=dtype, streaming=streaming
+    )
+
+
+def load_resident(path: Path, dtype: torch.dtype) -> DecoderLM:
+    return load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cuda")
+
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,14 +54,11 @@ BIG = SyntheticSpec(
 
 
 def streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> DecoderLM:
-    config = load_config(path)
     settings: dict[str, Any] = dict(
         memory_budget="256MB", max_resident_layers=0, max_batch_size=2, max_context=64
     )
     settings.update(kw)
-    return build_streaming_model(
-        path, config, model_class(config), device="cuda", dtype=dtype, streaming=StreamingConfig(**settings)
-    )
+    return build_streaming_model(path, device="cuda", dtype=dtype, streaming=StreamingConfig(**settings))
 
 
 @torch.inference_mode()
@@ -73,8 +83,7 @@ def test_cuda_streamed_equals_resident(
     tiny_ckpt_factory: Any, arch: str, group_size: int, prefetch: bool, host_cache: int | str
 ) -> None:
     path = tiny_ckpt_factory(arch)
-    config = load_config(path)
-    resident = load_safetensors_model(path, config, model_class(config), dtype=torch.float32, device="cuda")
+    resident = load_resident(path, torch.float32)
     model = streamed(path, layer_group_size=group_size, prefetch=prefetch, host_memory_budget=host_cache)
     want_logits, want_tokens = greedy_trace(resident)  # type: ignore[arg-type]
     for rep in range(2):  # the second pass reads from the host cache when there is one
@@ -95,8 +104,7 @@ def test_cuda_streamed_head_and_bfloat16(tiny_ckpt_factory: Any, tmp_path: Path)
     from infer.testing import build_checkpoint
 
     path = build_checkpoint(tmp_path / "qwen3", "qwen3", vocab_size=2048)
-    config = load_config(path)
-    resident = load_safetensors_model(path, config, model_class(config), dtype=torch.bfloat16, device="cuda")
+    resident = load_resident(path, torch.bfloat16)
     model = streamed(path, torch.bfloat16, layer_group_size=2, resident_embeddings=False)
     assert len(model.executor.plan.head_unit_list) >= 2  # type: ignore[attr-defined]
     want, got = greedy_trace(resident), greedy_trace(model)  # type: ignore[arg-type]
@@ -121,11 +129,8 @@ def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    config = load_config(big_checkpoint)
     model = build_streaming_model(
         big_checkpoint,
-        config,
-        model_class(config),
         device="cuda",
         dtype=torch.bfloat16,
         streaming=StreamingConfig(
@@ -167,11 +172,8 @@ def _overlap(timeline: list[TimelineEntry]) -> tuple[float, float]:
 
 def test_cuda_copies_overlap_compute(big_checkpoint: Path) -> None:
     """Prefill-sized forwards: each group's compute outlasts the next group's copy, so copies hide."""
-    config = load_config(big_checkpoint)
     model = build_streaming_model(
         big_checkpoint,
-        config,
-        model_class(config),
         device="cuda",
         dtype=torch.bfloat16,
         streaming=StreamingConfig(
@@ -218,16 +220,14 @@ def _time_forwards(model: DecoderLM, ids: torch.Tensor, n: int) -> float:
 
 def test_cuda_prefetch_wall_time(big_checkpoint: Path) -> None:
     """Reading from disk every time (no host cache): prefetch hides the compute behind the reads."""
-    config = load_config(big_checkpoint)
     ids = torch.randint(0, BIG.vocab_size, (16, 1024), device="cuda")
     walls = {}
     stats = {}
     for prefetch in (False, True):
-        source = SafetensorsSource(big_checkpoint, config, torch.bfloat16)
-        model = build_from_source(
-            source,
-            model_class(config),
+        model = build_streaming_model(
+            big_checkpoint,
             device="cuda",
+            dtype=torch.bfloat16,
             streaming=StreamingConfig(
                 layer_group_size=2,
                 memory_budget="16GB",

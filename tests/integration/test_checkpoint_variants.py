@@ -73,15 +73,25 @@ def test_stored_buffers_are_ignored(tiny_ckpt_factory: Callable[..., Path], tmp_
         assert torch.equal(infer.load(dst).model(ids), infer.load(src).model(ids))
 
 
-def test_gpt2_mask_buffers_are_ignored() -> None:
-    from infer.loader.config import config_from_dict
-    from infer.loader.weight_map import get_weight_map, map_checkpoint_names
+def test_gpt2_mask_buffers_are_ignored(tmp_path: Path) -> None:
+    """Old GPT-2 checkpoints stored the causal-mask buffers ``h.N.attn.bias`` / ``attn.masked_bias``."""
+    from transformers import GPT2LMHeadModel
 
-    config = config_from_dict(
-        {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 16, "vocab_size": 10}
-    )
-    names = [*list(get_weight_map(config))[:5], "h.0.attn.bias", "transformer.h.0.attn.masked_bias"]
-    mapping = map_checkpoint_names(config, names, "ckpt")
-    assert sorted(mapping) == sorted(names[:5])
+    from infer.testing import tiny_hf_config
+
+    hf = GPT2LMHeadModel(tiny_hf_config("gpt2")).eval()
+    hf.save_pretrained(str(tmp_path / "plain"))
+    tensors = load_file(tmp_path / "plain" / "model.safetensors")
+    for i in range(hf.config.n_layer):
+        tensors[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 4, 4)
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, tmp_path / "plain" / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 260, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            infer.load(tmp_path / "plain").model(ids), hf(ids).logits, rtol=0, atol=1e-5
+        )
+    tensors["transformer.h.0.attn.extra"] = torch.ones(2)
+    save_file(tensors, tmp_path / "plain" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\).*h.0.attn.extra"):
-        map_checkpoint_names(config, [*names, "h.0.attn.extra"], "ckpt")
+        infer.load(tmp_path / "plain")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from infer.gguf import GGUFFile, load_gguf
+import infer
+from infer.gguf import GGUFFile
 from infer.gguf.reader import StringArray
 from infer.gguf.writer import write_gguf
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -70,7 +71,7 @@ def rewrite(
 
 def expect_error(path: Path, *needles: str) -> str:
     with pytest.raises(ValueError) as info:
-        load_gguf(path, dtype=torch.float32)
+        infer.load(path, dtype=torch.float32)
     message = str(info.value)
     print(f"\n{message}")
     assert str(path) in message
@@ -81,13 +82,13 @@ def expect_error(path: Path, *needles: str) -> str:
 
 def test_the_good_file_loads(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # keep the tokenizer cache out of ~/.cache
-    config, model, tok = load_gguf(good, dtype=torch.float32)
-    assert config.model_type == "llama" and len(model.layers) == 3 and tok.eos_token_ids
+    llm = infer.load(good, dtype=torch.float32)
+    assert llm.config.model_type == "llama" and len(llm.model.layers) == 3 and llm.tokenizer.eos_token_ids
 
 
 def test_missing_tensor(good: Path, tmp_path: Path) -> None:
     bad = rewrite(good, tmp_path / "bad.gguf", drop=("blk.1.ffn_up.weight",))
-    expect_error(bad, "missing required tensor", "blk.1.ffn_up.weight", "layers.1.mlp.up_proj.weight")
+    expect_error(bad, "missing tensor(s)", "blk.1.ffn_up.weight", "layers.1.mlp.up_proj.weight")
 
 
 def test_missing_output_norm(good: Path, tmp_path: Path) -> None:
@@ -127,9 +128,13 @@ def test_unexpected_bias(good: Path, tmp_path: Path) -> None:
     expect_error(bad, "blk.0.attn_output.bias")
 
 
-def test_rope_freqs_are_refused(good: Path, tmp_path: Path) -> None:
-    bad = rewrite(good, tmp_path / "bad.gguf", add={"rope_freqs.weight": (np.ones(8, np.float32), None)})
-    expect_error(bad, "rope_freqs.weight", "not supported")
+def test_bad_rope_freqs_are_refused(good: Path, tmp_path: Path) -> None:
+    short = rewrite(good, tmp_path / "short.gguf", add={"rope_freqs.weight": (np.ones(5, np.float32), None)})
+    expect_error(short, "RoPE frequency factors must be 8 positive finite numbers")
+    values = np.ones(8, np.float32)
+    values[3] = np.nan
+    nan = rewrite(good, tmp_path / "nan.gguf", add={"rope_freqs.weight": (values, None)})
+    expect_error(nan, "tensor 'rope_freqs.weight' holds values that are not finite and > 0")
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_1, GGMLQuantizationType.IQ4_NL])

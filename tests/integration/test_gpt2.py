@@ -11,12 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import infer
-from infer.gguf import GGUFFile, config_from_gguf
-from infer.gguf.loader import GGUFModelLoader
+from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
-from infer.loader.build import load_safetensors_model
+from infer.loader.build import load_model
 from infer.loader.config import load_config
-from infer.models import model_class
+from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.quant import QuantizedLinear
 from infer.testing import VOCAB_SIZE, build_tokenizer, perturb_
@@ -51,10 +50,7 @@ def checkpoint(hf_gpt2: Any, tokenizer: Any, tmp_path_factory: pytest.TempPathFa
 
 
 def _safetensors_model(path: Path) -> DecoderLM:
-    config = load_config(path)
-    model = load_safetensors_model(path, config, model_class(config), dtype=torch.float32, device="cpu")
-    assert isinstance(model, DecoderLM)
-    return model
+    return load_model(SafetensorsSource(path), load_config(path), dtype=torch.float32)
 
 
 def test_safetensors_matches_transformers(checkpoint: Path, hf_gpt2: Any) -> None:
@@ -110,7 +106,7 @@ def test_gguf_matches_transformers(qtype: str, hf_gpt2: Any, tokenizer: Any, tmp
     path = write_gguf(tmp_path / f"gpt2-{qtype}.gguf", hf_gpt2, tokenizer, qtype=qtype)
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
-    model = GGUFModelLoader(gguf, config, dtype=torch.float32).load(model_class(config))
+    model = load_model(GGUFSource(gguf), config, dtype=torch.float32)
     if qtype == "Q8_0":
         assert isinstance(model.layers[0].attn.c_attn, QuantizedLinear)
         assert isinstance(model.lm_head, QuantizedLinear)

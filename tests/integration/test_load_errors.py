@@ -81,7 +81,11 @@ def test_missing_and_unexpected_tensors(tiny_ckpt_factory: Callable[..., Path], 
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.2.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing tensor\(s\) for \['layers.2.mlp.up_proj.weight'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensor\(s\) \['model.layers.2.mlp.up_proj.weight'\] "
+        r"\(for parameters \['layers.2.mlp.up_proj.weight'\]",
+    ):
         infer.load(path)
 
     path = _copy(tiny_ckpt_factory("llama"), tmp_path / "extra")
@@ -115,11 +119,11 @@ def test_tied_checkpoint_with_stored_lm_head_reuses_embedding(
 
 
 def test_unsupported_model_type(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
-    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "mistral")
+    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "mamba")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["model_type"] = "mistral"
+    cfg["model_type"] = "mamba"
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'mistral'; supported: \["):
+    with pytest.raises(ValueError, match=r"config.json: unsupported model_type 'mamba'; supported: \["):
         infer.load(path)
 
 

@@ -1,13 +1,13 @@
 """Quantize-at-load (``quantize="q4_0" | "int8"``) on the tiny checkpoints.
 
-For each architecture and scheme: the float model (our loader) is copied and
-`quantize_model_` swaps its linears. Checked and printed:
+For each architecture and scheme, ``infer.load(path, quantize=scheme)`` against the float
+model ``infer.load(path)``. Checked and printed:
 
 * every ``nn.Linear`` (blocks and ``lm_head``) is quantized; the embedding stays float and
   untouched; a tied ``lm_head`` gets its own packed copy;
 * the quantized model equals a float model running on the quantized weights
-  (``effective_weight``): exactly with a float32 compute dtype, to bfloat16 rounding with
-  the default bfloat16 one;
+  (``effective_weight``): to bfloat16 rounding with the default bfloat16 compute dtype,
+  and to float32 rounding when its packed modules compute in float32;
 * the accuracy cost vs the float model (max logit error, top-1 agreement) and the memory saved;
 * a linear whose ``in_features`` is not a multiple of 32 stays float under ``q4_0``.
 """
@@ -15,7 +15,6 @@ For each architecture and scheme: the float model (our loader) is copied and
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from infer.loader.build import load_safetensors_model
-from infer.loader.config import load_config
-from infer.models import model_class
-from infer.quant import QuantizedLinear, module_nbytes, quantize_model_
+import infer
+from infer.quant import QuantizedLinear, module_nbytes
 from infer.testing import build_checkpoint
 
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -49,21 +46,36 @@ def logits(model: nn.Module) -> torch.Tensor:
     return out
 
 
+def float32_compute(model: nn.Module) -> nn.Module:
+    """A copy whose packed modules dequantize and multiply in float32 (no bfloat16 rounding).
+
+    The head's exact re-scoring is switched off: it uses the float32 scales, which
+    ``effective_weight`` (the bfloat16 ones) does not.
+    """
+    exact = copy.deepcopy(model)
+    for module in exact.modules():
+        if isinstance(module, QuantizedLinear):
+            module.compute_dtype = torch.float32
+            module.kernel_max_rows = 0
+            module._buffers.pop("scale_zero_residual", None)
+            for name, buf in list(module.named_buffers()):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.float())
+    return exact
+
+
 @pytest.mark.parametrize("scheme", ["q4_0", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_quantize_model(
-    arch: str, scheme: str, our_model_factory: Callable[..., Any], tiny_ckpt_factory: Any
-) -> None:
-    model = our_model_factory(tiny_ckpt_factory(arch))
-    embed_before = model.embed_tokens.weight.detach().clone()
+def test_quantize_at_load(arch: str, scheme: str, tiny_ckpt_factory: Any) -> None:
+    path = tiny_ckpt_factory(arch)
+    model = infer.load(path).model
+    quantized = infer.load(path, quantize=scheme).model
     ref = logits(model)
     linears = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear))
-
-    quantized = copy.deepcopy(model)
-    report = quantize_model_(quantized, scheme)
-    assert sorted(report.quantized) == linears and "lm_head" in linears and not report.kept_float
+    packed = sorted(name for name, m in quantized.named_modules() if isinstance(m, QuantizedLinear))
+    assert packed == linears and "lm_head" in linears
     assert isinstance(quantized.embed_tokens, nn.Embedding)
-    assert torch.equal(quantized.embed_tokens.weight, embed_before)
+    assert torch.equal(quantized.embed_tokens.weight, model.embed_tokens.weight)  # the embedding stays float
     head = quantized.lm_head
     assert isinstance(head, QuantizedLinear)
     if model.config.tie_word_embeddings:  # the head has its own packed copy; the embedding stays float
@@ -71,26 +83,24 @@ def test_quantize_model(
         assert all(b.data_ptr() != quantized.embed_tokens.weight.data_ptr() for b in head.buffers())
     out = logits(quantized)
 
-    # Mechanics: identical to a float model on the quantized weights (float32 compute: exact).
-    exact = copy.deepcopy(model)
-    quantize_model_(exact, scheme, compute_dtype=torch.float32)
-    eff_ref = logits(float_with_effective_weights(model, exact))
-    mech_f32 = float((logits(exact) - eff_ref).abs().max())
-    mech_bf16 = float((out - logits(float_with_effective_weights(model, quantized))).abs().max())
+    # Mechanics: a float model on the quantized weights computes the same.
+    eff_ref = logits(float_with_effective_weights(model, quantized))
+    mech_f32 = float((logits(float32_compute(quantized)) - eff_ref).abs().max())
+    mech_bf16 = float((out - eff_ref).abs().max())
 
     # Accuracy cost vs the float model.
     err = float((out - ref).abs().max())
     top1 = float((out.argmax(-1) == ref.argmax(-1)).float().mean())
-    saved = report.saved_bytes / report.bytes_before
+    before, after = module_nbytes(model), module_nbytes(quantized)
+    saved = 1 - after / before
     print(
         f"{arch} {scheme}: max |logit err| {err:.3f} (logits up to {float(ref.abs().max()):.1f}), "
-        f"top-1 agreement {top1:.1%} over {IDS.numel()} positions; memory {report.bytes_before} -> "
-        f"{report.bytes_after} bytes ({saved:.0%} saved); vs float-on-quantized-weights: "
+        f"top-1 agreement {top1:.1%} over {IDS.numel()} positions; memory {before} -> "
+        f"{after} bytes ({saved:.0%} saved); vs float-on-quantized-weights: "
         f"f32 compute {mech_f32:.1e}, bf16 compute {mech_bf16:.1e}"
     )
     assert mech_f32 < 1e-3
     assert mech_bf16 < 0.05 * float(eff_ref.abs().max())
-    assert report.bytes_after == module_nbytes(quantized) < report.bytes_before
     # Tiny random models are far more sensitive than trained ones (docs/quantization.md has
     # real-model numbers); these bounds only catch a broken scheme.
     assert top1 >= (0.7 if scheme == "int8" else 0.25)
@@ -99,16 +109,13 @@ def test_quantize_model(
 
 def test_q4_0_keeps_float_where_in_features_is_not_a_multiple_of_32(tmp_path: Path) -> None:
     path = build_checkpoint(tmp_path / "qwen3-hd20", "qwen3", head_dim=20)  # o_proj: in = 4 * 20 = 80
-    config = load_config(path)
-    model = load_safetensors_model(path, config, model_class(config), dtype=torch.float32, device="cpu")
-    quantized = copy.deepcopy(model)
-    report = quantize_model_(quantized, "q4_0")
-    kept = sorted(report.kept_float)
-    assert kept == [f"layers.{i}.self_attn.o_proj" for i in range(config.num_hidden_layers)]
-    for name in kept:
-        assert type(quantized.get_submodule(name)) is nn.Linear
-    assert "layers.0.self_attn.q_proj" in report.quantized
+    model = infer.load(path).model
+    quantized = infer.load(path, quantize="q4_0").model
+    kept = sorted(n for n, m in quantized.named_modules() if type(m) is nn.Linear)
+    layers = model.config.num_hidden_layers
+    assert kept == [f"layers.{i}.self_attn.o_proj" for i in range(layers)]
+    assert isinstance(quantized.get_submodule("layers.0.self_attn.q_proj"), QuantizedLinear)
     ref, out = logits(model), logits(quantized)
     top1 = float((out.argmax(-1) == ref.argmax(-1)).float().mean())
-    print(f"qwen3 head_dim=20 q4_0: kept float {kept}; top-1 agreement {top1:.1%}; {report}")
+    print(f"qwen3 head_dim=20 q4_0: kept float {kept}; top-1 agreement {top1:.1%}")
     assert torch.isfinite(out).all()

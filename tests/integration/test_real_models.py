@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import infer
-from infer.gguf import GGUFFile, config_from_gguf, load_gguf
+from infer.gguf import GGUFFile, config_from_gguf
 from infer.gguf.tokenizer import gguf_tokenizer
 from infer.realmodels import gemma3_270m_path, smollm2_path
 
@@ -80,7 +80,7 @@ def _compute_reference(path: Path) -> dict[str, torch.Tensor]:
 def real(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     path = smollm2_path() if request.param == "smollm2" else gemma3_270m_path()
     ref = _reference(getattr(request.config, "cache", None), path)
-    _, model, _ = load_gguf(path, dtype=torch.float32)
+    model = infer.load(path, dtype=torch.float32).model
     yield {"name": request.param, "path": path, "ref": ref, "model": model}
 
 

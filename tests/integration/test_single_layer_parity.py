@@ -3,7 +3,7 @@
 For each architecture a tiny checkpoint is written by transformers (`infer.testing.
 build_checkpoint`, single file and sharded) and read twice: by transformers
 (``AutoModelForCausalLM.from_pretrained``, eager attention) and by our loader
-(`load_weights` or `SafetensorsCheckpoint`) + `get_weight_map` into our
+(`load_weights` or `SafetensorsSource`) + `get_weight_map` into our
 ``*TransformerBlock`` (strict ``load_state_dict``). Both layers get the same random
 hidden states ``[1, 16, hidden]`` (longer than Gemma's sliding window of 8), the RoPE
 tables of transformers' ``rotary_emb`` (ours are checked equal to them) and each
@@ -40,8 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig, load_config
 from infer.loader.weight_map import get_weight_map
-from infer.loader.weights import SafetensorsCheckpoint, load_weights
-from infer.models import BLOCK_CLASSES
+from infer.loader.weights import SafetensorsSource, load_weights
+from infer.models import model_class
 from infer.models.common import RotaryEmbedding, causal_mask, rope_tables, sliding_window_causal_mask
 
 SEQ_LEN = 16
@@ -71,7 +71,7 @@ def layer_state(
         everything = load_weights(path, dtype=dtype)
         tensors = {hf: everything[hf] for hf in wanted}
     else:
-        ckpt = SafetensorsCheckpoint(path)
+        ckpt = SafetensorsSource(path)
         tensors = {hf: ckpt.get(hf).to(dtype) for hf in wanted}
         ckpt.close()
     return {ours.removeprefix(prefix): tensors[hf] for hf, ours in wanted.items()}
@@ -80,7 +80,7 @@ def layer_state(
 def our_block(
     path: Path, config: ModelConfig, layer: int, loader: str, dtype: torch.dtype
 ) -> torch.nn.Module:
-    block = BLOCK_CLASSES[config.model_type](config, config.layer_type(layer)).to(dtype).eval()
+    block = model_class(config).block_class(config).to(dtype).eval()
     block.load_state_dict(layer_state(path, config, layer, loader, dtype), strict=True)
     return block  # type: ignore[no-any-return]
 
@@ -199,7 +199,7 @@ class Setup:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("loader", ["load_weights", "SafetensorsCheckpoint"])
+@pytest.mark.parametrize("loader", ["load_weights", "SafetensorsSource"])
 @pytest.mark.parametrize(("arch", "layer"), CASES, ids=CASE_IDS)
 def test_single_layer_parity(
     arch: str,
@@ -279,7 +279,7 @@ def test_single_layer_parity_bf16_real_scale(
     real_scale_ckpt: Callable[[str, bool], Path],
     hf_model_factory: Callable[..., Any],
 ) -> None:
-    loader = "SafetensorsCheckpoint" if sharded else "load_weights"
+    loader = "SafetensorsSource" if sharded else "load_weights"
     s = Setup(
         real_scale_ckpt(arch, sharded), layer, loader, torch.bfloat16, hf_model_factory, REAL_SCALE_INPUT_STD
     )

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from infer.loader.config import load_config
-from infer.models import model_class
-from infer.streaming import BudgetError, StreamingConfig, build_streaming_model
+from infer.loader.weights import SafetensorsSource
+from infer.streaming import BudgetError, StreamingConfig, build_streamed
 from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=24, vocab_size=8192)
@@ -39,8 +39,8 @@ import torch
 from infer.generate import SamplingParams, generate_steps
 from infer.loader.build import build_empty
 from infer.loader.config import load_config
-from infer.models import model_class
-from infer.streaming import StreamingConfig, build_streaming_model
+from infer.loader.weights import SafetensorsSource
+from infer.streaming import StreamingConfig, build_streamed
 
 path, budget, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 config = load_config(path)
@@ -48,7 +48,7 @@ config = load_config(path)
 # (sympy, mpmath: ~80 MB) the first time any model is built on the meta device.
 (torch.randn(256, 256) @ torch.randn(256, 256)).sum()
 tiny = dataclasses.replace(config, hidden_size=64, intermediate_size=64, num_hidden_layers=1, vocab_size=16)
-build_empty(tiny, model_class(tiny))
+build_empty(tiny)
 base = anon_bytes()
 peak = base
 running = True
@@ -64,8 +64,8 @@ sampler.start()
 streaming = StreamingConfig(
     layer_group_size=2, memory_budget=budget, prefetch=prefetch, max_context=128, max_prefill_tokens=64
 )
-cls = model_class(config)
-model = build_streaming_model(path, config, cls, device="cpu", dtype=torch.float32, streaming=streaming)
+source = SafetensorsSource(path)
+model = build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
 prompt = [[(7 * i + 3) % config.vocab_size for i in range(48)]]
 rows = None
 for rows in generate_steps(model, prompt, max_new_tokens=16, params=SamplingParams(), eos_ids=[]):
@@ -117,13 +117,11 @@ def test_peak_memory_stays_within_budget(big_checkpoint: Path, prefetch: bool) -
 
 
 def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
-    config = load_config(big_checkpoint)
-    streaming = StreamingConfig(layer_group_size=4, memory_budget="40MB", max_context=2048)
+    streaming = StreamingConfig(layer_group_size=4, memory_budget="40MB", max_context=2048, prefetch=True)
     with pytest.raises(BudgetError) as info:
-        build_streaming_model(
-            big_checkpoint,
-            config,
-            model_class(config),
+        build_streamed(
+            SafetensorsSource(big_checkpoint),
+            load_config(big_checkpoint),
             device="cpu",
             dtype=torch.float32,
             streaming=streaming,

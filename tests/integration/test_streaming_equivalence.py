@@ -17,21 +17,18 @@ import pytest
 import torch
 
 from infer.generate import left_pad
-from infer.loader.build import load_safetensors_model
+from infer.loader.build import load_model
 from infer.loader.config import load_config
-from infer.models import model_class
+from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.streaming import StreamingConfig, build_streaming_model
+from infer.streaming import StreamingConfig, build_streamed
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64, 12, 180, 33], [8, 1, 77, 150]]  # longer than the sliding window (8)
 STEPS = 6
 
 
 def load_resident(path: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    config = load_config(path)
-    model = load_safetensors_model(path, config, model_class(config), dtype=dtype, device="cpu")
-    assert isinstance(model, DecoderLM)
-    return model
+    return load_model(SafetensorsSource(path), load_config(path), dtype=dtype)
 
 
 def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> DecoderLM:
@@ -40,8 +37,8 @@ def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> 
         memory_budget="256MB", max_resident_layers=0, max_batch_size=2, max_context=64
     )
     settings.update(kw)
-    return build_streaming_model(
-        path, config, model_class(config), device="cpu", dtype=dtype, streaming=StreamingConfig(**settings)
+    return build_streamed(
+        SafetensorsSource(path), config, device="cpu", dtype=dtype, streaming=StreamingConfig(**settings)
     )
 
 

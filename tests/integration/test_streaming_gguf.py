@@ -1,9 +1,9 @@
 """Streaming GGUF files: packed layers stream as packed bytes, results identical to the resident GGUF model.
 
 Tiny Llama / Qwen 3 / Gemma 3 models are written as GGUF with the project's writer
-(llama.cpp's layout) and loaded twice: resident with `infer.gguf.load_gguf`, and
-streamed. Logits of a prefill and of KV-cached greedy decode steps must be equal
-(`torch.equal`); a Q4_0 file must move about a quarter of the bytes of a bfloat16 one.
+(llama.cpp's layout) and loaded twice with `infer.load`: resident, and streamed.
+Logits of a prefill and of KV-cached greedy decode steps must be equal (`torch.equal`);
+a Q4_0 file must move about a quarter of the bytes of a bfloat16 one.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from infer.gguf import load_gguf
+import infer
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
-from infer.streaming import StreamingConfig, build_streaming_model_gguf
+from infer.streaming import StreamingConfig
 from infer.testing import build_tokenizer, tiny_hf_model
 
-# What GGUF can express of each tiny config (no llama3 RoPE scaling, no Gemma soft-capping).
+# What GGUF can express of each tiny config (no Gemma soft-capping).
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "llama": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "llama": {},
     "qwen3": {},
     "gemma3": {"query_pre_attn_scalar": 32, "final_logit_softcapping": None},
 }
@@ -44,10 +44,7 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str]
 def streamed(path: Path, dtype: torch.dtype | None = None, **kw: Any) -> DecoderLM:
     settings: dict[str, Any] = dict(memory_budget="64MB", max_resident_layers=0, max_context=64)
     settings.update(kw)
-    _, model, _ = build_streaming_model_gguf(
-        path, device="cpu", dtype=dtype, streaming=StreamingConfig(**settings)
-    )
-    return model
+    return infer.load(path, dtype=dtype, streaming=StreamingConfig(**settings)).model
 
 
 @torch.inference_mode()
@@ -67,7 +64,7 @@ def test_gguf_streamed_equals_resident(
     gguf_files: dict[tuple[str, str], Path], arch: str, qtype: str, group_size: int, prefetch: bool
 ) -> None:
     path = gguf_files[arch, qtype]
-    _, resident, _ = load_gguf(path)
+    resident = infer.load(path).model
     model = streamed(path, layer_group_size=group_size, prefetch=prefetch)
     want, got = trace(resident), trace(model)
     worst = max((w - g).abs().max().item() for w, g in zip(want, got, strict=True))
@@ -89,8 +86,6 @@ def test_q4_moves_a_quarter_of_bf16(gguf_files: dict[tuple[str, str], Path]) -> 
 
 
 def test_public_api_streams_gguf(gguf_files: dict[tuple[str, str], Path]) -> None:
-    import infer
-
     path = gguf_files["qwen3", "Q4_0"]
     config = StreamingConfig(layer_group_size=2, memory_budget="64MB", max_resident_layers=0)
     want = infer.load(path).generate(["hello there"], max_new_tokens=6)
@@ -101,5 +96,5 @@ def test_public_api_streams_gguf(gguf_files: dict[tuple[str, str], Path]) -> Non
 
 
 def test_gguf_embedding_stays_resident(gguf_files: dict[tuple[str, str], Path]) -> None:
-    with pytest.raises(ValueError, match="keeps the embedding and lm_head resident"):
+    with pytest.raises(ValueError, match="packed or quantized embedding and head stay resident"):
         streamed(gguf_files["llama", "Q4_0"], resident_embeddings=False)

@@ -11,18 +11,18 @@ intra-op thread so that the reader and the compute each have a core.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from infer.loader.config import ModelConfig, load_config
-from infer.models import model_class
+from infer.loader.config import load_config
+from infer.loader.source import StoredTensor, WeightSource
+from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.streaming import SafetensorsSource, StreamingConfig, TensorRef, build_from_source
+from infer.streaming import StreamingConfig, build_streamed
 from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=8, vocab_size=1024)
@@ -31,29 +31,24 @@ FORWARDS = 8
 
 
 class SlowSource:
-    """A `WeightSource` whose reads take ``nbytes / bytes_per_second`` longer."""
+    """A `WeightSource`, written from the Protocol alone, whose reads take ``nbytes / rate`` longer."""
 
-    def __init__(self, inner: SafetensorsSource, bytes_per_second: float) -> None:
+    naming = "hf"
+
+    def __init__(self, inner: WeightSource, bytes_per_second: float) -> None:
         self.inner = inner
         self.rate = bytes_per_second
         self.description = inner.description
-        self.config = inner.config
 
-    def build_skeleton(self, model_cls: Callable[[ModelConfig], nn.Module]) -> DecoderLM:
-        return self.inner.build_skeleton(model_cls)
+    def tensors(self) -> Mapping[str, StoredTensor]:
+        return self.inner.tensors()
 
-    def layer_tensors(self, index: int) -> dict[str, TensorRef]:
-        return self.inner.layer_tensors(index)
-
-    def tensor(self, name: str) -> TensorRef:
-        return self.inner.tensor(name)
-
-    def read_into(self, ref: TensorRef, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         time.sleep(out.numel() * out.element_size() / self.rate)
-        self.inner.read_into(ref, out, rows)
+        self.inner.read_into(name, out, rows)
 
-    def read_rows(self, ref: TensorRef, index: torch.Tensor) -> torch.Tensor:
-        return self.inner.read_rows(ref, index)
+    def prefetch_hint(self, name: str) -> None:
+        self.inner.prefetch_hint(name)
 
     def close(self) -> None:
         self.inner.close()
@@ -75,7 +70,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def build(path: Path, prefetch: bool, rate: float | None) -> DecoderLM:
     config = load_config(path)
-    source: Any = SafetensorsSource(path, config, torch.float32)
+    source: WeightSource = SafetensorsSource(path)
     if rate is not None:
         source = SlowSource(source, rate)
     streaming = StreamingConfig(
@@ -86,7 +81,7 @@ def build(path: Path, prefetch: bool, rate: float | None) -> DecoderLM:
         max_context=TOKENS,
         max_prefill_tokens=TOKENS,
     )
-    return build_from_source(source, model_class(config), device="cpu", streaming=streaming)
+    return build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
 
 
 def run(model: DecoderLM) -> float:

@@ -137,9 +137,9 @@ def test_str_and_path_inputs(tmp_path: Path, dev_configs: dict[str, dict[str, An
 def test_unsupported_model_type_names_file_and_supported_set(
     tmp_path: Path, dev_configs: dict[str, dict[str, Any]]
 ) -> None:
-    data = dev_configs["llama"] | {"model_type": "mistral"}
+    data = dev_configs["llama"] | {"model_type": "mamba"}
     path = write_config(tmp_path, data)
-    with pytest.raises(ValueError, match="unsupported model_type 'mistral'") as info:
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'") as info:
         load_config(path)
     message = str(info.value)
     assert str(path / "config.json") in message

@@ -60,7 +60,13 @@ def _write(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.nd
             w.add_string(key, value)
         else:
             w.add_array(key, value)
-    for name, array in (tensors or {"token_embd.weight": np.zeros((100, 64), np.float32)}).items():
+    if tensors is None:
+        tensors = {"token_embd.weight": np.zeros((100, 64), np.float32)}
+    if not any(name.startswith("blk.") for name in tensors):  # one tensor per block the metadata declares
+        blocks = meta.get(f"{arch}.block_count")
+        for i in range(blocks if isinstance(blocks, int) else 0):
+            tensors[f"blk.{i}.attn_norm.weight"] = np.ones(64, np.float32)
+    for name, array in tensors.items():
         w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -136,8 +142,9 @@ def test_gemma3_pattern_and_linear_rope(tmp_path: Path) -> None:
         ("mamba", {}, "unsupported architecture 'mamba'"),
         ("llama", {"llama.embedding_length": None}, "missing metadata key 'llama.embedding_length'"),
         ("llama", {"llama.block_count": "two"}, "'llama.block_count' = 'two', expected an integer"),
-        ("llama", {"llama.block_count": 0}, "'llama.block_count' = 0, expected > 0"),
-        ("llama", {"llama.rope.dimension_count": 8}, "partial RoPE"),
+        ("llama", {"llama.block_count": 0}, "'llama.block_count' = 0, expected an integer > 0"),
+        ("llama", {"llama.rope.dimension_count": 24}, "'llama.rope.dimension_count' = 24, expected an even"),
+        ("llama", {"llama.rope.dimension_count": 7}, "'llama.rope.dimension_count' = 7, expected an even"),
         ("llama", {"llama.vocab_size": 99}, "'llama.vocab_size' = 99 but token_embd.weight has 100 rows"),
         (
             "llama",

@@ -1,14 +1,20 @@
-"""GGUF tensor-name tables and the undoing of llama.cpp's converter changes."""
+"""GGUF tensor names -> our parameters (the architecture records' GGUF rules), and the undoing of
+llama.cpp's converter changes."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
 import torch
 
-from infer.gguf.names import Fix, fix_for, gguf_weight_map, unpermute_rows
-from infer.loader.config import ModelConfig
-from infer.loader.weight_map import get_weight_map
+from infer.config import ModelConfig, architecture
+from infer.loader.build import build_empty
+from infer.loader.names import map_names
+from infer.loader.place import unpermute_rows
+from infer.loader.source import StoredTensor
+from infer.models.arch import Fix
 
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -28,49 +34,102 @@ def test_unpermute_inverts_llama_cpp(rows: int, heads: int) -> None:
     np.testing.assert_array_equal(restored.numpy(), hf)
 
 
-def _config(model_type: str, layers: int = 2) -> ModelConfig:
-    return ModelConfig(model_type, 64, 128, layers, 4, 2, 100, 128)
+class NamesOnly:
+    """A `WeightSource` that only lists names (enough to map them)."""
+
+    naming = "gguf"
+    description = "names.gguf"
+
+    def __init__(self, names: list[str]) -> None:
+        self._tensors = {n: StoredTensor(n, (4,), torch.float32, 16) for n in names}
+
+    def tensors(self) -> Mapping[str, StoredTensor]:
+        return self._tensors
+
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        raise AssertionError("not read")
+
+    def prefetch_hint(self, name: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _config(model_type: str, layers: int = 2, **kw: object) -> ModelConfig:
+    return ModelConfig(model_type, 64, 128, layers, 4, 2, 100, 128, **kw)  # type: ignore[arg-type]
+
+
+def _all_gguf_names(model_type: str, layers: int) -> list[str]:
+    """Every GGUF name of a model, from the rules' tables (inverted)."""
+    arch = architecture(model_type, "test")
+    assert arch.gguf is not None
+    layer = {v: k for k, v in arch.gguf.layer.items()}
+    nonlayer = {v: k for k, v in arch.gguf.nonlayer.items()}
+    names = []
+    for param, _ in build_empty(_config(model_type, layers)).named_parameters():
+        path, _, kind = param.rpartition(".")
+        parts = path.split(".", 2)
+        names.append(
+            f"blk.{parts[1]}.{layer[parts[2]]}.{kind}" if parts[0] == "layers" else f"{nonlayer[path]}.{kind}"
+        )
+    return names
 
 
 @pytest.mark.parametrize(
-    ("arch", "model_type", "per_layer"),
-    [("llama", "llama", 9), ("qwen3", "qwen3", 11), ("gemma3", "gemma3_text", 13)],
+    ("model_type", "per_layer"),
+    [("llama", 9), ("qwen3", 11), ("gemma3_text", 13), ("gpt2", 12), ("qwen2", 12), ("phi3", 6)],
 )
-def test_maps_cover_the_safetensors_maps(arch: str, model_type: str, per_layer: int) -> None:
-    gguf = gguf_weight_map(arch, 3)
-    assert len(gguf) == 3 + 3 * per_layer
-    ours = set(get_weight_map(_config(model_type, 3)).values())
-    assert set(gguf.values()) == ours  # every parameter reachable, nothing extra
+def test_every_parameter_has_one_gguf_name(model_type: str, per_layer: int) -> None:
+    names = _all_gguf_names(model_type, 3)
+    assert len(names) == len(set(names))
+    entries = map_names(NamesOnly(names), _config(model_type, 3), architecture(model_type, "test"))
+    params = {n for n, _ in build_empty(_config(model_type, 3)).named_parameters()}
+    assert set(entries) == params  # every parameter reachable, nothing extra
+    assert sum(1 for n in entries if n.startswith("layers.1.")) == per_layer
 
 
-def test_gpt2_map() -> None:
-    gguf = gguf_weight_map("gpt2", 2)
-    assert gguf["position_embd.weight"] == "embed_positions.weight"
-    assert gguf["blk.1.attn_qkv.bias"] == "layers.1.attn.c_attn.bias"
-    assert gguf["output_norm.bias"] == "norm.bias"
-    hf = set(get_weight_map(_config("gpt2")).values())
-    assert set(gguf.values()) == hf
-
-
-def test_biases_are_optional_entries() -> None:
-    assert "blk.0.attn_q.bias" not in gguf_weight_map("llama", 1)
-    with_bias = gguf_weight_map("llama", 1, biases=True)
-    assert with_bias["blk.0.attn_q.bias"] == "layers.0.self_attn.q_proj.bias"
-    assert "blk.0.attn_norm.bias" not in with_bias
+def test_gpt2_names() -> None:
+    entries = map_names(
+        NamesOnly(["position_embd.weight", "blk.1.attn_qkv.bias", "output_norm.bias"]),
+        _config("gpt2"),
+        architecture("gpt2", "test"),
+    )
+    assert entries["embed_positions.weight"].stored.name == "position_embd.weight"
+    assert entries["layers.1.attn.c_attn.bias"].stored.name == "blk.1.attn_qkv.bias"
+    assert entries["norm.bias"].stored.name == "output_norm.bias"
 
 
 def test_fixes() -> None:
-    assert fix_for("llama", "blk.3.attn_q.weight") is Fix.PERMUTE_Q
-    assert fix_for("llama", "blk.3.attn_k.weight") is Fix.PERMUTE_K
-    assert fix_for("llama", "blk.3.attn_v.weight") is None
-    assert fix_for("qwen3", "blk.3.attn_q.weight") is None  # NEOX RoPE in llama.cpp: not permuted
-    assert fix_for("gemma3", "blk.0.attn_q_norm.weight") is Fix.UNIT_OFFSET
-    assert fix_for("gemma3", "output_norm.weight") is Fix.UNIT_OFFSET
-    assert fix_for("gpt2", "blk.0.attn_qkv.weight") is Fix.TRANSPOSE
-    assert fix_for("gpt2", "blk.0.attn_qkv.bias") is None
-    assert fix_for("gpt2", "output.weight") is None
+    def fix(model_type: str, name: str) -> Fix | None:
+        entries = map_names(NamesOnly([name]), _config(model_type), architecture(model_type, "test"))
+        return next(iter(entries.values())).fix
+
+    assert fix("llama", "blk.3.attn_q.weight") is Fix.PERMUTE_Q
+    assert fix("llama", "blk.3.attn_q.bias") is Fix.PERMUTE_Q
+    assert fix("llama", "blk.3.attn_k.weight") is Fix.PERMUTE_K
+    assert fix("llama", "blk.3.attn_v.weight") is None
+    assert fix("qwen3", "blk.3.attn_q.weight") is None  # NEOX RoPE in llama.cpp: not permuted
+    assert fix("qwen2", "blk.3.attn_q.bias") is None
+    assert fix("gemma3_text", "blk.0.attn_q_norm.weight") is Fix.UNIT_OFFSET
+    assert fix("gemma3_text", "blk.0.post_ffw_norm.weight") is Fix.UNIT_OFFSET
+    assert fix("gemma3_text", "output_norm.weight") is Fix.UNIT_OFFSET
+    assert fix("gemma3_text", "blk.0.attn_q.weight") is None
+    assert fix("gpt2", "blk.0.attn_qkv.weight") is None  # the converter already wrote [out, in]
+    assert fix("gpt2", "output.weight") is None
 
 
-def test_unknown_architecture() -> None:
-    with pytest.raises(ValueError, match="no GGUF tensor map for architecture 'mamba'"):
-        gguf_weight_map("mamba", 1)
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"names.gguf: unknown tensor name\(s\) for architecture 'llama': "):
+        map_names(
+            NamesOnly(["blk.0.attn_q.weight", "blk.0.mystery.weight"]),
+            _config("llama"),
+            architecture("llama", "t"),
+        )
+
+
+def test_config_tensors_are_not_parameters() -> None:
+    entries = map_names(
+        NamesOnly(["rope_freqs.weight", "token_embd.weight"]), _config("llama"), architecture("llama", "t")
+    )
+    assert list(entries) == ["embed_tokens.weight"]

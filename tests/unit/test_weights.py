@@ -1,4 +1,4 @@
-"""Safetensors loading: `load_weights` (whole dict) and `SafetensorsCheckpoint` (lazy, per tensor)."""
+"""Safetensors loading: `load_weights` (whole dict) and `SafetensorsSource` (lazy, per tensor)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import infer.loader.weights as weights_mod
-from infer.loader.weights import INDEX_FILE, SINGLE_FILE, SafetensorsCheckpoint, load_weights
+from infer.loader.weights import INDEX_FILE, SINGLE_FILE, SafetensorsSource, load_weights
 
 
 def known_tensors() -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_not_a_safetensors_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=SINGLE_FILE):
         load_weights(tmp_path)
     with pytest.raises(ValueError, match=SINGLE_FILE):
-        SafetensorsCheckpoint(tmp_path)
+        SafetensorsSource(tmp_path)
 
 
 # --------------------------------------------------------------------------- sharded
@@ -144,7 +144,7 @@ def test_index_takes_precedence_over_single_file(tmp_path: Path) -> None:
     path = write_sharded(tmp_path, two_shards())
     save_file({"decoy": torch.zeros(3)}, str(path / SINGLE_FILE))
     assert_same(load_weights(path), known_tensors())
-    assert sorted(SafetensorsCheckpoint(path).keys()) == sorted(known_tensors())
+    assert sorted(SafetensorsSource(path).keys()) == sorted(known_tensors())
 
 
 def test_tensor_in_index_but_not_in_shards(tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_tensor_in_index_but_not_in_shards(tmp_path: Path) -> None:
         "model.layers.0.mlp.up_proj.weight": "model-00002-of-00002.safetensors"
     }
     path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsCheckpoint):
+    for load in (load_weights, SafetensorsSource):
         with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight") as info:
             load(path)
         assert "not in any shard" in str(info.value)
@@ -164,7 +164,7 @@ def test_tensor_in_shards_but_not_in_index(tmp_path: Path) -> None:
     index = {n: f for f, ts in shards.items() for n in ts}
     del index["model.norm.weight"]
     path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsCheckpoint):
+    for load in (load_weights, SafetensorsSource):
         with pytest.raises(ValueError, match=r"model\.norm\.weight") as info:
             load(path)
         assert "not listed" in str(info.value)
@@ -175,7 +175,7 @@ def test_tensor_in_wrong_shard(tmp_path: Path) -> None:
     index = {n: f for f, ts in shards.items() for n in ts}
     index["model.norm.weight"] = "model-00001-of-00002.safetensors"
     path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsCheckpoint):
+    for load in (load_weights, SafetensorsSource):
         with pytest.raises(ValueError, match=r"model\.norm\.weight"):
             load(path)
 
@@ -183,7 +183,7 @@ def test_tensor_in_wrong_shard(tmp_path: Path) -> None:
 def test_missing_shard_names_the_shard(tmp_path: Path) -> None:
     path = write_sharded(tmp_path, two_shards())
     (path / "model-00002-of-00002.safetensors").unlink()
-    for load in (load_weights, SafetensorsCheckpoint):
+    for load in (load_weights, SafetensorsSource):
         with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors"):
             load(path)
 
@@ -193,7 +193,7 @@ def test_tensor_stored_twice(tmp_path: Path) -> None:
     shards = {"a.safetensors": t, "b.safetensors": {"model.norm.weight": t["model.norm.weight"]}}
     index = {n: "a.safetensors" for n in t} | {"model.norm.weight": "b.safetensors"}
     path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsCheckpoint):
+    for load in (load_weights, SafetensorsSource):
         with pytest.raises(ValueError, match=r"model\.norm\.weight.*twice"):
             load(path)
 
@@ -263,67 +263,47 @@ def test_loads_onto_cuda(tmp_path: Path) -> None:
         assert torch.equal(loaded[name].cpu(), tensor.to(torch.bfloat16))
 
 
-# --------------------------------------------------------------------------- SafetensorsCheckpoint
-
-
-class CountingSafeOpen:
-    """Wraps ``safe_open`` handles and counts the tensors actually read."""
-
-    def __init__(self, real: Callable[..., Any]) -> None:
-        self.real = real
-        self.reads: list[str] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.real(*args, **kwargs)
-        outer = self
-
-        class Handle:
-            def __enter__(self) -> Any:
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc: Any) -> None:
-                handle.__exit__(*exc)
-
-            def __getattr__(self, attr: str) -> Any:
-                return getattr(handle, attr)
-
-            def get_tensor(self, name: str) -> torch.Tensor:
-                outer.reads.append(name)
-                tensor: torch.Tensor = handle.get_tensor(name)
-                return tensor
-
-        return Handle()
+# --------------------------------------------------------------------------- SafetensorsSource
 
 
 def test_checkpoint_lists_without_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spy = CountingSafeOpen(weights_mod.safe_open)
-    monkeypatch.setattr(weights_mod, "safe_open", spy)
+    import os
+
+    reads: list[tuple[int, int]] = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        reads.append((offset, len(buffers[0])))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr("infer.loader.source.os.preadv", counting_preadv)
     path = write_sharded(tmp_path, two_shards() | {"model-extra.safetensors": {"ids": torch.arange(3)}})
-    ckpt = SafetensorsCheckpoint(path)
-    assert spy.reads == []  # listing reads headers only
+    ckpt = SafetensorsSource(path)
+    assert reads == []  # listing reads headers only
     assert sorted(ckpt.keys()) == sorted([*known_tensors(), "ids"])
-    info = ckpt.tensors["model.embed_tokens.weight"]
+    info = ckpt.tensors()["model.embed_tokens.weight"]
     assert info.shape == (6, 4)
     assert info.dtype == torch.float32
-    assert info.file == path / "model-00001-of-00002.safetensors"
     assert info.nbytes == 6 * 4 * 4
-    assert ckpt.tensors["ids"].dtype == torch.int64
+    assert ckpt.tensors()["ids"].dtype == torch.int64
     assert "model.norm.weight" in ckpt and "nope" not in ckpt
 
     norm = ckpt.get("model.norm.weight")
-    assert spy.reads == ["model.norm.weight"]  # exactly one tensor read
+    assert [n for _, n in reads] == [4 * 4]  # exactly one tensor read, of its 16 bytes
     assert torch.equal(norm, known_tensors()["model.norm.weight"])
+    rows = torch.empty(2, 4)
+    ckpt.read_into("model.embed_tokens.weight", rows, (3, 5))
+    assert torch.equal(rows, known_tensors()["model.embed_tokens.weight"][3:5])
     ckpt.close()
 
 
 def test_checkpoint_values_match_load_weights(tmp_path: Path, tiny_ckpt_factory: Any, sharded: bool) -> None:
     path = tiny_ckpt_factory("gemma3", sharded)
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = SafetensorsSource(path)
     everything = load_weights(path)
-    assert dict(ckpt.items()).keys() == everything.keys()
-    for name, tensor in ckpt.items():
-        assert torch.equal(tensor, everything[name]), name
+    assert ckpt.tensors().keys() == everything.keys()
+    for name in ckpt.tensors():
+        assert torch.equal(ckpt.get(name), everything[name]), name
     assert len(ckpt.files) == (
         len(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())) if sharded else 1
     )
@@ -331,7 +311,7 @@ def test_checkpoint_values_match_load_weights(tmp_path: Path, tiny_ckpt_factory:
 
 
 def test_checkpoint_unknown_tensor(tmp_path: Path) -> None:
-    ckpt = SafetensorsCheckpoint(write_single(tmp_path, known_tensors()))
+    ckpt = SafetensorsSource(write_single(tmp_path, known_tensors()))
     with pytest.raises(KeyError, match=r"lm_head\.weight"):
         ckpt.get("lm_head.weight")
 
@@ -339,6 +319,6 @@ def test_checkpoint_unknown_tensor(tmp_path: Path) -> None:
 def test_checkpoint_single_file_and_str(tmp_path: Path) -> None:
     path = write_single(tmp_path, mixed())
     for source in (path, str(path), path / SINGLE_FILE):
-        ckpt = SafetensorsCheckpoint(source)
-        assert_same(dict(ckpt.items()), mixed())
+        ckpt = SafetensorsSource(source)
+        assert_same({name: ckpt.get(name) for name in ckpt.tensors()}, mixed())
         ckpt.close()

@@ -1,9 +1,9 @@
-"""GGUF checkpoints: a fast metadata reader, config and tensor maps, tokenizer cache, model loader."""
+"""GGUF checkpoints: a fast metadata reader, config from metadata, a weight source, a tokenizer cache."""
 
 from __future__ import annotations
 
 from infer.gguf.config import config_from_gguf
-from infer.gguf.loader import GGUFModelLoader, inspect_rows, load_gguf
 from infer.gguf.reader import GGUFFile, TensorInfo
+from infer.gguf.source import GGUFSource
 
-__all__ = ["GGUFFile", "GGUFModelLoader", "TensorInfo", "config_from_gguf", "inspect_rows", "load_gguf"]
+__all__ = ["GGUFFile", "GGUFSource", "TensorInfo", "config_from_gguf"]

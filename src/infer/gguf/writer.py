@@ -1,11 +1,11 @@
 """Write a transformers model (and its fast tokenizer) as GGUF, the way llama.cpp's converter does.
 
-Used to build small GGUF files for tests: the reverse of everything `infer.gguf.loader`
-undoes is applied here (llama Q/K row permutation, Gemma's +1 on norm weights,
-GPT-2's Conv1D transposed to ``[out, in]`` and its head written as ``output.weight``),
-and hyperparameters go under llama.cpp's key names. Facts GGUF cannot express (a
-Gemma query scale other than ``head_dim``, logit soft-capping, llama3 RoPE scaling)
-are refused rather than written wrongly.
+Used to build small GGUF files for tests. Names, metadata keys and the converter's
+changes come from the architecture records (`infer.models.arch.GGUFRules`), applied in
+reverse of what the loader undoes: llama Q/K rows permuted, Gemma's +1 on norm weights,
+GPT-2's head written as ``output.weight``, Llama 3.1+ RoPE scaling as ``rope_freqs``,
+Mistral written as ``llama``. Facts GGUF cannot express (a Gemma query scale other than
+``head_dim``, logit soft-capping) are refused rather than written wrongly.
 
 Weight matrices are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 MXFP4, via `gguf.quants.quantize`); norms, biases and position embeddings stay F32,
@@ -15,6 +15,7 @@ as llama.cpp's quantizer leaves them.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,14 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, TokenType
 from gguf.quants import quantize
 
-from infer.gguf.config import GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SLIDING_PATTERN
-from infer.gguf.names import Fix, fix_for, gguf_weight_map, unpermute_rows
-from infer.loader.config import ModelConfig, config_from_dict
-from infer.loader.weight_map import get_weight_map
+from infer.config import ModelConfig, architecture, config_from_dict
+from infer.loader.place import unpermute_rows
+from infer.models.arch import Architecture, Fix, GGUFRules, fix_for
 
-_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3", "gpt2": "gpt2"}
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 
 
-def _metadata(w: GGUFWriter, arch: str, c: ModelConfig) -> None:
+def _metadata(w: GGUFWriter, arch: str, c: ModelConfig, rules: GGUFRules) -> None:
     a = arch
     w.add_uint32(f"{a}.context_length", c.max_position_embeddings)
     w.add_uint32(f"{a}.embedding_length", c.hidden_size)
@@ -41,37 +40,47 @@ def _metadata(w: GGUFWriter, arch: str, c: ModelConfig) -> None:
     w.add_uint32(f"{a}.feed_forward_length", c.intermediate_size)
     w.add_uint32(f"{a}.attention.head_count", c.num_attention_heads)
     if arch == "gpt2":
-        w.add_float32(f"{a}.attention.layer_norm_epsilon", c.rms_norm_eps)
+        assert rules.write_metadata is not None
+        rules.write_metadata(w, a, c)
         return
     w.add_uint32(f"{a}.attention.head_count_kv", c.num_key_value_heads)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{a}.rope.freq_base", c.rope_theta)
     w.add_uint32(f"{a}.vocab_size", c.vocab_size)
     hd = c.computed_head_dim
-    if arch == "llama":
-        w.add_uint32(f"{a}.rope.dimension_count", hd)
     if arch != "llama" or hd != c.hidden_size // c.num_attention_heads:
         w.add_uint32(f"{a}.attention.key_length", hd)
         w.add_uint32(f"{a}.attention.value_length", hd)
-    if c.rope_scaling is not None:
-        if c.rope_scaling.get("rope_type") != "linear":
-            raise ValueError(f"GGUF cannot express RoPE scaling {c.rope_scaling} (only linear)")
+    kind = c.rope_scaling.get("rope_type") if c.rope_scaling is not None else None
+    if kind == "linear":
+        assert c.rope_scaling is not None
         w.add_string(f"{a}.rope.scaling.type", "linear")
         w.add_float32(f"{a}.rope.scaling.factor", float(c.rope_scaling["factor"]))
-    if arch == "gemma3":
-        if c.query_pre_attn_scalar not in (None, float(hd)):
-            raise ValueError(f"GGUF gemma3 fixes the query scale to head_dim={hd}: {c.query_pre_attn_scalar}")
-        if c.final_logit_softcapping is not None or c.attn_logit_softcapping is not None:
-            raise ValueError("GGUF gemma3 has no logit soft-capping")
-        if c.rope_local_base_freq not in (None, GEMMA3_LOCAL_ROPE_BASE):
-            raise ValueError(f"GGUF gemma3 fixes the sliding RoPE base to 10000: {c.rope_local_base_freq}")
-        if c.sliding_window is not None:
-            w.add_uint32(f"{a}.attention.sliding_window", c.sliding_window)
-            types = [c.layer_type(i) for i in range(c.num_hidden_layers)]
-            default = [(i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(c.num_hidden_layers)]
-            sliding = [t == "sliding_attention" for t in types]
-            if sliding != default:
-                w.add_array(f"{a}.attention.sliding_window_pattern", sliding)
+    elif kind is not None and not (kind == "llama3" and "rope_freqs.weight" in rules.config_tensors):
+        raise ValueError(f"GGUF {arch} cannot express RoPE scaling {c.rope_scaling}")
+    if rules.write_metadata is not None:
+        rules.write_metadata(w, a, c)
+
+
+def llama3_rope_factors(c: ModelConfig) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter computes from a llama3 ``rope_scaling``."""
+    assert c.rope_scaling is not None
+    dim = c.rotary_dim
+    freqs = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = float(c.rope_scaling["factor"])
+    low, high = float(c.rope_scaling["low_freq_factor"]), float(c.rope_scaling["high_freq_factor"])
+    old = float(c.rope_scaling["original_max_position_embeddings"])
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _tokenizer_metadata(w: GGUFWriter, tok: Any, vocab_size: int) -> None:
@@ -114,9 +123,13 @@ def _tokenizer_metadata(w: GGUFWriter, tok: Any, vocab_size: int) -> None:
         w.add_chat_template(tok.chat_template)
 
 
-def _stored(arch: str, config: ModelConfig, gguf_name: str, value: torch.Tensor) -> torch.Tensor:
-    """Apply llama.cpp's converter change to one tensor (the inverse of the loader's fix)."""
-    fix = fix_for(arch, gguf_name)
+def _stored(
+    rules: GGUFRules, hf_fix: Fix | None, config: ModelConfig, name: str, value: torch.Tensor
+) -> torch.Tensor:
+    """HF's tensor as llama.cpp stores it: HF's own layout undone, then the converter's change applied."""
+    if hf_fix is Fix.TRANSPOSE:
+        value = value.t()
+    fix = fix_for(rules.fixes, name)
     if fix in (Fix.PERMUTE_Q, Fix.PERMUTE_K):
         heads = config.num_attention_heads if fix is Fix.PERMUTE_Q else config.num_key_value_heads
         stored = torch.empty_like(value)
@@ -124,9 +137,16 @@ def _stored(arch: str, config: ModelConfig, gguf_name: str, value: torch.Tensor)
         return stored
     if fix is Fix.UNIT_OFFSET:
         return value + 1.0
-    if fix is Fix.TRANSPOSE:
-        return value.t()
     return value
+
+
+def _gguf_name(rules: GGUFRules, ours: str) -> str:
+    path, _, kind = ours.rpartition(".")
+    parts = path.split(".", 2)
+    if parts[0] == "layers":
+        suffix = {v: k for k, v in rules.layer.items()}[parts[2]]
+        return f"blk.{parts[1]}.{suffix}.{kind}"
+    return f"{ {v: k for k, v in rules.nonlayer.items()}[path] }.{kind}"
 
 
 def _encode(name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, Any]:
@@ -138,37 +158,50 @@ def _encode(name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> tuple
     return quantize(values.astype(np.float32), qtype), qtype
 
 
+def _rules(arch: Architecture) -> GGUFRules:
+    target = architecture(arch.gguf_as, "model.config") if arch.gguf_as is not None else arch
+    if target.gguf is None:
+        raise ValueError(f"llama.cpp has no GGUF conversion for model_type {arch.model_type!r}")
+    return target.gguf
+
+
 def write_gguf(path: str | Path, model: Any, tokenizer: Any | None = None, *, qtype: str = "F32") -> Path:
-    """Write the transformers causal LM ``model`` (llama, qwen3, gemma3_text, gpt2) to ``path`` as GGUF."""
+    """Write the transformers causal LM ``model`` to ``path`` as GGUF (any architecture with GGUF rules)."""
     if qtype not in WRITABLE_TYPES:
         raise ValueError(f"cannot write weights as {qtype!r}; choose one of {WRITABLE_TYPES}")
     qt = GGMLQuantizationType[qtype]
     config = config_from_dict(model.config.to_dict(), source="model.config")
-    arch = _ARCH[config.model_type]
-    to_internal = get_weight_map(config)
-    to_gguf = {v: k for k, v in gguf_weight_map(arch, config.num_hidden_layers, biases=True).items()}
+    arch = architecture(config.model_type, "model.config")
+    rules = _rules(arch)
+    gguf_arch = rules.architectures[0]
     path = Path(path)
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    _metadata(w, arch, config)
+    w = GGUFWriter(str(path), gguf_arch)
+    w.add_name(f"tiny-{gguf_arch}")
+    _metadata(w, gguf_arch, config, rules)
     if tokenizer is not None:
         _tokenizer_metadata(w, tokenizer, config.vocab_size)
+    kind = config.rope_scaling.get("rope_type") if config.rope_scaling is not None else None
+    if kind == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     state = model.state_dict()
     written: set[str] = set()
     for hf_name, tensor in state.items():
-        internal = to_internal.get(hf_name)
-        if internal is None:
-            continue  # buffers such as GPT-2's causal mask
-        if internal == "lm_head.weight" and config.tie_word_embeddings and arch != "gpt2":
-            continue  # tied: llama.cpp writes no output.weight
-        gguf_name = to_gguf[internal]
-        if gguf_name in written:
+        if any(p.search(hf_name) for p in arch.hf_ignore):
             continue
-        values = _stored(arch, config, gguf_name, tensor.detach().float().cpu()).contiguous().numpy()
-        data, raw_type = _encode(gguf_name, values, qt)
-        w.add_tensor(gguf_name, data, raw_dtype=raw_type)
-        written.add(gguf_name)
-    if arch == "gpt2" and "output.weight" not in written:
+        ours = arch.from_hf(hf_name)
+        if ours is None:
+            raise ValueError(f"cannot name {hf_name!r} for GGUF")
+        if ours == "lm_head.weight" and config.tie_word_embeddings and gguf_arch != "gpt2":
+            continue  # tied: llama.cpp writes no output.weight
+        name = _gguf_name(rules, ours)
+        if name in written:
+            continue
+        value = tensor.detach().float().cpu()
+        values = _stored(rules, fix_for(arch.hf_fixes, ours), config, ours, value).contiguous().numpy()
+        data, raw_type = _encode(name, values, qt)
+        w.add_tensor(name, data, raw_dtype=raw_type)
+        written.add(name)
+    if gguf_arch == "gpt2" and "output.weight" not in written:
         # The converter writes GPT-2's tied head as its own tensor.
         data, raw_type = _encode("output.weight", state["transformer.wte.weight"].float().numpy(), qt)
         w.add_tensor("output.weight", data, raw_dtype=raw_type)

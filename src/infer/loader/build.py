@@ -1,44 +1,53 @@
-"""Build a model from a safetensors checkpoint, tensor by tensor, with strict checking.
+"""One builder for every checkpoint and every mode: a walk over the model's modules.
 
-The model skeleton is created on the meta device (no memory), then every parameter
-is read from the checkpoint's memory map, converted to the target dtype and placed
-on the device one tensor at a time: peak memory is the model plus one tensor.
-Every checkpoint tensor must map to a parameter and every parameter must be filled;
-shapes must match. Errors name the tensor, the file, and what was expected.
+`ModelBuilder` maps a `WeightSource`'s names to our modules (`infer.loader.names`),
+checks the config against them, builds the model skeleton on the meta device (no
+memory) and then fills it module by module with `infer.loader.place.place_module`.
+Where the filled modules go is the caller's choice:
+
+* `load_model` (resident): each module moves to the device as soon as it is filled,
+  so peak memory is the model plus one module's temporaries;
+* `infer.streaming.build.build_streamed`: the same walk, whose destination is the
+  stream store (float tensors stay in the checkpoint, converted ones go to a local
+  file) and then the plan's resident layers and group buffers.
+
+Safetensors and GGUF files, float or packed, with or without ``quantize``: the same
+code with a different source and options. Every stored tensor must map to a parameter
+and every parameter must be filled; errors name the file, the tensor, the expected
+and the found value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from infer.loader.config import ModelConfig
-from infer.loader.weight_map import get_weight_map, map_checkpoint_names
-from infer.loader.weights import INDEX_FILE, SafetensorsCheckpoint
+from infer.config import ModelConfig, architecture
+from infer.loader.names import Entry, check_dimensions, map_names, stored_name
+from infer.loader.place import PlaceOptions, place_module, tied_head
+from infer.loader.source import WeightSource
+from infer.models.base import DecoderLM
+from infer.models.common import RotaryEmbedding
 
-ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
+ProgressFn = Callable[[int, int], None]  # (modules done, modules total)
+
+NONLAYER = ("embed_tokens", "embed_positions", "norm", "lm_head")
 
 
-def build_empty(config: ModelConfig, model_cls: Callable[[ModelConfig], nn.Module]) -> nn.Module:
-    """The model with every parameter on the meta device (buffers such as RoPE on CPU)."""
+def build_empty(config: ModelConfig) -> DecoderLM:
+    """The model of ``config`` with every parameter and buffer on the meta device (no memory)."""
+    cls = architecture(config.model_type, "config").model_class
     with torch.device("meta"):
-        model = model_cls(config)
-    # Non-persistent buffers (RoPE inverse frequencies) are computed, not loaded: recompute on CPU.
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if callable(reset):
-            reset()
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            raise RuntimeError(f"buffer {name!r} was created on the meta device and has no reset_buffers()")
+        model = cls(config)
+    if not isinstance(model, DecoderLM):
+        raise TypeError(f"{cls!r} built a {type(model).__name__}, expected a DecoderLM")
     return model
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Parameter names that alias another parameter (e.g. a tied lm_head) -> the name they alias."""
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Parameter names that alias another parameter (a tied lm_head) -> the name they alias."""
     seen: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -49,129 +58,174 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    old = getattr(module, attr)
-    if isinstance(old, nn.Parameter):
-        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-    else:
-        setattr(module, attr, tensor)
+def reset_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Compute the non-persistent buffers (RoPE inverse frequencies) on ``device``.
 
-
-def load_into(
-    model: nn.Module,
-    tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]],
-    *,
-    source: str,
-    dtype: torch.dtype | None,
-    device: torch.device | str,
-    progress: ProgressFn | None = None,
-    total: int | None = None,
-    on_loaded: Callable[[str], None] | None = None,
-) -> None:
-    """Fill ``model``'s parameters from ``(hf_name, internal_name, read)`` triples, strictly.
-
-    Tied aliases are re-pointed at their source after loading.
+    Done after the weights are placed, so a config whose sizes disagree with the
+    weights has already failed a shape check before anything is computed from it.
     """
-    aliases = _tied_names(model)
-    expected = {name: p for name, p in model.named_parameters() if name not in aliases}
-    loaded: set[str] = set()
-    done = 0
-    for hf_name, name, read in tensors:
-        if name in aliases:
-            continue  # e.g. lm_head.weight stored although embeddings are tied: the model reuses embed
-        param = expected.get(name)
-        if param is None:
-            raise ValueError(f"{source}: unexpected tensor {hf_name!r} (no parameter {name!r} in the model)")
-        tensor = read()
-        if tuple(tensor.shape) != tuple(param.shape):
+    rotary = model.get_submodule("rotary")
+    for module in rotary.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+    for name, buf in rotary.named_buffers():
+        if buf.is_meta:
+            raise RuntimeError(f"buffer {name!r} was created on the meta device and has no reset_buffers()")
+    rotary.to(device)
+
+
+def _check_types(entries: dict[str, Entry], source: str) -> None:
+    """Every packed tensor is of a GGML type we can hold (checked before anything is read)."""
+    from infer.quant.ggml import SUPPORTED
+
+    for entry in entries.values():
+        qtype = entry.stored.qtype
+        if qtype is not None and qtype not in SUPPORTED:
+            supported = sorted(t.name for t in SUPPORTED)
             raise ValueError(
-                f"{source}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}"
+                f"{source}: tensor {entry.stored.name!r} has unsupported quant type {qtype.name}; "
+                f"supported: {supported}"
             )
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        assign_parameter(model, name, tensor.to(device))
-        loaded.add(name)
-        if on_loaded is not None:
-            on_loaded(name)
-        done += 1
-        if progress is not None:
-            progress(done, total if total is not None else len(expected))
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        raise ValueError(f"{source}: missing tensor(s) for {missing}")
-    # Re-tie: the alias must be the very same Parameter object as its source.
-    for alias, target in aliases.items():
-        src = model.get_parameter(target)
-        module_name, _, attr = alias.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, src)
 
 
-def load_safetensors_model(
-    path: str | Path,
-    config: ModelConfig,
-    model_cls: Callable[[ModelConfig], nn.Module],
-    *,
-    dtype: torch.dtype | None,
-    device: torch.device | str,
-    progress: ProgressFn | None = None,
-    quantize: str | None = None,
-) -> nn.Module:
-    """Build ``model_cls(config)`` from the safetensors checkpoint at ``path``.
+class ModelBuilder:
+    """A checkpoint mapped onto a model skeleton, ready to be placed module by module.
 
-    With ``quantize`` ("q4_0" or "int8") every linear layer of the blocks and the
-    head is quantized as soon as its tensors are in, so at most one float matrix
-    exists beside the packed ones; norms and the embedding stay float, and a tied
-    head gets its own quantized copy of the embedding.
+    ``groups`` lists the walk: one group per layer (its modules), then the modules
+    outside the layers. ``place(group)`` fills them on the CPU.
     """
-    ckpt = SafetensorsCheckpoint(path)
-    names = map_checkpoint_names(config, ckpt.keys(), str(ckpt.path))  # checkpoint name -> module name
-    if not config.tie_word_embeddings and "lm_head.weight" not in names.values():
-        where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.path / INDEX_FILE
-        raise ValueError(
-            f"{where}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
-        )
-    model = build_empty(config, model_cls)
-    order = {name: i for i, name in enumerate(get_weight_map(config).values())}
-    ordered = sorted(names, key=lambda n: order[names[n]])  # layer by layer, so quantization keeps up
-    triples = [(n, names[n], (lambda n=n: ckpt.get(n))) for n in ordered]
-    on_loaded = _quantizer(model, quantize) if quantize is not None else None
-    load_into(
-        model,
-        triples,
-        source=str(ckpt.path),
-        dtype=dtype,
-        device=device,
-        progress=progress,
-        on_loaded=on_loaded,
-    )
-    if quantize is not None and config.tie_word_embeddings:
-        from infer.quant import quantize_linear
 
-        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        head.weight = model.get_parameter("embed_tokens.weight")
-        model.lm_head = quantize_linear(head, quantize, head=True)
-    model.to(device)  # buffers (RoPE frequencies)
-    ckpt.close()
+    def __init__(
+        self,
+        source: WeightSource,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
+        quantize: str | None = None,
+        validate: bool = True,
+    ) -> None:
+        from infer.quant.convert import check_scheme
+
+        if quantize is not None:
+            check_scheme(quantize)
+        self.source = source
+        self.config = config
+        desc = source.description
+        arch = architecture(config.model_type, desc)
+        entries = map_names(source, config, arch)
+        check_dimensions(entries, config, desc)
+        if not config.tie_word_embeddings and "lm_head.weight" not in entries:
+            raise ValueError(
+                f"{desc}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
+            )
+        self.model = build_empty(config)
+        aliases = tied_aliases(self.model)
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False) if n not in aliases}
+        missing = sorted(params - set(entries))
+        if missing:
+            names = [stored_name(arch, source.naming, p) for p in missing[:10]]
+            raise ValueError(f"{desc}: missing tensor(s) {names} (for parameters {missing[:10]})")
+        _check_types(entries, desc)
+        unexpected = sorted(entries[n].stored.name for n in set(entries) - params - set(aliases))
+        if unexpected:
+            raise ValueError(
+                f"{desc}: unexpected tensor(s) for model_type {config.model_type!r}: {unexpected[:10]}"
+            )
+        self.opts = PlaceOptions(
+            dtype=dtype,
+            compute_dtype=compute_dtype if compute_dtype is not None else dtype,
+            quantize=quantize,
+            validate=validate,
+            tie=config.tie_word_embeddings,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+        )
+        # module path -> {"weight": Entry, "bias": Entry}, in the model's order
+        by_module: dict[str, dict[str, Entry]] = {}
+        for name in (n for n, _ in self.model.named_parameters() if n in entries):
+            path, _, attr = name.rpartition(".")
+            by_module.setdefault(path, {})[attr] = entries[name]
+        self.modules = by_module
+        self.layer_groups: list[list[str]] = [[] for _ in range(config.num_hidden_layers)]
+        self.nonlayer: list[str] = []
+        for path in by_module:
+            parts = path.split(".")
+            if parts[0] == "layers":
+                self.layer_groups[int(parts[1])].append(path)
+            else:
+                self.nonlayer.append(path)
+        # The head is placed after the embedding it may be tied to.
+        self.nonlayer.sort(key=lambda p: NONLAYER.index(p) if p in NONLAYER else len(NONLAYER))
+
+    @property
+    def total(self) -> int:
+        return len(self.modules)
+
+    def place(self, paths: list[str], *, lazy: bool = False) -> list[Entry]:
+        """Fill the modules ``paths`` (one group); returns the entries left on meta (``lazy``)."""
+        deferred: list[Entry] = []
+        for path in paths:
+            deferred.extend(
+                place_module(self.model, path, self.modules[path], self.source, self.opts, lazy=lazy)
+            )
+            if path == "embed_tokens" and self.opts.tie:
+                tied_head(self.model, self.opts)
+        return deferred
+
+    def check_complete(self) -> None:
+        """Every parameter and buffer of the model has a value."""
+        meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        if meta:
+            raise ValueError(f"{self.source.description}: missing tensor(s) for {meta[:10]}")
+
+
+def load_model(
+    source: WeightSource,
+    config: ModelConfig,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    validate: bool = True,
+    progress: ProgressFn | None = None,
+) -> DecoderLM:
+    """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``device``.
+
+    ``quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as its
+    tensors are in; ``validate`` refuses weights with NaN or inf.
+    """
+    device = torch.device(device)
+    builder = ModelBuilder(
+        source, config, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=validate
+    )
+    model = builder.model
+    done = 0
+    for group in [*builder.layer_groups, builder.nonlayer]:
+        builder.place(group)
+        for path in group:
+            model.get_submodule(path).to(device)
+            done += 1
+            if progress is not None:
+                progress(done, builder.total)
+    if (
+        config.tie_word_embeddings
+        and isinstance(model.lm_head, nn.Linear)
+        and isinstance(model.embed_tokens, nn.Embedding)
+    ):
+        model.lm_head.weight = model.embed_tokens.weight  # re-tie after the moves: one Parameter
+    reset_buffers(model, device)
+    builder.check_complete()
     return model.eval()
 
 
-def _quantizer(model: nn.Module, scheme: str) -> Callable[[str], None]:
-    """A callback that swaps each nn.Linear for its quantized version once all its tensors are loaded."""
-    from infer.quant import quantize_linear
-
-    tied = set(_tied_names(model))
-
-    def on_loaded(name: str) -> None:
-        module_name = name.rpartition(".")[0]
-        if not module_name or module_name == "embed_tokens" or f"{module_name}.weight" in tied:
-            return
-        module = model.get_submodule(module_name)
-        if not isinstance(module, nn.Linear) or any(p.is_meta for p in module.parameters()):
-            return
-        parent_name, _, attr = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, quantize_linear(module, scheme, head=module_name == "lm_head"))
-
-    return on_loaded
+__all__ = [
+    "NONLAYER",
+    "ModelBuilder",
+    "ProgressFn",
+    "build_empty",
+    "load_model",
+    "reset_buffers",
+    "tied_aliases",
+]

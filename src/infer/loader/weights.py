@@ -3,23 +3,29 @@
 Two ways in:
 
 * `load_weights` returns the whole raw HF-named state dict (the Phase 1a API);
-* `SafetensorsCheckpoint` lists every tensor (name, shape, dtype, file) without
-  reading data and reads tensors one at a time through safetensors' memory map, so
-  the model builder and the layer-streaming executor never hold more than the
-  piece they are working on.
+* `SafetensorsSource` lists every tensor (name, shape, dtype, file) without reading
+  data and reads tensors (or rows of them) one at a time with ``pread``: the
+  `infer.loader.source.WeightSource` of a safetensors checkpoint, so the model
+  builder and the layer-streaming executor never hold more than the piece they are
+  working on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+import os
+import struct
+import threading
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+
+from infer.loader.source import StoredTensor, pread_into, read_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,21 +42,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    file: Path
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
@@ -105,68 +96,127 @@ def _validate_against_index(weight_map: dict[str, str], found: dict[str, Path], 
             )
 
 
-class SafetensorsCheckpoint:
-    """The tensors of a safetensors checkpoint, listed up front and read on demand."""
+class SafetensorsSource:
+    """A safetensors checkpoint (single file or sharded) as a `WeightSource`.
+
+    Every tensor (name, shape, dtype, file, byte range) is listed from the headers up
+    front, checked by the safetensors library and against the shard index; reads use
+    ``pread`` into the caller's tensor, so nothing stays mapped and a file that shrinks
+    under us is an `OSError`.
+    """
+
+    naming = "hf"
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         files, weight_map = _shard_files(self.path)
         self.files = files
-        self.tensors: dict[str, TensorInfo] = {}
+        self.description = str(files[0] if len(files) == 1 else self.path / INDEX_FILE)
+        self._tensors: dict[str, StoredTensor] = {}
+        self._where: dict[str, tuple[Path, int]] = {}  # name -> (file, absolute byte offset)
         where: dict[str, Path] = {}
         for file in files:
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    names: list[str] = f.keys()  # the handle itself is not iterable
-                    for name in names:
-                        sl = f.get_slice(name)
-                        dtype = _ST_DTYPES.get(sl.get_dtype())
-                        if dtype is None:
-                            raise ValueError(
-                                f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}"
-                            )
-                        if name in where:
-                            raise ValueError(f"tensor {name!r} is stored twice: in {where[name]} and {file}")
-                        where[name] = file
-                        self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), dtype, file)
-            except (OSError, RuntimeError, SafetensorError) as e:  # a bad header or a truncated file
-                if isinstance(e, FileNotFoundError):
-                    raise
-                raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+            for info, offset in _read_header(file):
+                if info.name in where:
+                    raise ValueError(
+                        f"tensor {info.name!r} is stored twice: in {where[info.name]} and {file}"
+                    )
+                where[info.name] = file
+                self._tensors[info.name] = info
+                self._where[info.name] = (file, offset)
         if weight_map is not None:
             _validate_against_index(weight_map, where, self.path)
-        self._handles: dict[Path, Any] = {}
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
+    def tensors(self) -> Mapping[str, StoredTensor]:
+        return self._tensors
 
-    def keys(self) -> list[str]:
-        return list(self.tensors)
+    def _fd(self, file: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = os.open(file, os.O_RDONLY)
+                self._fds[file] = fd
+            return fd
 
-    def _handle(self, file: Path) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = safe_open(str(file), framework="pt")
-            self._handles[file] = handle
-        return handle
-
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a CPU tensor copied out of the file's memory map), 64-byte aligned."""
-        info = self.tensors.get(name)
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        info = self._tensors.get(name)
         if info is None:
-            raise KeyError(f"{self.path}: no tensor named {name!r}")
-        tensor: torch.Tensor = self._handle(info.file).get_tensor(name)
-        return aligned(tensor)
+            raise KeyError(f"{self.description}: no tensor named {name!r}")
+        file, offset = self._where[name]
+        expected = tuple(info.buffer(rows).shape)
+        if tuple(out.shape) != expected or out.dtype != info.dtype:
+            raise ValueError(
+                f"{file}: tensor {name!r}{'' if rows is None else f' rows {rows}'} is {info.dtype} "
+                f"{list(expected)}; the destination is {out.dtype} {list(out.shape)}"
+            )
+        if rows is not None:
+            offset += rows[0] * info.row_bytes
+        pread_into(self._fd(file), out, offset, f"{file}: tensor {name!r}")
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.tensors:
-            yield name, self.get(name)
+    def prefetch_hint(self, name: str) -> None:
+        info = self._tensors[name]
+        file, offset = self._where[name]
+        os.posix_fadvise(self._fd(file), offset, info.nbytes, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        self._handles.clear()
+        with self._lock:
+            self._finalizer()
+
+    # The Phase 1a reading helpers -------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in a new (aligned) CPU tensor."""
+        if name not in self._tensors:
+            raise KeyError(f"{self.description}: no tensor named {name!r}")
+        return read_tensor(self, name)
 
 
-def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
+def _close_fds(fds: dict[Path, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+def _read_header(file: Path) -> list[tuple[StoredTensor, int]]:
+    """Every tensor of one safetensors file with its absolute byte offset.
+
+    The safetensors library validates the header (JSON, dtypes, shapes, byte ranges that
+    tile the data section); we then read the offsets from the same header.
+    """
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names: list[str] = f.keys()  # the handle itself is not iterable
+            kinds = {name: f.get_slice(name).get_dtype() for name in names}
+        with open(file, "rb") as raw:
+            (n,) = struct.unpack("<Q", raw.read(8))
+            header = json.loads(raw.read(n))
+    except (OSError, RuntimeError, SafetensorError, ValueError, struct.error) as e:  # bad header, truncated
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+    out: list[tuple[StoredTensor, int]] = []
+    for name in names:
+        dtype = _ST_DTYPES.get(kinds[name])
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {kinds[name]}")
+        entry = header[name]
+        begin, end = (int(x) for x in entry["data_offsets"])
+        info = StoredTensor(name, tuple(int(d) for d in entry["shape"]), dtype, end - begin)
+        out.append((info, 8 + n + begin))
+    return out
+
+
+def realign(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
     """``tensor``, copied if its data is not ``alignment``-byte aligned.
 
     Tensors read from a safetensors file start wherever the header put them; CPU
@@ -207,7 +257,7 @@ def load_weights(
                 raise ValueError(f"tensor {name!r} is stored twice: in {where[name]} and {file}")
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            state[name] = aligned(tensor)
+            state[name] = realign(tensor)
             where[name] = file
     if weight_map is not None:
         _validate_against_index(weight_map, where, path)

@@ -1,49 +1,30 @@
-"""Model architectures, built from the shared pieces in `infer.models.common`."""
+"""Model architectures, built from the shared pieces in `infer.models.common`.
+
+`ARCHITECTURES` is the registry: one `Architecture` record per ``model_type``, each
+declared in its model file. Everything that depends on an architecture (the config
+reader, the safetensors and GGUF loaders, the GGUF writer, the Phase 1a weight maps)
+looks it up here.
+"""
 
 from __future__ import annotations
 
-from infer.loader.config import ModelConfig
+from infer.config import ModelConfig, architecture
+from infer.models import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
+from infer.models.arch import Architecture
 from infer.models.base import DecoderLM
-from infer.models.gemma3 import Gemma3ForCausalLM, Gemma3TransformerBlock
-from infer.models.gpt2 import GPT2Block, GPT2LMHeadModel
-from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
-from infer.models.qwen3 import Qwen3ForCausalLM, Qwen3TransformerBlock
 
-MODEL_CLASSES: dict[str, type[DecoderLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    "gemma3_text": Gemma3ForCausalLM,
-    "gpt2": GPT2LMHeadModel,
-}
-
-BLOCK_CLASSES: dict[str, type] = {
-    "llama": LlamaTransformerBlock,
-    "qwen3": Qwen3TransformerBlock,
-    "gemma3_text": Gemma3TransformerBlock,
-    "gpt2": GPT2Block,
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a
+    for a in (llama.ARCH, qwen3.ARCH, gemma3.ARCH, gpt2.ARCH, qwen2.ARCH, mistral.ARCH, phi3.ARCH)
 }
 
 
 def model_class(config: ModelConfig) -> type[DecoderLM]:
-    try:
-        return MODEL_CLASSES[config.model_type]
-    except KeyError:
-        raise ValueError(
-            f"no model for model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}"
-        ) from None
+    """The `DecoderLM` subclass of ``config.model_type``."""
+    cls = architecture(config.model_type, "config").model_class
+    if not (isinstance(cls, type) and issubclass(cls, DecoderLM)):
+        raise TypeError(f"{config.model_type}: model_class {cls!r} is not a DecoderLM subclass")
+    return cls
 
 
-__all__ = [
-    "BLOCK_CLASSES",
-    "MODEL_CLASSES",
-    "DecoderLM",
-    "GPT2Block",
-    "GPT2LMHeadModel",
-    "Gemma3ForCausalLM",
-    "Gemma3TransformerBlock",
-    "LlamaForCausalLM",
-    "LlamaTransformerBlock",
-    "Qwen3ForCausalLM",
-    "Qwen3TransformerBlock",
-    "model_class",
-]
+__all__ = ["ARCHITECTURES", "Architecture", "DecoderLM", "model_class"]

@@ -10,7 +10,7 @@ model file knows about streaming.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from infer.cache import KVCache, slot_mask
-from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import make_rotary_embeddings
 
 
@@ -32,12 +32,38 @@ class StepInputs:
     cache: KVCache | None
 
 
+@dataclass(frozen=True)
+class ExecutorLimits:
+    """The shapes an executor reserved memory for; generation stays inside them.
+
+    ``max_batch_size x max_context`` cached tokens and ``max_batch_size x
+    max_prefill_tokens`` tokens per forward (batches trade with length).
+    """
+
+    max_context: int
+    max_batch_size: int
+    max_prefill_tokens: int
+
+
 class LayerExecutor(Protocol):
+    """Runs ``model.layers`` for one forward (`DecoderLM.forward_hidden` calls it).
+
+    ``limits`` is None when the executor takes any shape (resident layers); a streaming
+    executor planned its memory for `ExecutorLimits` and generation respects them.
+    """
+
+    @property
+    def limits(self) -> ExecutorLimits | None: ...
+
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor: ...
 
 
 class SequentialExecutor:
     """Runs the resident layers in order."""
+
+    @property
+    def limits(self) -> ExecutorLimits | None:
+        return None
 
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         for i, layer in enumerate(model.layers):
@@ -62,10 +88,10 @@ class DecoderLM(nn.Module):
     ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head``.
     """
 
-    norm_unit_offset: bool = False  # Gemma's (1 + w) RMSNorm
+    block_class: type[nn.Module]  # the architecture's transformer block, built from a config
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:
         super().__init__()
         self.config = config
         # An explicit (uninitialized) weight skips nn.Embedding's normal_() init: weights are
@@ -181,16 +207,12 @@ class DecoderLM(nn.Module):
         return KVCache(self.config, batch_size, max_len, dtype=self.dtype, device=self.device, pad=pad)
 
 
-def gemma_embed_scale(config: ModelConfig) -> float:
-    return math.sqrt(config.hidden_size)
-
-
 __all__ = [
     "FULL_ATTENTION",
     "SLIDING_ATTENTION",
     "DecoderLM",
+    "ExecutorLimits",
     "LayerExecutor",
     "SequentialExecutor",
     "StepInputs",
-    "gemma_embed_scale",
 ]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.config import FREQ_FACTORS, FULL_ATTENTION, ROPE_TYPES, SLIDING_ATTENTION, ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +65,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         raise AssertionError
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == FREQ_FACTORS:  # llama.cpp's rope_freqs tensor: a divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"RoPE frequency factors have {factors.numel()} entries, expected {inv_freq.numel()}"
+            )
+        return inv_freq / factors
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling["low_freq_factor"])
@@ -78,7 +85,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 class RotaryEmbedding(nn.Module):
@@ -106,7 +113,7 @@ class RotaryEmbedding(nn.Module):
 def rope_tables(
     config: ModelConfig, max_positions: int | None = None, device: torch.device | str | None = None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The RoPE factory: float32 ``(cos, sin)`` tables ``[max_positions, head_dim]`` per layer type.
+    """The RoPE factory: float32 ``(cos, sin)`` tables ``[max_positions, rotary_dim]`` per layer type.
 
     Full-attention layers use ``rope_theta`` with ``rope_scaling``; sliding-window
     layers use ``rope_local_base_freq`` (unscaled) when the config sets it (Gemma 3).
@@ -121,8 +128,8 @@ def rope_tables(
 
 
 def make_rotary_embeddings(config: ModelConfig) -> dict[str, RotaryEmbedding]:
-    """One `RotaryEmbedding` per layer type the config uses."""
-    head_dim = config.computed_head_dim
+    """One `RotaryEmbedding` per layer type the config uses (over the rotated dimensions of a head)."""
+    head_dim = config.rotary_dim
     types = set(config.layer_types) if config.layer_types is not None else {FULL_ATTENTION}
     ropes: dict[str, RotaryEmbedding] = {}
     for layer_type in sorted(types):
@@ -141,9 +148,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B, T, hd]`` (broadcast over heads)."""
-    cos = cos.unsqueeze(1)  # [B, 1, T, hd]
+    """Rotate ``x [B, H, T, hd]`` by ``cos/sin [B, T, rd]`` (broadcast over heads).
+
+    With partial RoPE (``rd < hd``, Phi-3 family) only the first ``rd`` dimensions rotate.
+    """
+    cos = cos.unsqueeze(1)  # [B, 1, T, rd]
     sin = sin.unsqueeze(1)
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        rot, rest = x[..., :rd], x[..., rd:]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -190,7 +204,8 @@ class Attention(nn.Module):
     """Multi-head attention with GQA, decoupled ``head_dim``, optional QK-norm.
 
     Projections are named as in HF checkpoints (``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj``, ``q_norm``, ``k_norm``). GQA does not materialize repeated K/V: the
+    ``o_proj``, ``q_norm``, ``k_norm``); a subclass with fused projections overrides
+    `project_qkv` (Phi-3's ``qkv_proj``). GQA does not materialize repeated K/V: the
     ``G = H / Hkv`` query heads that share a KV head are folded into the query-length
     axis, which computes exactly the dot products ``repeat_interleave`` would.
     """
@@ -202,7 +217,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         *,
-        bias: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         norm_unit_offset: bool = False,
@@ -217,15 +233,26 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
         self.softcap = softcap
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.make_qkv(hidden_size, qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
             self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
+
+    def make_qkv(self, hidden_size: int, bias: bool) -> None:
+        self.q_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, T, Hkv, hd]``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def forward(
         self,
@@ -236,9 +263,7 @@ class Attention(nn.Module):
         cache: KVStore | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -302,11 +327,21 @@ def _attend_softcapped(
 
 # --------------------------------------------------------------------------- MLP
 
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh-GELU, written out as OpenAI (and transformers' ``gelu_new``) compute it.
+
+    Mathematically `F.gelu(approximate="tanh")`; the fused kernel rounds differently
+    (logits differ by ~1e-5 on a tiny GPT-2), so the checkpoint's own formula is used.
+    """
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": gelu_new,
     "gelu": F.gelu,
 }
 
@@ -335,13 +370,22 @@ class GatedMLP(nn.Module):
         return out
 
 
-def attention_from_config(config: ModelConfig, *, qk_norm: bool, norm_unit_offset: bool = False) -> Attention:
-    return Attention(
+def attention_from_config(
+    config: ModelConfig,
+    *,
+    qk_norm: bool,
+    norm_unit_offset: bool = False,
+    qkv_bias: bool | None = None,
+    cls: type[Attention] = Attention,
+) -> Attention:
+    """The config's attention; ``qkv_bias`` overrides ``attention_bias`` for Q/K/V only (Qwen 2)."""
+    return cls(
         config.hidden_size,
         config.num_attention_heads,
         config.num_key_value_heads,
         config.computed_head_dim,
-        bias=config.attention_bias,
+        qkv_bias=config.attention_bias if qkv_bias is None else qkv_bias,
+        o_bias=config.attention_bias,
         qk_norm=qk_norm,
         norm_eps=config.rms_norm_eps,
         norm_unit_offset=norm_unit_offset,

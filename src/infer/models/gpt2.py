@@ -1,40 +1,29 @@
 """GPT-2: learned absolute positions, LayerNorm with bias, fused QKV, tanh-GELU MLP, tied head.
 
 Per-layer modules keep the HF checkpoint's names (``ln_1``, ``attn.c_attn``,
-``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``). Their weights keep HF's
-`Conv1D` layout, ``[in, out]``, so a safetensors checkpoint loads as stored; a GGUF
-file (whose converter transposed them to ``[out, in]``) is transposed back, or, when
-quantized, gets a packed linear module in their place. No RoPE: `embed` adds the
-position embedding of each token's position (``positions [B, T]`` from the cache or
-the left padding).
+``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``), as ``nn.Linear`` modules:
+HF stores their weights in its `Conv1D` layout ``[in, out]``, which the loader
+transposes once (`Fix.TRANSPOSE`); llama.cpp's converter already wrote them
+``[out, in]``. No RoPE: `embed` adds the position embedding of each token's position
+(``positions [B, T]`` from the cache or the left padding).
 """
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING, Any
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from infer.loader.config import FULL_ATTENTION, ModelConfig
+from infer.config import FULL_ATTENTION, ModelConfig
+from infer.models.arch import GGUF_NONLAYER, Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM, StepInputs
 from infer.models.common import KVStore, activation, attend
 
-
-class Conv1D(nn.Module):
-    """HF GPT-2's linear layer: ``y = x @ weight + bias`` with ``weight [in, out]``."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(out_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.t(), self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+if TYPE_CHECKING:
+    from infer.cache import KVCache
+    from infer.gguf.config import GGUFMetadata
 
 
 class GPT2Attention(nn.Module):
@@ -43,8 +32,8 @@ class GPT2Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.c_attn = Conv1D(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = Conv1D(config.hidden_size, config.hidden_size)
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVStore | None) -> torch.Tensor:
         B, T, D = x.shape
@@ -60,8 +49,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = Conv1D(config.hidden_size, config.intermediate_size)
-        self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +61,8 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; ``cos``/``sin`` are unused (no RoPE)."""
 
-    def __init__(self, config: ModelConfig, layer_type: str = FULL_ATTENTION) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.layer_type = layer_type
         eps = config.rms_norm_eps  # the config's one norm epsilon (GPT-2's layer_norm_epsilon)
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config)
@@ -95,22 +83,33 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(DecoderLM):
+    block_class = GPT2Block
+
     def __init__(self, config: ModelConfig) -> None:
         if config.layer_types is not None and set(config.layer_types) != {FULL_ATTENTION}:
             found = sorted(set(config.layer_types))
             raise ValueError(f"GPT-2 has only full-attention layers; config.layer_types has {found}")
-        layers: list[nn.Module] = [GPT2Block(config) for _ in range(config.num_hidden_layers)]
+        layers = [GPT2Block(config) for _ in range(config.num_hidden_layers)]
         super().__init__(config, layers, nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps))
         n, d = config.max_position_embeddings, config.hidden_size
         self.embed_positions = nn.Embedding(n, d, _weight=torch.empty(n, d))  # skip normal_() (see base.py)
         self.rotary = nn.ModuleDict()  # absolute positions: no RoPE tables to compute per step
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if int(positions.max()) >= self.config.max_position_embeddings:
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepInputs:
+        # Positions never exceed the step's last slot: checked from shapes, without a host sync.
+        end = input_ids.shape[1] + (cache.length if cache is not None else 0)
+        if end > self.config.max_position_embeddings:
             raise ValueError(
-                f"position {int(positions.max())} is past GPT-2's {self.config.max_position_embeddings} "
-                "learned positions"
+                f"position {end - 1} is past GPT-2's {self.config.max_position_embeddings} learned positions"
             )
+        return super().prepare(input_ids, cache, attention_mask)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [B, T, D]
         return x
 
@@ -118,3 +117,100 @@ class GPT2LMHeadModel(DecoderLM):
         kv = step.cache.layers[index] if step.cache is not None else None
         out: torch.Tensor = layer(x, None, None, step.masks[self.layer_types[index]], kv)
         return out
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+_HF_GLOBALS = {"wte.": "embed_tokens.", "wpe.": "embed_positions.", "ln_f.": "norm."}
+_HF_LAYER = re.compile(r"h\.(\d+)\.")
+
+
+def from_hf(name: str) -> str | None:
+    """``transformer.h.3.attn.c_attn.weight`` (or the bare ``h.3...`` of GPT2Model checkpoints) -> ours."""
+    if name.startswith("lm_head."):
+        return name
+    name = name.removeprefix("transformer.")
+    for hf, ours in _HF_GLOBALS.items():
+        if name.startswith(hf):
+            return ours + name[len(hf) :]
+    m = _HF_LAYER.match(name)
+    return f"layers.{m.group(1)}.{name[m.end() :]}" if m else None
+
+
+def to_hf(name: str) -> str:
+    if name.startswith("lm_head."):
+        return name
+    for hf, ours in _HF_GLOBALS.items():
+        if name.startswith(ours):
+            return "transformer." + hf + name[len(ours) :]
+    return "transformer." + re.sub(r"^layers\.(\d+)\.", r"h.\1.", name)
+
+
+def normalize(raw: dict[str, Any], source: str) -> None:
+    """transformers' GPT2Config defaults, and the attention variants this model does not implement."""
+    if isinstance(raw.get("hidden_size"), int):
+        raw.setdefault("intermediate_size", 4 * raw["hidden_size"])
+    raw.setdefault("attention_bias", True)
+    raw.setdefault("mlp_bias", True)
+    raw.setdefault("tie_word_embeddings", True)
+    raw.setdefault("rms_norm_eps", 1e-5)
+    raw.setdefault("hidden_act", "gelu_new")
+    raw.pop("head_dim", None)
+    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("scale_attn_weights") is False:
+        raise ValueError(
+            f"{source}: unsupported GPT-2 attention scaling: scale_attn_weights="
+            f"{raw.get('scale_attn_weights')}, scale_attn_by_inverse_layer_idx="
+            f"{raw.get('scale_attn_by_inverse_layer_idx')} (supported: true, false)"
+        )
+
+
+def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+    return {
+        "rms_norm_eps": meta.opt_float("attention.layer_norm_epsilon", 1e-5),
+        "hidden_act": "gelu_new",
+        "attention_bias": True,
+        "mlp_bias": True,
+        "head_dim": None,
+        "rope_theta": None,
+        "rope_scaling": None,
+    }
+
+
+def write_gguf_metadata(w: Any, arch: str, c: ModelConfig) -> None:
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", c.rms_norm_eps)
+
+
+_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+ARCH = Architecture(
+    model_type="gpt2",
+    model_class=GPT2LMHeadModel,
+    renames={
+        "n_embd": "hidden_size",
+        "n_layer": "num_hidden_layers",
+        "n_head": "num_attention_heads",
+        "n_positions": "max_position_embeddings",
+        "n_inner": "intermediate_size",
+        "layer_norm_epsilon": "rms_norm_eps",
+        "activation_function": "hidden_act",
+    },
+    normalize=normalize,
+    from_hf=from_hf,
+    to_hf=to_hf,
+    hf_ignore=(re.compile(r"(?:^|\.)h\.\d+\.attn\.(?:masked_)?bias$"),),  # the causal-mask buffers
+    hf_fixes={f"{linear}.weight": Fix.TRANSPOSE for linear in _LINEARS},
+    gguf=GGUFRules(
+        architectures=("gpt2", "gpt"),
+        layer={
+            "attn_norm": "ln_1",
+            "attn_qkv": "attn.c_attn",
+            "attn_output": "attn.c_proj",
+            "ffn_norm": "ln_2",
+            "ffn_up": "mlp.c_fc",
+            "ffn_down": "mlp.c_proj",
+        },
+        nonlayer={**GGUF_NONLAYER, "position_embd": "embed_positions"},
+        metadata=gguf_metadata,
+        write_metadata=write_gguf_metadata,
+    ),
+)

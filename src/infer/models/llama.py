@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
-from infer.loader.config import FULL_ATTENTION, ModelConfig
+from infer.config import FREQ_FACTORS, ModelConfig
+from infer.models.arch import Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
+
+if TYPE_CHECKING:
+    from infer.gguf.config import GGUFMetadata
 
 
 class LlamaTransformerBlock(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``. Qwen 3 is this with QK-norm."""
 
     qk_norm: bool = False
+    qkv_bias: bool | None = None  # None: the config's attention_bias
 
-    def __init__(self, config: ModelConfig, layer_type: str = FULL_ATTENTION) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.layer_type = layer_type
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_from_config(config, qk_norm=self.qk_norm)
+        self.self_attn = attention_from_config(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp_from_config(config)
 
@@ -37,10 +43,67 @@ class LlamaTransformerBlock(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
-    block_class: type[LlamaTransformerBlock] = LlamaTransformerBlock
+    block_class: type[nn.Module] = LlamaTransformerBlock
 
     def __init__(self, config: ModelConfig) -> None:
-        layers: list[nn.Module] = [
-            self.block_class(config, config.layer_type(i)) for i in range(config.num_hidden_layers)
-        ]
+        layers = [self.block_class(config) for _ in range(config.num_hidden_layers)]
         super().__init__(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+# GGUF tensor names inside a block (llama.cpp) -> our module path inside a layer.
+GGUF_ATTENTION = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+GGUF_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    **GGUF_ATTENTION,
+    "ffn_norm": "post_attention_layernorm",
+    **GGUF_MLP,
+}
+# llama.cpp's converter reorders the rows of Q and K from HF's rotate-half layout to
+# interleaved pairs (for llama and the models it converts as llama: Mistral, SmolLM2, ...).
+GGUF_PERMUTED = {
+    "self_attn.q_proj.weight": Fix.PERMUTE_Q,
+    "self_attn.q_proj.bias": Fix.PERMUTE_Q,
+    "self_attn.k_proj.weight": Fix.PERMUTE_K,
+    "self_attn.k_proj.bias": Fix.PERMUTE_K,
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+    """Llama's GGUF extras: projection biases when the file has them, Llama 3.1+ RoPE factors."""
+    raw: dict[str, Any] = {
+        "attention_bias": meta.has_tensor("blk.0.attn_q.bias"),
+        "mlp_bias": meta.has_tensor("blk.0.ffn_up.bias"),
+    }
+    if meta.has_tensor(ROPE_FREQS):
+        # llama.cpp divides each RoPE frequency by these factors (its converter computes them
+        # from the llama3 rope_scaling of config.json).
+        raw["rope_scaling"] = {"rope_type": FREQ_FACTORS, "factors": meta.float_vector(ROPE_FREQS)}
+    return raw
+
+
+def write_gguf_metadata(w: Any, arch: str, c: ModelConfig) -> None:
+    """The inverse of `gguf_metadata` for `infer.gguf.writer` (llama3 scaling becomes ``rope_freqs``)."""
+    w.add_uint32(f"{arch}.rope.dimension_count", c.rotary_dim)
+
+
+ARCH = Architecture(
+    model_type="llama",
+    model_class=LlamaForCausalLM,
+    gguf=GGUFRules(
+        architectures=("llama",),
+        layer=GGUF_LAYER,
+        fixes=GGUF_PERMUTED,
+        metadata=gguf_metadata,
+        write_metadata=write_gguf_metadata,
+        config_tensors=(ROPE_FREQS,),
+    ),
+)

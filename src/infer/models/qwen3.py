@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
+from infer.models.arch import Architecture, GGUFRules
+from infer.models.llama import GGUF_LAYER, LlamaForCausalLM, LlamaTransformerBlock
 
 
 class Qwen3TransformerBlock(LlamaTransformerBlock):
@@ -11,3 +12,13 @@ class Qwen3TransformerBlock(LlamaTransformerBlock):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     block_class = Qwen3TransformerBlock
+
+
+GGUF_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+ARCH = Architecture(
+    model_type="qwen3",
+    model_class=Qwen3ForCausalLM,
+    defaults={"rms_norm_eps": 1e-6},
+    gguf=GGUFRules(architectures=("qwen3",), layer={**GGUF_LAYER, **GGUF_QK_NORM}),
+)

@@ -4,14 +4,14 @@
 - `QuantizedLinear`: a drop-in ``nn.Linear`` over packed weights (from GGUF bytes or
   quantized at load), using torch's packed int4/int8 kernels for decode.
 - `QuantizedEmbedding`: row lookups over GGUF bytes or over a tied `QuantizedLinear`.
-- `quantize_linear` / `quantize_model_`: ``quantize="q4_0" | "int8"`` at load time.
+- `quantize_linear`: ``quantize="q4_0" | "int8"`` at load time (`infer.loader.place`).
 
 See docs/quantization.md for the formats, kernels, memory and accuracy.
 """
 
 from __future__ import annotations
 
-from infer.quant.convert import SCHEMES, QuantizationReport, module_nbytes, quantize_linear, quantize_model_
+from infer.quant.convert import SCHEMES, module_nbytes, quantize_linear
 from infer.quant.dequant import dequantize
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.ggml import SUPPORTED, QType, UnsupportedQuantType, check_supported, tensor_bytes
@@ -22,7 +22,6 @@ __all__ = [
     "SCHEMES",
     "SUPPORTED",
     "QType",
-    "QuantizationReport",
     "QuantizedEmbedding",
     "QuantizedLinear",
     "UnsupportedQuantType",
@@ -31,7 +30,6 @@ __all__ = [
     "module_nbytes",
     "quantize_int8_per_channel",
     "quantize_linear",
-    "quantize_model_",
     "quantize_q4_0",
     "tensor_bytes",
 ]

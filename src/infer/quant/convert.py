@@ -1,4 +1,4 @@
-"""Quantize a float model at load time: swap its ``nn.Linear`` modules for `QuantizedLinear`.
+"""Quantize float linear layers at load time: ``nn.Linear`` -> `QuantizedLinear`.
 
 Schemes: ``"q4_0"`` (the reference's Q4_0 blocks, `infer.quant.quantize.quantize_q4_0`)
 and ``"int8"`` (weight-only, per output channel). Embeddings and norms stay float. A
@@ -9,8 +9,6 @@ parameter. A linear whose ``in_features`` is not a multiple of 32 stays float un
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -19,29 +17,6 @@ from infer.quant.linear import QuantizedLinear
 from infer.quant.quantize import Q4_0_BLOCK, quantize_q4_0
 
 SCHEMES = ("q4_0", "int8")
-
-
-@dataclass
-class QuantizationReport:
-    """What `quantize_model_` did; byte counts cover every parameter and buffer, counted once."""
-
-    scheme: str
-    bytes_before: int
-    bytes_after: int
-    quantized: list[str] = field(default_factory=list)
-    kept_float: dict[str, str] = field(default_factory=dict)  # module name -> reason
-
-    @property
-    def saved_bytes(self) -> int:
-        return self.bytes_before - self.bytes_after
-
-    def __str__(self) -> str:
-        mib = 1024 * 1024
-        return (
-            f"{self.scheme}: {len(self.quantized)} linear(s) quantized, {len(self.kept_float)} kept float; "
-            f"{self.bytes_before / mib:.2f} MiB -> {self.bytes_after / mib:.2f} MiB "
-            f"({self.bytes_after / max(self.bytes_before, 1):.1%})"
-        )
 
 
 def module_nbytes(module: nn.Module) -> int:
@@ -59,7 +34,7 @@ def module_nbytes(module: nn.Module) -> int:
     return total
 
 
-def _check_scheme(scheme: str) -> None:
+def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {SCHEMES}")
 
@@ -74,7 +49,7 @@ def quantize_linear(
     (a weight tied to an embedding stays float there). ``head``: the output head, whose
     top logits a q4_0 module re-scores exactly (`QuantizedLinear.rescore`).
     """
-    _check_scheme(scheme)
+    check_scheme(scheme)
     bias = linear.bias.detach() if linear.bias is not None else None
     weight = linear.weight.detach()
     if scheme == "int8":
@@ -88,27 +63,4 @@ def quantize_linear(
     )
 
 
-def quantize_model_(
-    model: nn.Module, scheme: str, *, compute_dtype: torch.dtype = torch.bfloat16
-) -> QuantizationReport:
-    """Replace every ``nn.Linear`` in ``model`` (blocks and ``lm_head``) in place; return a report.
-
-    ``nn.Embedding`` and norm modules are left alone.
-    """
-    _check_scheme(scheme)
-    report = QuantizationReport(scheme, module_nbytes(model), 0)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
-        new = quantize_linear(linear, scheme, compute_dtype=compute_dtype)
-        if new is linear:
-            report.kept_float[name] = f"in_features {linear.in_features} is not a multiple of {Q4_0_BLOCK}"
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
-        report.quantized.append(name)
-    report.bytes_after = module_nbytes(model)
-    return report
-
-
-__all__ = ["SCHEMES", "QuantizationReport", "module_nbytes", "quantize_linear", "quantize_model_"]
+__all__ = ["SCHEMES", "check_scheme", "module_nbytes", "quantize_linear"]

@@ -1,7 +1,7 @@
 """Float weights -> quantized weights at load time: Q4_0 blocks and int8 per channel.
 
-`quantize_q4_0` follows the reference loader (``shared/seeds/001``) exactly, per block of
-32 values along a row: ``d = max|x| / 7`` (float32), ``id = 1/d`` (0 when d is 0),
+`quantize_q4_0` follows the reference engine's load-time Q4_0 quantizer exactly, per block
+of 32 values along a row: ``d = max|x| / 7`` (float32), ``id = 1/d`` (0 when d is 0),
 ``q = clamp(round(x * id), -8, 7)`` with round half away from zero, stored as ``q + 8``
 in GGML's Q4_0 layout (fp16 ``d``, then 16 bytes: value ``z`` in the low nibble of byte
 ``z`` and value ``z + 16`` in its high nibble). The result is an ordinary Q4_0 tensor:

@@ -1,161 +1,72 @@
-"""Build a streamed `DecoderLM`: skeleton on meta, memory plan, resident parts placed, executor plugged in."""
+"""Build a streamed `DecoderLM`: the resident build's walk with another destination.
+
+`build_streamed` walks the checkpoint with the same `ModelBuilder` as a resident
+load, layer by layer, with ``lazy`` placement: float tensors that need only a dtype
+conversion stay in the checkpoint, and whatever the placement converted (packed GGUF
+matrices, layers quantized at load, permuted rows) goes to the `StreamStore`'s local
+file; then every layer goes back to the meta device. The memory plan decides what
+stays resident (read back onto the device now) and what streams through the group
+buffers, and the `StreamingExecutor` takes over the layer stack.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from infer.loader.build import assign_parameter
-from infer.loader.config import ModelConfig
-from infer.loader.tokenizer import Tokenizer
+from infer.config import ModelConfig
+from infer.loader.build import ModelBuilder, reset_buffers
+from infer.loader.names import Entry
+from infer.loader.place import assign_parameter
+from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
 from infer.streaming.executor import StreamingExecutor
+from infer.streaming.layout import align_up
 from infer.streaming.modules import StreamedEmbedding, StreamedHead
 from infer.streaming.pipeline import Pipeline
-from infer.streaming.plan import MemoryPlan, plan_memory
-from infer.streaming.source import EMBED, HEAD, NORM, SafetensorsSource, TensorRef, WeightSource
+from infer.streaming.plan import MemoryPlan, PlanInputs, plan_memory
 from infer.streaming.stats import StreamingStats
+from infer.streaming.store import StreamStore, TensorRef, WeightStore
 from infer.streaming.transport import CpuTransport, CudaTransport, Transport, cuda_event
 
-
-def build_streaming_model(
-    path: str | Path,
-    config: ModelConfig,
-    model_cls: Callable[[ModelConfig], nn.Module],
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype | None,
-    streaming: StreamingConfig,
-    quantize: str | None = None,
-    max_context: int | None = None,
-) -> DecoderLM:
-    """A ``model_cls`` model whose layers stream from the safetensors checkpoint at ``path``.
-
-    Only the parts the plan keeps resident are read at load; the executor reads
-    the rest one layer group at a time while generating. ``max_context`` overrides
-    ``streaming.max_context`` for planning the KV cache. Raises `BudgetError` (a
-    `ValueError`) when the configuration cannot fit ``streaming.memory_budget``,
-    with what would fit.
-    """
-    source: WeightSource
-    if quantize is not None:
-        from infer.streaming.quantized_source import QuantizedSafetensorsSource
-
-        source = QuantizedSafetensorsSource(path, config, dtype, quantize)
-    else:
-        source = SafetensorsSource(path, config, dtype)
-    try:
-        return build_from_source(
-            source, model_cls, device=device, streaming=streaming, max_context=max_context
-        )
-    except BaseException:
-        source.close()
-        raise
+# Packed modules dequantize tile by tile (prefill, non-CPU devices): their workspace.
+PACKED_WORKSPACE = 32 * 2**20
+EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
 
 
-def build_streaming_model_gguf(
-    path: str | Path,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype | None,
-    streaming: StreamingConfig,
-    max_context: int | None = None,
-) -> tuple[ModelConfig, DecoderLM, Tokenizer]:
-    """``(config, model, tokenizer)`` for a GGUF file whose layers stream in their packed form.
-
-    ``dtype`` means what it means for `infer.gguf.load_gguf` (``None``: float32
-    activations, bfloat16 packed products). The layers are converted to the packed
-    modules' storage once, at load, into a temporary file; the embedding, ``lm_head``
-    and final norm stay resident.
-    """
-    from infer.gguf.tokenizer import gguf_tokenizer
-    from infer.models import model_class
-    from infer.streaming.gguf_source import GGUFSource
-
-    source = GGUFSource(path, dtype=dtype)
-    try:
-        model = build_from_source(
-            source, model_class(source.config), device=device, streaming=streaming, max_context=max_context
-        )
-    except BaseException:
-        source.close()
-        raise
-    return source.config, model, gguf_tokenizer(source.gguf, source.config)
+def _module_bytes(model: torch.nn.Module, paths: list[str]) -> int:
+    """Bytes of the tensors of modules ``paths``, counting shared storage once."""
+    seen: set[int] = set()
+    total = 0
+    for path in paths:
+        for t in model.get_submodule(path).state_dict(keep_vars=True).values():
+            if t.is_meta or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += align_up(t.numel() * t.element_size())
+    return total
 
 
-def _check_skeleton(model: DecoderLM, source: WeightSource, *, layers_only: bool = False) -> None:
-    """Every layer tensor of the model has a tensor in the source with the same shape, and the reverse."""
-    for i, layer in enumerate(model.layers):
-        refs = source.layer_tensors(i)
-        expected = dict(layer.state_dict(keep_vars=True))
-        missing = sorted(set(expected) - set(refs))
-        unexpected = sorted(set(refs) - set(expected))
-        if missing:
-            raise ValueError(f"{source.description}: missing tensor(s) for layer {i}: {missing}")
-        if unexpected:
-            raise ValueError(f"{source.description}: unexpected tensor(s) for layer {i}: {unexpected}")
-        for name, ref in refs.items():
-            want = expected[name]
-            if tuple(want.shape) != ref.shape:
-                raise ValueError(
-                    f"{source.description}: tensor {ref.key!r} has shape {list(ref.shape)}, "
-                    f"expected {list(want.shape)} for layers.{i}.{name}"
-                )
-            if want.dtype.is_floating_point != ref.dtype.is_floating_point:
-                raise ValueError(
-                    f"{source.description}: tensor {ref.key!r} has dtype {ref.dtype}, expected {want.dtype}"
-                )
-    if layers_only:
-        return
-    for name, ref in (
-        (EMBED, source.tensor(EMBED)),
-        (HEAD, source.tensor(HEAD)),
-        (NORM, source.tensor(NORM)),
-    ):
-        want = model.get_parameter(name)
-        if tuple(want.shape) != ref.shape:
-            raise ValueError(
-                f"{source.description}: tensor {ref.key!r} has shape {list(ref.shape)}, "
-                f"expected {list(want.shape)}"
-            )
-
-
-def _read(source: WeightSource, ref: TensorRef, device: torch.device) -> torch.Tensor:
+def _read(store: WeightStore, ref: TensorRef, device: torch.device) -> torch.Tensor:
     host = torch.empty(ref.shape, dtype=ref.dtype)
-    source.read_into(ref, host)
+    store.read_into(ref, host)
     return host if device.type == "cpu" else host.to(device)
 
 
-def _place_resident(model: DecoderLM, source: WeightSource, plan: MemoryPlan, device: torch.device) -> None:
-    for i in plan.resident_layers:
-        layer = model.layers[i]
-        for name, ref in source.layer_tensors(i).items():
-            module_name, _, attr = name.rpartition(".")
-            module = layer.get_submodule(module_name) if module_name else layer
-            if attr in module._buffers:  # packed modules hold their weights as buffers
-                module._buffers[attr] = _read(source, ref, device)
-            else:
-                assign_parameter(layer, name, _read(source, ref, device))
-    model.rotary.to(device)
-    place = getattr(source, "place_nonlayer", None)
-    if callable(place):  # the source loaded embedding, head and norm itself (GGUF: packed)
-        place(model, device)
-        return
-    assign_parameter(model, NORM, _read(source, source.tensor(NORM), device))
-    tied = model.config.tie_word_embeddings
-    if plan.head_resident:
-        assign_parameter(model, HEAD, _read(source, source.tensor(HEAD), device))
-        if tied:
-            model.embed_tokens.weight = model.lm_head.weight  # one tensor, as in the resident model
-    if plan.embed_resident and not (tied and plan.head_resident):
-        assign_parameter(model, EMBED, _read(source, source.tensor(EMBED), device))
-    if not plan.embed_resident:
-        model.embed_tokens = StreamedEmbedding(source, source.tensor(EMBED), device)  # type: ignore[assignment]
+def _place_layer(
+    model: DecoderLM, index: int, refs: dict[str, TensorRef], store: WeightStore, device: torch.device
+) -> None:
+    layer = model.layers[index]
+    for name, ref in refs.items():
+        module_name, _, attr = name.rpartition(".")
+        module = layer.get_submodule(module_name) if module_name else layer
+        if attr in module._buffers:  # packed modules hold their weights as buffers
+            module._buffers[attr] = _read(store, ref, device)
+        else:
+            assign_parameter(layer, name, _read(store, ref, device))
 
 
 def _host_cache_units(plan: MemoryPlan, host_budget: int) -> dict[int, int]:
@@ -171,57 +82,229 @@ def _host_cache_units(plan: MemoryPlan, host_budget: int) -> dict[int, int]:
 
 
 def _transport(
-    source: WeightSource, plan: MemoryPlan, streaming: StreamingConfig, device: torch.device
+    store: WeightStore, plan: MemoryPlan, streaming: StreamingConfig, device: torch.device
 ) -> Transport:
     if device.type == "cpu":
         if streaming.host_budget_bytes:
             plan.notes.append(
                 "host_memory_budget is ignored on CPU: the page cache of the checkpoint plays that role"
             )
-        return CpuTransport(source, plan.num_buffers, plan.buffer_bytes)
+        return CpuTransport(store, plan.num_buffers, plan.buffer_bytes)
     if device.type == "cuda":
         cached = _host_cache_units(plan, streaming.host_budget_bytes)
         return CudaTransport(
-            source,
+            store,
             device,
             plan.num_buffers,
             plan.buffer_bytes,
             pin_memory=streaming.pin_memory,
             cached_units=cached,
             all_cached=len(cached) == len(plan.units),
-            blocking=not streaming.prefetch,
+            blocking=not plan.prefetch,
         )
     raise ValueError(f"layer streaming supports cpu and cuda devices, not {device}")
 
 
-def build_from_source(
+@dataclass
+class _Walk:
+    """The model after the streamed walk: layers on meta with their refs, the non-layer modules."""
+
+    builder: ModelBuilder
+    store: StreamStore
+    layer_refs: list[dict[str, TensorRef]]
+    deferred_nonlayer: dict[str, Entry]  # float embedding / head / small modules left in the checkpoint
+
+
+def _walk(
     source: WeightSource,
-    model_cls: Callable[[ModelConfig], nn.Module],
+    config: ModelConfig,
+    streaming: StreamingConfig,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
+    quantize: str | None,
+    validate: bool,
+) -> _Walk:
+    """Place every layer lazily into the stream store, then the modules outside the layers."""
+    streaming.validate()
+    builder = ModelBuilder(
+        source, config, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=validate
+    )
+    model = builder.model
+    store = StreamStore(source, validate=validate)
+    try:
+        layer_refs: list[dict[str, TensorRef]] = []
+        for i, group in enumerate(builder.layer_groups):
+            deferred = {e.param: e for e in builder.place(group, lazy=True)}
+            layer, prefix = model.layers[i], f"layers.{i}."
+            refs: dict[str, TensorRef] = {}
+            converted: dict[str, torch.Tensor] = {}
+            for name, t in layer.state_dict(keep_vars=True).items():
+                entry = deferred.get(prefix + name)
+                if entry is not None:
+                    refs[name] = store.source_ref(entry.stored, dtype)
+                else:
+                    converted[name] = t
+            refs.update(store.write(f"layers.{i}", converted))
+            layer.to("meta")
+            layer_refs.append(refs)
+        # Outside the layers: a float embedding and head may stream; converted ones stay resident.
+        nonlayer_entries = [e for p in builder.nonlayer for e in builder.modules[p].values()]
+        lazy_nonlayer = quantize is None and not any(e.stored.packed or e.fix for e in nonlayer_entries)
+        deferred_nonlayer: dict[str, Entry] = {}
+        if lazy_nonlayer and streaming.resident_embeddings is not True:
+            deferred_nonlayer = {e.param: e for e in builder.place(builder.nonlayer, lazy=True)}
+        elif streaming.resident_embeddings is False:
+            raise ValueError(
+                f"{source.description}: a packed or quantized embedding and head stay resident "
+                "(resident_embeddings=False needs float ones)"
+            )
+        else:
+            builder.place(builder.nonlayer)
+    except BaseException:
+        store.close()
+        raise
+    return _Walk(builder, store, layer_refs, deferred_nonlayer)
+
+
+def plan_streamed(
+    source: WeightSource,
+    config: ModelConfig,
+    streaming: StreamingConfig,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    max_context: int | None = None,
+) -> MemoryPlan:
+    """The memory plan `build_streamed` would make, without building (``source`` is closed after).
+
+    Float checkpoints are not read at all; a packed or quantized one is converted once.
+    """
+    walk = _walk(
+        source, config, streaming, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=False
+    )
+    try:
+        return _plan(walk, streaming, dtype, torch.device(device), max_context)
+    finally:
+        walk.store.close()
+
+
+def build_streamed(
+    source: WeightSource,
+    config: ModelConfig,
     *,
     device: torch.device | str,
+    dtype: torch.dtype,
     streaming: StreamingConfig,
+    compute_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    validate: bool = True,
     max_context: int | None = None,
 ) -> DecoderLM:
-    """`build_streaming_model` for any `WeightSource` (safetensors, GGUF later, a test's slowed source)."""
-    streaming.validate()
+    """A `DecoderLM` whose layers stream from ``source`` under ``streaming.memory_budget``.
+
+    The same arguments as `infer.loader.build.load_model`, plus the streaming settings;
+    ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError` (a
+    `ValueError`) when settings the user gave cannot fit the budget, with what would fit.
+    On success the model owns ``source``: it is closed with the executor.
+    """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    model = source.build_skeleton(model_cls)
-    source_places_nonlayer = callable(getattr(source, "place_nonlayer", None))
-    if source_places_nonlayer and streaming.resident_embeddings is False:
-        raise ValueError(f"{source.description}: this source keeps the embedding and lm_head resident")
-    _check_skeleton(model, source, layers_only=source_places_nonlayer)
-    small = sum(b.numel() * b.element_size() for b in model.rotary.buffers())
-    small += int(getattr(source, "workspace_extra", 0))
+    walk = _walk(
+        source,
+        config,
+        streaming,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        quantize=quantize,
+        validate=validate,
+    )
+    model, store = walk.builder.model, walk.store
+    try:
+        plan = _plan(walk, streaming, dtype, device, max_context)
+        for i in plan.resident_layers:
+            _place_layer(model, i, walk.layer_refs[i], store, device)
+        _place_nonlayer(model, walk, plan, dtype, device)
+        reset_buffers(model, device)
+        _attach(model, plan, store, streaming, device)
+    except BaseException:
+        store.close()
+        raise
+    return model.eval()
+
+
+def _plan(
+    walk: _Walk, streaming: StreamingConfig, dtype: torch.dtype, device: torch.device, max_context: int | None
+) -> MemoryPlan:
+    builder, store, deferred, model = walk.builder, walk.store, walk.deferred_nonlayer, walk.builder.model
+    config = builder.config
+    small = sum(align_up(b.numel() * 4) for b in model.rotary.buffers())  # RoPE frequencies (float32)
     if device.type == "cpu":  # host memory is device memory: the reader's conversion buffer counts
-        small += int(getattr(source, "scratch_bytes", 0))
-    dtype = model.dtype if source_places_nonlayer else source.tensor(NORM).dtype
-    plan = plan_memory(source, streaming, dtype=dtype, max_context=max_context, small_extra=small)
-    open_all = getattr(source, "open_all", None)
-    if callable(open_all):
-        open_all()
-    _place_resident(model, source, plan, device)
+        small += store.scratch_bytes
+    converted = builder.opts.quantize is not None or any(
+        e.stored.packed for m in builder.modules.values() for e in m.values()
+    )
+    small += PACKED_WORKSPACE if converted else 0
+    embed = head = None
+    fixed: int | None = None
+    if EMBED in deferred:
+        embed = store.source_ref(deferred[EMBED].stored, dtype)
+        head = embed if config.tie_word_embeddings else store.source_ref(deferred[HEAD].stored, dtype)
+        others = [p for p in builder.nonlayer if p not in ("embed_tokens", "lm_head")]
+        small += sum(
+            align_up(store.source_ref(deferred[f"{p}.{a}"].stored, dtype).nbytes)
+            for p in others
+            for a in builder.modules[p]
+        )
+    else:
+        fixed = _module_bytes(model, builder.nonlayer)
+    inputs = PlanInputs(
+        config=config,
+        dtype=dtype,
+        layer_refs=walk.layer_refs,
+        embed=embed,
+        head=head,
+        small_bytes=small,
+        fixed_nonlayer=fixed,
+        description=store.description,
+    )
+    return plan_memory(inputs, streaming, max_context=max_context)
+
+
+def _place_nonlayer(
+    model: DecoderLM, walk: _Walk, plan: MemoryPlan, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The embedding, head and the small modules outside the layers, as the plan decided."""
+    builder, store, deferred = walk.builder, walk.store, walk.deferred_nonlayer
+    if not deferred:  # placed at load (packed / quantized / kept resident): move them
+        for path in builder.nonlayer:
+            model.get_submodule(path).to(device)
+        if model.config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
+            model.lm_head.weight = model.embed_tokens.weight
+        return
+    for name, entry in deferred.items():
+        if name in (EMBED, HEAD):
+            continue
+        assign_parameter(model, name, _read(store, store.source_ref(entry.stored, dtype), device))
+    tied = model.config.tie_word_embeddings
+    embed_ref = store.source_ref(deferred[EMBED].stored, dtype)
+    if plan.head_resident:
+        head_ref = embed_ref if tied else store.source_ref(deferred[HEAD].stored, dtype)
+        assign_parameter(model, HEAD, _read(store, head_ref, device))
+        if tied:
+            model.embed_tokens.weight = model.lm_head.weight  # one tensor
+    if plan.embed_resident and not (tied and plan.head_resident):
+        assign_parameter(model, EMBED, _read(store, embed_ref, device))
+    if not plan.embed_resident:
+        model.embed_tokens = StreamedEmbedding(store, embed_ref, device)  # type: ignore[assignment]
+
+
+def _attach(
+    model: DecoderLM, plan: MemoryPlan, store: WeightStore, streaming: StreamingConfig, device: torch.device
+) -> None:
     stats = StreamingStats(
         peak_weight_bytes=plan.weight_bytes,
         planned_bytes=plan.total,
@@ -238,8 +321,8 @@ def build_from_source(
             gpu_origin = (event, origin)
         pipeline = Pipeline(
             plan.units,
-            _transport(source, plan, streaming, device),
-            prefetch=streaming.prefetch,
+            _transport(store, plan, streaming, device),
+            prefetch=plan.prefetch,
             stats=stats,
             on_progress=streaming.on_progress,
             trace=streaming.trace,
@@ -248,5 +331,7 @@ def build_from_source(
         )
         if not plan.head_resident:
             model.lm_head = StreamedHead(pipeline, plan.head_unit_list, model.config.vocab_size)  # type: ignore[assignment]
-    model.executor = StreamingExecutor(model, plan, pipeline, stats)
-    return model.eval()
+    model.executor = StreamingExecutor(model, plan, pipeline, stats, store)
+
+
+__all__ = ["build_streamed", "plan_streamed"]

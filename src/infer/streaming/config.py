@@ -62,15 +62,22 @@ def format_bytes(n: float) -> str:
 class StreamingConfig:
     """How to stream a model's layers through a memory budget.
 
+    Only ``memory_budget`` needs setting: every setting left at ``None`` is chosen so
+    the plan fits the budget (the longest context up to the default, the largest
+    prefill chunk, prefetch if it fits, groups of 4, 2 or 1 layers, as many resident
+    layers as fit). A setting given explicitly is a constraint; if it cannot fit,
+    loading fails with a `BudgetError` that says what would.
+
     Args:
-        layer_group_size: layers moved to the device as one unit (>= 1).
+        layer_group_size: layers moved to the device as one unit (>= 1; None: chosen).
         memory_budget: the device memory the model may use, as bytes or a string
             (``"6GB"``, ``"512MiB"``). It covers the resident weights, the group buffers,
             the KV cache for ``max_batch_size`` x ``max_context`` tokens and the
             activation workspace of one forward of ``max_prefill_tokens`` tokens. On
             CPU, device memory is the process's anonymous memory.
         prefetch: double buffering: load group ``i + 1`` while group ``i`` computes.
-            ``False`` is the synchronous debugging mode (one buffer, no thread).
+            ``False`` is the synchronous debugging mode (one buffer, no thread); None:
+            on when it fits.
         pin_memory: page-locked host staging buffers for asynchronous copies (CUDA).
         on_progress: called with a `ProgressEvent` after each layer group (or head
             chunk) is loaded and after it is computed.
@@ -79,11 +86,12 @@ class StreamingConfig:
             of reading the checkpoint again). ``0`` disables the host tier. Ignored on
             CPU, where host and device are the same memory and the OS page cache of the
             memory-mapped checkpoint plays this role.
-        max_context: tokens per sequence the KV cache is planned for (default: the
-            model's ``max_position_embeddings``, at most 4096).
+        max_context: tokens per sequence the KV cache is planned for (None: the
+            model's ``max_position_embeddings``, at most 4096, shorter if that does not fit).
         max_batch_size: sequences per batch the KV cache and workspace are planned for.
         max_prefill_tokens: tokens per forward the activation workspace is planned for
-            (default: ``max_context``). A longer forward is refused.
+            (None: up to 512, fewer if that does not fit). Generation feeds longer prompts
+            in chunks of this size; a longer forward is refused.
         max_resident_layers: cap on the layers kept resident (``None``: as many as fit;
             ``0`` streams every layer, for debugging and tests).
         resident_embeddings: keep the embedding and ``lm_head`` on the device
@@ -91,9 +99,9 @@ class StreamingConfig:
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
     """
 
-    layer_group_size: int = 4
+    layer_group_size: int | None = None
     memory_budget: int | str = "6GB"
-    prefetch: bool = True
+    prefetch: bool | None = None
     pin_memory: bool = True
     on_progress: Callable[[ProgressEvent], None] | None = None
     host_memory_budget: int | str = 0
@@ -124,7 +132,7 @@ class StreamingConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"StreamingConfig.{name}: expected an int >= {minimum}, found {value!r}")
 
-        positive_int("layer_group_size", self.layer_group_size)
+        positive_int("layer_group_size", self.layer_group_size, allow_none=True)
         if self.budget_bytes <= 0:
             raise ValueError(
                 f"StreamingConfig.memory_budget: expected a positive size, found {self.memory_budget!r}"
@@ -133,7 +141,11 @@ class StreamingConfig:
             raise ValueError(
                 f"StreamingConfig.host_memory_budget: expected a size >= 0, found {self.host_memory_budget!r}"
             )
-        for name in ("prefetch", "pin_memory", "trace"):
+        if self.prefetch is not None and not isinstance(self.prefetch, bool):
+            raise ValueError(
+                f"StreamingConfig.prefetch: expected None, True or False, found {self.prefetch!r}"
+            )
+        for name in ("pin_memory", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"StreamingConfig.{name}: expected True or False, found {getattr(self, name)!r}"

@@ -14,11 +14,12 @@ import weakref
 import torch
 from torch import nn
 
-from infer.models.base import DecoderLM, StepInputs
+from infer.models.base import DecoderLM, ExecutorLimits, StepInputs
 from infer.streaming.layout import Slot, Unit
 from infer.streaming.pipeline import Pipeline
 from infer.streaming.plan import MemoryPlan
 from infer.streaming.stats import StreamingStats
+from infer.streaming.store import WeightStore
 
 Target = tuple[nn.Module, str, bool, torch.Tensor]  # (module, attribute, is a parameter, meta placeholder)
 
@@ -39,6 +40,13 @@ def _target(layer: nn.Module, slot: Slot) -> Target:
     return module, attr, is_param, placeholder
 
 
+def _close(pipeline: Pipeline | None, store: WeightStore | None) -> None:
+    if pipeline is not None:
+        pipeline.close()
+    if store is not None:
+        store.close()
+
+
 class StreamingExecutor:
     """Runs the layer stack through the plan's resident layers and streamed groups.
 
@@ -47,21 +55,31 @@ class StreamingExecutor:
     """
 
     def __init__(
-        self, model: DecoderLM, plan: MemoryPlan, pipeline: Pipeline | None, stats: StreamingStats
+        self,
+        model: DecoderLM,
+        plan: MemoryPlan,
+        pipeline: Pipeline | None,
+        stats: StreamingStats,
+        store: WeightStore | None = None,
     ) -> None:
         self.plan = plan
         self.pipeline = pipeline
         self._stats = stats
-        self.limits = plan.limits
+        self._limits = plan.limits
         self._targets: dict[int, list[tuple[Target, Slot]]] = {}
         for unit in plan.layer_units:
             self._targets[unit.index] = [
                 (_target(model.layers[s.layer], s), s) for s in unit.slots if s.layer is not None
             ]
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._finalizer = weakref.finalize(self, pipeline.close) if pipeline is not None else None
+        self._finalizer = weakref.finalize(self, _close, pipeline, store)
 
-    # ---- what the lead's API and generation loop read --------------------------
+    # ---- what generation and the API read -----------------------------------------
+
+    @property
+    def limits(self) -> ExecutorLimits:
+        """The shapes the memory plan reserved room for (generation stays inside them)."""
+        return self._limits
 
     @property
     def stats(self) -> StreamingStats:
@@ -86,9 +104,8 @@ class StreamingExecutor:
         return self.limits.max_prefill_tokens
 
     def close(self) -> None:
-        """Stop the reader thread and release the buffers."""
-        if self._finalizer is not None:
-            self._finalizer()
+        """Stop the reader thread, release the buffers and close the checkpoint."""
+        self._finalizer()
 
     # ---- the walk ---------------------------------------------------------------
 

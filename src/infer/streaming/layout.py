@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.streaming.source import TensorRef
+from infer.streaming.store import TensorRef
 
 ALIGN = 256  # bytes: keeps every view as aligned as a fresh allocation (CUDA and SIMD kernels)
 
 
-def aligned(n: int) -> int:
+def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -70,7 +70,7 @@ def layer_unit(index: int, group: int, layers: list[tuple[int, dict[str, TensorR
     for layer, refs in layers:
         for name, ref in refs.items():
             slots.append(Slot(layer, name, ref, None, ref.shape, ref.dtype, offset, ref.nbytes))
-            offset += aligned(ref.nbytes)
+            offset += align_up(ref.nbytes)
     return Unit(index, group, tuple(i for i, _ in layers), tuple(slots), offset)
 
 
@@ -83,10 +83,10 @@ def head_units(first_index: int, ref: TensorRef, rows_per_chunk: int) -> list[Un
         shape = (stop - start, *ref.shape[1:])
         nbytes = (stop - start) * ref.row_bytes()
         slot = Slot(None, "weight", ref, (start, stop), shape, ref.dtype, 0, nbytes)
-        units.append(Unit(first_index + k, None, (), (slot,), aligned(nbytes), (start, stop)))
+        units.append(Unit(first_index + k, None, (), (slot,), align_up(nbytes), (start, stop)))
     return units
 
 
 def layer_bytes(refs: dict[str, TensorRef]) -> int:
     """Bytes of one layer as laid out in a buffer."""
-    return sum(aligned(r.nbytes) for r in refs.values())
+    return sum(align_up(r.nbytes) for r in refs.values())

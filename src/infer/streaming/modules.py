@@ -14,15 +14,15 @@ from torch import nn
 
 from infer.streaming.layout import Unit
 from infer.streaming.pipeline import Pipeline
-from infer.streaming.source import TensorRef, WeightSource
+from infer.streaming.store import TensorRef, WeightStore
 
 
 class StreamedEmbedding(nn.Module):
-    """``input_ids [B, T] -> [B, T, D]`` with the rows read from ``source`` on demand."""
+    """``input_ids [B, T] -> [B, T, D]`` with the rows read from ``store`` on demand."""
 
-    def __init__(self, source: WeightSource, ref: TensorRef, device: torch.device) -> None:
+    def __init__(self, store: WeightStore, ref: TensorRef, device: torch.device) -> None:
         super().__init__()
-        self.source = source
+        self.store = store
         self.ref = ref
         self.device = device
         self.num_embeddings, self.embedding_dim = ref.shape[0], ref.shape[1]
@@ -31,7 +31,7 @@ class StreamedEmbedding(nn.Module):
         flat = input_ids.reshape(-1)  # [B*T]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        rows = self.source.read_rows(self.ref, flat)  # [B*T, D]
+        rows = self.store.read_rows(self.ref, flat)  # [B*T, D]
         return rows.to(self.device).view(*input_ids.shape, self.embedding_dim)  # [B, T, D]
 
     def extra_repr(self) -> str:

@@ -9,9 +9,15 @@ The plan adds up everything the model will hold on the device:
 
 Layers are made resident first-come (layers ``0 .. r-1``) as long as the total fits;
 the rest stream in groups of ``layer_group_size``. An ``lm_head`` that does not fit
-streams in row chunks no larger than a group buffer. When nothing fits, `BudgetError`
-says what would: a smaller group size, a shorter context, no prefetch, or the
-smallest budget.
+streams in row chunks no larger than a group buffer.
+
+Settings the user left at ``None`` are chosen (`plan_memory`): the context (the
+model's, at most 4096, halved while nothing fits), the prefill chunk (the largest that
+fits: each chunk streams the weights once), then among prefetch on / off and groups of
+4, 2, 1 layers the plan that streams the fewest bytes per forward (ties: prefetch on,
+larger groups). Only settings the user gave explicitly can make a budget fail; then
+`BudgetError` says what would fit: a smaller group size, a shorter context, no
+prefetch, or the smallest budget.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infer.cache import KVCache
-from infer.loader.config import ModelConfig
+from infer.config import ModelConfig
+from infer.models.base import ExecutorLimits
 from infer.streaming.config import StreamingConfig, format_bytes
-from infer.streaming.layout import Unit, aligned, head_units, layer_bytes, layer_unit
-from infer.streaming.source import EMBED, HEAD, NORM, TensorRef, WeightSource
+from infer.streaming.layout import Unit, align_up, head_units, layer_bytes, layer_unit
+from infer.streaming.store import TensorRef
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_MAX_PREFILL = 512
+AUTO_GROUP_SIZES = (4, 2, 1)
 WORKSPACE_SLACK = 4 * 2**20  # small temporaries (rope tables, masks of decode steps, allocator rounding)
 
 
@@ -35,13 +43,7 @@ class BudgetError(ValueError):
     """The streaming configuration cannot run within the memory budget."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    """The shapes the plan reserves memory for."""
-
-    max_context: int
-    max_batch_size: int
-    max_prefill_tokens: int
+Limits = ExecutorLimits  # the shapes the plan reserves memory for
 
 
 @dataclass
@@ -63,6 +65,8 @@ class MemoryPlan:
     head_resident: bool
     embed_bytes: int  # resident embedding bytes (0 when streamed or shared with a resident tied head)
     head_bytes: int  # resident lm_head bytes (0 when streamed)
+    layer_group_size: int = 1
+    prefetch: bool = True
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,7 +102,8 @@ class MemoryPlan:
         parts = [
             f"resident layers: {len(self.resident_layers)} ({format_bytes(self.resident_layer_bytes)})",
             f"streamed layers: {streamed} in {len(self.layer_units)} group(s)",
-            f"buffers: {self.num_buffers} x {format_bytes(self.buffer_bytes)}",
+            f"buffers: {self.num_buffers} x {format_bytes(self.buffer_bytes)} "
+            f"(layer_group_size={self.layer_group_size}, prefetch={self.prefetch})",
             f"KV cache: {format_bytes(self.kv_bytes)} "
             f"({self.limits.max_batch_size} x {self.limits.max_context} tokens)",
             f"workspace: {format_bytes(self.workspace_bytes)} "
@@ -138,58 +143,76 @@ def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, tokens:
     return residual + attention + scores + ring + mlp + masks + logits + rope + WORKSPACE_SLACK
 
 
-def limits_for(model_config: ModelConfig, streaming: StreamingConfig, max_context: int | None) -> Limits:
-    context = max_context if max_context is not None else streaming.max_context
-    if context is None:
-        context = min(model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    prefill = streaming.max_prefill_tokens
-    if prefill is None:
-        prefill = min(context, DEFAULT_MAX_PREFILL)
-    if prefill > context:
-        raise BudgetError(f"max_prefill_tokens ({prefill}) exceeds max_context ({context})")
-    return Limits(context, streaming.max_batch_size, prefill)
+def default_context(config: ModelConfig) -> int:
+    return min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan needs to know about a model: its config and the bytes of every piece.
+
+    ``layer_refs[i]``: layer ``i``'s tensors as streamed. ``embed`` / ``head``: the
+    embedding and head when they may stream (float, read from the checkpoint), or None
+    when they are always resident — their bytes then in ``fixed_nonlayer`` (packed or
+    quantized modules). ``small_bytes``: everything else resident and small (the final
+    norm, RoPE frequencies, the reader's conversion buffer, packed modules' workspace).
+    """
+
+    config: ModelConfig
+    dtype: torch.dtype
+    layer_refs: list[dict[str, TensorRef]]
+    embed: TensorRef | None
+    head: TensorRef | None
+    small_bytes: int
+    fixed_nonlayer: int | None = None
+    description: str = "model"
 
 
 @dataclass(frozen=True)
 class _Inputs:
-    config: ModelConfig
+    inputs: PlanInputs
     streaming: StreamingConfig
-    dtype: torch.dtype
-    layer_refs: list[dict[str, TensorRef]]
-    embed: TensorRef | None  # None: the source places embedding, head and norm itself
-    head: TensorRef | None
-    norm: TensorRef | None
-    tied: bool
-    small_extra: int  # RoPE buffers and anything else resident and tiny
-    fixed_nonlayer: int | None = None  # bytes of a source-placed embedding + head + norm (always resident)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.inputs.config
+
+    @property
+    def tied(self) -> bool:
+        return self.inputs.config.tie_word_embeddings
 
 
 def _candidate(
     inp: _Inputs, limits: Limits, head_resident: bool, resident: int, group_size: int, prefetch: bool
 ) -> MemoryPlan:
-    n = len(inp.layer_refs)
+    pi = inp.inputs
+    n = len(pi.layer_refs)
     units: list[Unit] = []
     streamed = list(range(resident, n))
     for g, start in enumerate(range(0, len(streamed), group_size)):
         members = streamed[start : start + group_size]
-        units.append(layer_unit(len(units), g, [(i, inp.layer_refs[i]) for i in members]))
+        units.append(layer_unit(len(units), g, [(i, pi.layer_refs[i]) for i in members]))
     max_group = max((u.nbytes for u in units), default=0)
     if not head_resident:
-        assert inp.head is not None
-        row = inp.head.row_bytes()
-        target = max_group if max_group else max(layer_bytes(r) for r in inp.layer_refs)
-        rows = max(1, min(inp.head.shape[0], target // max(row, 1)))
-        units.extend(head_units(len(units), inp.head, rows))
+        assert pi.head is not None
+        row = pi.head.row_bytes()
+        target = max_group if max_group else max(layer_bytes(r) for r in pi.layer_refs)
+        rows = max(1, min(pi.head.shape[0], target // max(row, 1)))
+        units.extend(head_units(len(units), pi.head, rows))
     buffer = max((u.nbytes for u in units), default=0)
     num_buffers = (2 if prefetch else 1) if units else 0
-    kv = KVCache.bytes_needed(inp.config, limits.max_batch_size, limits.max_context, inp.dtype)
+    kv = KVCache.bytes_needed(pi.config, limits.max_batch_size, limits.max_context, pi.dtype)
     ws = workspace_bytes(
-        inp.config, inp.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
+        pi.config, pi.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
     )
     # Embedding rows read on demand (or dequantized): the stored rows and their converted copy.
-    row_bytes = inp.embed.row_bytes() if inp.embed is not None else inp.config.hidden_size * 4
+    row_bytes = pi.embed.row_bytes() if pi.embed is not None else pi.config.hidden_size * 4
     ws += 2 * limits.max_batch_size * limits.max_prefill_tokens * row_bytes
-    fixed = inp.fixed_nonlayer
+    fixed = pi.fixed_nonlayer
+    if head_resident:
+        head_bytes = fixed if fixed is not None else align_up(pi.head.nbytes) if pi.head is not None else 0
+    else:
+        head_bytes = 0
     return MemoryPlan(
         budget=inp.streaming.budget_bytes,
         limits=limits,
@@ -200,26 +223,29 @@ def _candidate(
         buffer_bytes=buffer,
         kv_bytes=kv,
         workspace_bytes=ws,
-        small_bytes=(aligned(inp.norm.nbytes) if inp.norm is not None else 0) + inp.small_extra,
-        resident_layer_bytes=sum(layer_bytes(inp.layer_refs[i]) for i in range(resident)),
+        small_bytes=pi.small_bytes,
+        resident_layer_bytes=sum(layer_bytes(pi.layer_refs[i]) for i in range(resident)),
         embed_resident=fixed is not None or (head_resident and inp.tied),
         head_resident=head_resident,
         embed_bytes=0,
-        head_bytes=(fixed if fixed is not None else aligned(inp.head.nbytes) if inp.head else 0)
-        if head_resident
-        else 0,
+        head_bytes=head_bytes,
+        layer_group_size=group_size,
+        prefetch=prefetch,
     )
 
 
 def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> MemoryPlan | None:
     """The feasible plan that streams the fewest bytes per forward, or None."""
-    n = len(inp.layer_refs)
+    pi = inp.inputs
+    n = len(pi.layer_refs)
     cap = n if inp.streaming.max_resident_layers is None else min(n, inp.streaming.max_resident_layers)
     head_options = [False] if inp.streaming.resident_embeddings is False else [True, False]
-    if inp.fixed_nonlayer is not None:
+    if pi.fixed_nonlayer is not None:
         head_options = [True]
     best: MemoryPlan | None = None
     for head_resident in head_options:
+        if _candidate(inp, limits, head_resident, 0, group_size, prefetch).total > inp.streaming.budget_bytes:
+            continue  # nothing fits with these settings: skip the scan
         for r in range(cap, -1, -1):
             plan = _candidate(inp, limits, head_resident, r, group_size, prefetch)
             if plan.total <= plan.budget:
@@ -228,15 +254,15 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
                 break
     if best is None:
         return None
-    if inp.embed is not None and not inp.tied and inp.streaming.resident_embeddings is not False:
-        with_embed = replace(best, embed_resident=True, embed_bytes=aligned(inp.embed.nbytes))
+    if pi.embed is not None and not inp.tied and inp.streaming.resident_embeddings is not False:
+        with_embed = replace(best, embed_resident=True, embed_bytes=align_up(pi.embed.nbytes))
         if with_embed.total <= best.budget:
             best = with_embed
     return best
 
 
 def _minimum(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> MemoryPlan:
-    return _candidate(inp, limits, inp.fixed_nonlayer is not None, 0, group_size, prefetch)
+    return _candidate(inp, limits, inp.inputs.fixed_nonlayer is not None, 0, group_size, prefetch)
 
 
 def _largest_context(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> int:
@@ -252,30 +278,31 @@ def _largest_context(inp: _Inputs, limits: Limits, group_size: int, prefetch: bo
     return lo
 
 
-def _refusal(inp: _Inputs, limits: Limits, source: str) -> BudgetError:
+def _refusal(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> BudgetError:
     s = inp.streaming
-    need = _minimum(inp, limits, s.layer_group_size, s.prefetch)
+    source = inp.inputs.description
+    need = _minimum(inp, limits, group_size, prefetch)
     lines = [
         f"{source}: memory budget {format_bytes(s.budget_bytes)} is too small for layer_group_size="
-        f"{s.layer_group_size}, prefetch={s.prefetch}, max_context={limits.max_context}, "
+        f"{group_size}, prefetch={prefetch}, max_context={limits.max_context}, "
         f"max_batch_size={limits.max_batch_size}, max_prefill_tokens={limits.max_prefill_tokens}.",
         f"Even streaming every layer it needs {format_bytes(need.total)}: {need.describe()}.",
         "What would fit:",
     ]
     options = []
-    if s.layer_group_size > 1:
-        one = _minimum(inp, limits, 1, s.prefetch)
+    if group_size > 1:
+        one = _minimum(inp, limits, 1, prefetch)
         verdict = "fits" if one.total <= s.budget_bytes else "still too big"
         options.append(f"layer_group_size=1 needs {format_bytes(one.total)} ({verdict})")
-    if s.prefetch:
-        sync = _minimum(inp, limits, s.layer_group_size, False)
+    if prefetch:
+        sync = _minimum(inp, limits, group_size, False)
         verdict = "fits" if sync.total <= s.budget_bytes else "still too big"
         options.append(f"prefetch=False (one buffer) needs {format_bytes(sync.total)} ({verdict})")
-    ctx = _largest_context(inp, limits, s.layer_group_size, s.prefetch)
+    ctx = _largest_context(inp, limits, group_size, prefetch)
     if ctx > 0:
-        options.append(f"max_context={ctx} with layer_group_size={s.layer_group_size} fits")
-    ctx1 = _largest_context(inp, limits, 1, s.prefetch)
-    if ctx1 > 0 and s.layer_group_size > 1:
+        options.append(f"max_context={ctx} with layer_group_size={group_size} fits")
+    ctx1 = _largest_context(inp, limits, 1, prefetch)
+    if ctx1 > 0 and group_size > 1:
         options.append(f"max_context={ctx1} with layer_group_size=1 fits")
     smallest = _minimum(inp, Limits(1, 1, 1), 1, False)
     options.append(
@@ -286,31 +313,55 @@ def _refusal(inp: _Inputs, limits: Limits, source: str) -> BudgetError:
     return BudgetError("\n".join(lines))
 
 
+def _halvings(start: int) -> list[int]:
+    out = [start]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
 def plan_memory(
-    source: WeightSource,
-    streaming: StreamingConfig,
-    *,
-    dtype: torch.dtype,
-    max_context: int | None = None,
-    small_extra: int = 0,
+    inputs: PlanInputs, streaming: StreamingConfig, *, max_context: int | None = None
 ) -> MemoryPlan:
-    """The plan for ``source`` under ``streaming``; raises `BudgetError` when nothing fits."""
-    config = source.config
-    limits = limits_for(config, streaming, max_context)
-    fixed: int | None = getattr(source, "nonlayer_bytes", None)  # e.g. GGUF: packed embedding and head
-    inp = _Inputs(
-        config=config,
-        streaming=streaming,
-        dtype=dtype,
-        layer_refs=[source.layer_tensors(i) for i in range(config.num_hidden_layers)],
-        embed=source.tensor(EMBED) if fixed is None else None,
-        head=source.tensor(HEAD) if fixed is None else None,
-        norm=source.tensor(NORM) if fixed is None else None,
-        tied=config.tie_word_embeddings,
-        small_extra=small_extra,
-        fixed_nonlayer=fixed,
+    """The plan for ``inputs`` under ``streaming``; settings left at None are chosen to fit.
+
+    ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError` (with what
+    would fit) only when the settings the user gave cannot fit the budget.
+    """
+    inp = _Inputs(inputs, streaming)
+    context = max_context if max_context is not None else streaming.max_context
+    user_prefill = streaming.max_prefill_tokens
+    if context is not None and user_prefill is not None and user_prefill > context:
+        raise BudgetError(f"max_prefill_tokens ({user_prefill}) exceeds max_context ({context})")
+    contexts = [context] if context is not None else _halvings(default_context(inputs.config))
+    groups = (
+        [streaming.layer_group_size] if streaming.layer_group_size is not None else list(AUTO_GROUP_SIZES)
     )
-    plan = _best(inp, limits, streaming.layer_group_size, streaming.prefetch)
-    if plan is None:
-        raise _refusal(inp, limits, source.description)
-    return plan
+    prefetches = [streaming.prefetch] if streaming.prefetch is not None else [True, False]
+    for ctx in contexts:
+        default_prefill = min(ctx, DEFAULT_MAX_PREFILL)
+        prefills = [user_prefill] if user_prefill is not None else _halvings(default_prefill)
+        for prefill in prefills:
+            limits = Limits(ctx, streaming.max_batch_size, prefill)
+            feasible = [
+                plan
+                for prefetch in prefetches
+                for group in groups
+                if (plan := _best(inp, limits, group, prefetch))
+            ]
+            if feasible:
+                plan = min(
+                    feasible,
+                    key=lambda p: (p.streamed_bytes_per_forward, not p.prefetch, -p.layer_group_size),
+                )
+                if ctx != contexts[0]:
+                    plan.notes.append(
+                        f"max_context {contexts[0]} does not fit the budget: planned for {ctx} tokens"
+                    )
+                if prefill != prefills[0]:
+                    plan.notes.append(f"prefill is fed in chunks of {prefill} tokens to fit the budget")
+                return plan
+    limits = Limits(
+        contexts[0], streaming.max_batch_size, user_prefill or min(contexts[0], DEFAULT_MAX_PREFILL)
+    )
+    raise _refusal(inp, limits, groups[0], prefetches[0])

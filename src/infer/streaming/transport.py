@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from infer.streaming.layout import Unit
-from infer.streaming.source import WeightSource
+from infer.streaming.store import WeightStore
 
 
 def cuda_event(timing: bool = True) -> torch.cuda.Event:
@@ -72,20 +72,18 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def _read_unit(source: WeightSource, unit: Unit, flat: torch.Tensor) -> None:
-    hint = getattr(source, "prefetch_hint", None)
-    if hint is not None:
-        for slot in unit.slots:
-            hint(slot.ref)
+def _read_unit(store: WeightStore, unit: Unit, flat: torch.Tensor) -> None:
+    for slot in unit.slots:  # start the readahead of every tensor, then read them in order
+        store.prefetch_hint(slot.ref)
     for slot in unit.slots:
-        source.read_into(slot.ref, slot.view(flat), slot.rows)
+        store.read_into(slot.ref, slot.view(flat), slot.rows)
 
 
 class CpuTransport:
     """Buffers in process memory; a load reads the checkpoint straight into one."""
 
-    def __init__(self, source: WeightSource, num_buffers: int, buffer_bytes: int) -> None:
-        self.source = source
+    def __init__(self, store: WeightStore, num_buffers: int, buffer_bytes: int) -> None:
+        self.store = store
         self.num_buffers = num_buffers
         self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(num_buffers)]
 
@@ -94,7 +92,7 @@ class CpuTransport:
 
     def load(self, unit: Unit, buffer: int) -> LoadRecord:
         start = time.perf_counter()
-        _read_unit(self.source, unit, self.buffers[buffer])
+        _read_unit(self.store, unit, self.buffers[buffer])
         return LoadRecord(unit.index, unit.nbytes, unit.nbytes, "disk", start, time.perf_counter())
 
     def mark_wait(self) -> Any:
@@ -115,7 +113,7 @@ class CudaTransport:
 
     def __init__(
         self,
-        source: WeightSource,
+        store: WeightStore,
         device: torch.device,
         num_buffers: int,
         buffer_bytes: int,
@@ -125,7 +123,7 @@ class CudaTransport:
         all_cached: bool,
         blocking: bool = False,
     ) -> None:
-        self.source = source
+        self.store = store
         self.device = device
         self.num_buffers = num_buffers
         self.pin = pin_memory
@@ -162,7 +160,7 @@ class CudaTransport:
             if unit.index in self.cached:
                 bytes_read, tier = 0, "host"
             else:
-                _read_unit(self.source, unit, host)
+                _read_unit(self.store, unit, host)
                 self.cached.add(unit.index)
         else:
             staging = self.next_staging
@@ -171,7 +169,7 @@ class CudaTransport:
             if done is not None:
                 done.synchronize()  # the previous copy out of this staging buffer has finished
             host = self.staging[staging]
-            _read_unit(self.source, unit, host)
+            _read_unit(self.store, unit, host)
         read_end = time.perf_counter()
         copy_start = cuda_event()
         copy_end = cuda_event()

@@ -1,0 +1,275 @@
+"""The one step that fills a module of a model skeleton from stored tensors.
+
+`place_module` reads a module's tensors from the `WeightSource`, checks their shapes
+(and, with ``validate``, that they are finite), undoes what a converter changed
+(`Fix`), converts the dtype, and puts the result in the module:
+
+* a float matrix stays an ``nn.Linear`` / ``nn.Embedding`` parameter, or, with
+  ``quantize`` ("q4_0" / "int8"), the linear is swapped for a packed
+  `QuantizedLinear` as soon as its tensors are in;
+* a packed GGUF matrix becomes a `QuantizedLinear` (or a `QuantizedEmbedding`; a tied
+  head is packed once and the embedding reads its rows);
+* norms, biases and other vectors become float parameters.
+
+With ``lazy`` the float tensors that need nothing but a dtype conversion are not read
+at all: they stay on the meta device and are returned, so a streamed model can read
+them from the checkpoint later, one layer group at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infer.loader.names import Entry
+from infer.loader.source import WeightSource, read_tensor
+from infer.models.arch import Fix
+from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
+from infer.quant.convert import quantize_linear
+
+_CHECK_ELEMENTS = 1 << 20  # values checked for NaN / inf at a time
+
+
+@dataclass(frozen=True)
+class PlaceOptions:
+    """How stored values become module values.
+
+    ``dtype``: activations, norms, biases and float matrices. ``compute_dtype``: the
+    matrix products of packed modules (GGUF files: bfloat16 by default). ``quantize``:
+    quantize float linear layers at load. ``validate``: refuse non-finite weights.
+    ``tie``: the head reuses the embedding.
+    """
+
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    quantize: str | None
+    validate: bool
+    tie: bool
+    num_heads: int
+    num_kv_heads: int
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation for ``n_heads`` heads of ``n_rows // n_heads`` rows.
+
+    The converter reordered each head's rows from ``[first half | second half]`` (HF
+    rotate-half) to interleaved pairs ``(0, half), (1, half+1), ...``. Stored row
+    ``h*hd + 2*i + j`` is HF row ``h*hd + j*half + i``; this returns, for each HF
+    row, the stored row to take.
+    """
+    head_dim = n_rows // n_heads
+    half = head_dim // 2
+    h = torch.arange(n_heads)[:, None, None]
+    j = torch.arange(2)[None, :, None]
+    i = torch.arange(half)[None, None, :]
+    return (h * head_dim + 2 * i + j).reshape(-1)  # [n_rows], in HF order (h, j, i)
+
+
+def _rows_fixed(entry: Entry, rows: torch.Tensor, opts: PlaceOptions) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation on anything indexed by output row (packed rows too)."""
+    if entry.fix is Fix.PERMUTE_Q:
+        return rows[unpermute_rows(rows.shape[0], opts.num_heads)]
+    if entry.fix is Fix.PERMUTE_K:
+        return rows[unpermute_rows(rows.shape[0], opts.num_kv_heads)]
+    return rows
+
+
+def _stored_shape(entry: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[::-1] if entry.fix is Fix.TRANSPOSE else shape
+
+
+def _check_shape(entry: Entry, expected: tuple[int, ...], source: str) -> None:
+    want = _stored_shape(entry, expected)
+    if tuple(entry.stored.shape) != want:
+        raise ValueError(
+            f"{source}: tensor {entry.stored.name!r} has shape {list(entry.stored.shape)}, "
+            f"expected {list(want)} (for {entry.param!r})"
+        )
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """Raise `ValueError` naming ``what`` if ``values`` holds NaN or inf.
+
+    A chunk's sum is finite exactly when its values are (NaN and inf propagate), unless
+    huge finite values overflow it: only then are the values themselves examined. The
+    sum allocates nothing, so the check costs one read of the weights and no memory.
+    """
+    flat = values.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_ELEMENTS):
+        chunk = flat[start : start + _CHECK_ELEMENTS]
+        if math.isfinite(float(chunk.sum())):
+            continue
+        bad = (~torch.isfinite(chunk)).nonzero()
+        if bad.numel():
+            index = start + int(bad[0, 0])
+            raise ValueError(f"{what} holds a non-finite value ({float(flat[index])} at flat index {index})")
+
+
+def float_values(source: WeightSource, entry: Entry, opts: PlaceOptions) -> torch.Tensor:
+    """The tensor as our module holds it: dequantized if packed, changes undone, in ``opts.dtype``."""
+    stored = entry.stored
+    what = f"{source.description}: tensor {stored.name!r}"
+    raw = read_tensor(source, stored.name)
+    if stored.packed:
+        assert stored.qtype is not None
+        values = dequantize(raw, stored.qtype, stored.shape, name=what)
+    elif not stored.dtype.is_floating_point:
+        raise ValueError(f"{what} has dtype {stored.dtype}, expected a floating-point tensor")
+    else:
+        values = raw
+    values = _rows_fixed(entry, values, opts)
+    if entry.fix is Fix.UNIT_OFFSET:
+        values = values.float() - 1.0
+    elif entry.fix is Fix.TRANSPOSE:
+        values = values.t().contiguous()
+    values = values.to(opts.dtype)
+    if opts.validate:
+        check_finite(values, what)
+    return values
+
+
+def _packed_linear(
+    source: WeightSource, weight: Entry, bias: torch.Tensor | None, opts: PlaceOptions, head: bool
+) -> QuantizedLinear:
+    stored = weight.stored
+    assert stored.qtype is not None
+    what = f"{source.description}: tensor {stored.name!r}"
+    raw = _rows_fixed(weight, read_tensor(source, stored.name), opts)
+    linear = QuantizedLinear.from_gguf(
+        raw,
+        stored.qtype,
+        stored.shape,
+        bias,
+        name=what,
+        compute_dtype=opts.compute_dtype,
+        exact_rescoring=head,
+    )
+    if opts.validate:
+        for name, buf in linear.named_buffers():
+            if buf.is_floating_point():
+                check_finite(buf, f"{what} ({name} of its packed form)")
+    return linear
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_name, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+def assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace parameter (or buffer) ``name`` of ``model`` by ``tensor`` (no gradient)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if isinstance(getattr(module, attr), nn.Parameter):
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    else:
+        setattr(module, attr, tensor)
+
+
+def place_module(
+    model: nn.Module,
+    path: str,
+    entries: dict[str, Entry],
+    source: WeightSource,
+    opts: PlaceOptions,
+    *,
+    lazy: bool = False,
+) -> list[Entry]:
+    """Fill module ``path`` of ``model`` from ``entries`` (``"weight"`` / ``"bias"`` -> `Entry`).
+
+    Returns the entries left unread (``lazy``): parameters that stay on the meta device.
+    """
+    module = model.get_submodule(path)
+    desc = source.description
+    weight = entries.get("weight")
+    if weight is None:
+        orphan = next(iter(entries.values()))
+        raise ValueError(f"{desc}: tensor {orphan.stored.name!r} has no matching weight tensor")
+    head = path == "lm_head"
+
+    if weight.stored.packed and isinstance(module, nn.Linear):
+        _check_shape(weight, (module.out_features, module.in_features), desc)
+        bias = _bias(module, entries, source, opts)
+        _set(model, path, _packed_linear(source, weight, bias, opts, head))
+        return []
+    if weight.stored.packed and isinstance(module, nn.Embedding):
+        shape = (module.num_embeddings, module.embedding_dim)
+        _check_shape(weight, shape, desc)
+        if path == "embed_tokens" and opts.tie:
+            # One packed copy serves both: the head, and the lookup reading the head's rows.
+            packed = _packed_linear(source, weight, None, opts, head=True)
+            _set(model, "lm_head", packed)
+            _set(model, path, QuantizedEmbedding.from_linear(packed, dtype=opts.dtype))
+            return []
+        stored = weight.stored
+        assert stored.qtype is not None
+        what = f"{desc}: tensor {stored.name!r}"
+        embedding = QuantizedEmbedding.from_gguf(
+            read_tensor(source, stored.name), stored.qtype, stored.shape, name=what, dtype=opts.dtype
+        )
+        if opts.validate:
+            for start in range(0, embedding.num_embeddings, 4096):
+                ids = torch.arange(start, min(start + 4096, embedding.num_embeddings))
+                check_finite(embedding(ids), what)
+        _set(model, path, embedding)
+        return []
+
+    deferred: list[Entry] = []
+    to_quantize = opts.quantize is not None and isinstance(module, nn.Linear)
+    for attr, entry in entries.items():
+        param = getattr(module, attr, None)
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"{desc}: unexpected tensor {entry.stored.name!r}: {path!r} has no {attr}")
+        _check_shape(entry, tuple(param.shape), desc)
+        if lazy and entry.fix is None and not entry.stored.packed and not to_quantize:
+            deferred.append(entry)
+            continue
+        assign_parameter(model, f"{path}.{attr}", float_values(source, entry, opts))
+    if to_quantize and isinstance(module, nn.Linear):
+        assert opts.quantize is not None
+        _set(model, path, quantize_linear(module, opts.quantize, head=head))
+    return deferred
+
+
+def _bias(
+    module: nn.Module, entries: dict[str, Entry], source: WeightSource, opts: PlaceOptions
+) -> torch.Tensor | None:
+    entry = entries.get("bias")
+    if entry is None:
+        return None
+    expected = getattr(module, "bias", None)
+    if not isinstance(expected, torch.Tensor):
+        raise ValueError(
+            f"{source.description}: unexpected tensor {entry.stored.name!r}: the module has no bias"
+        )
+    _check_shape(entry, tuple(expected.shape), source.description)
+    return float_values(source, entry, opts)
+
+
+def tied_head(model: nn.Module, opts: PlaceOptions) -> None:
+    """After the embedding is placed: a tied float head reuses it, or gets its own quantized copy."""
+    embed = model.get_submodule("embed_tokens")
+    if not isinstance(embed, nn.Embedding):
+        return  # a packed embedding already set the head
+    if opts.quantize is not None:
+        linear = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")
+        linear.weight = embed.weight  # quantized from the embedding; the embedding stays float
+        _set(model, "lm_head", quantize_linear(linear, opts.quantize, head=True))
+    else:
+        head = model.get_submodule("lm_head")
+        if isinstance(head, nn.Linear):
+            head.weight = embed.weight  # the very same Parameter
+
+
+__all__ = [
+    "PlaceOptions",
+    "assign_parameter",
+    "check_finite",
+    "place_module",
+    "tied_head",
+    "unpermute_rows",
+]
