@@ -7,22 +7,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from infer.api import LLM, GenerationResult, load
 from infer.generate import SamplingParams
-
-if TYPE_CHECKING:
-    from infer.streaming import StreamingConfig
+from infer.streaming.config import StreamingConfig
 
 __all__ = ["LLM", "GenerationResult", "SamplingParams", "StreamingConfig", "load"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> Any:
-    # StreamingConfig lives with the streaming executor; import it only when asked for.
-    if name == "StreamingConfig":
-        from infer.streaming import StreamingConfig
-
-        return StreamingConfig
-    raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -130,3 +130,26 @@ def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
     print(message)
     assert str(big_checkpoint) in message and "40.00 MB" not in message  # sizes are shown in MiB
     assert "layer_group_size=1 needs" in message and "max_context=" in message
+
+
+def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
+    """Only a budget, a quarter of the model: the plan chooses group size, prefetch, prefill chunk."""
+    from infer.generate import SamplingParams, generate_steps, run_to_end
+
+    size = SPEC.nbytes(torch.float32)
+    budget = size // 4
+    model = build_streamed(
+        SafetensorsSource(big_checkpoint),
+        load_config(big_checkpoint),
+        device="cpu",
+        dtype=torch.float32,
+        streaming=StreamingConfig(memory_budget=budget),
+    )
+    plan = model.executor.plan  # type: ignore[union-attr]
+    print(
+        f"\n{size / 1e6:.0f} MB model, budget {budget / 1e6:.0f} MB: {plan.describe()}; notes: {plan.notes}"
+    )
+    assert plan.total <= budget and plan.units
+    prompt = [[(5 * i + 1) % SPEC.vocab_size for i in range(40)]]
+    rows = run_to_end(generate_steps(model, prompt, max_new_tokens=4, params=SamplingParams(), eos_ids=[]))
+    assert len(rows[0].tokens) == 4

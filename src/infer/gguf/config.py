@@ -121,7 +121,7 @@ class GGUFMetadata:
 def _check_blocks(gguf: GGUFFile, meta: GGUFMetadata, n_layers: int) -> None:
     """``block_count`` is the number of ``blk.N`` blocks the tensor table holds: 0 .. n-1, each present."""
     blocks = {int(m.group(1)) for name in gguf.tensors if (m := _BLOCK.match(name))}
-    if blocks != set(range(n_layers)):
+    if len(blocks) != n_layers or (blocks and (min(blocks) != 0 or max(blocks) != n_layers - 1)):
         have = f"{len(blocks)} block(s) ({min(blocks)}..{max(blocks)})" if blocks else "no blocks"
         raise ValueError(
             f"{gguf.path}: metadata '{meta._key('block_count')}' = {n_layers}, "

@@ -145,9 +145,9 @@ def check_dimensions(entries: dict[str, Entry], config: ModelConfig, source: str
     """
     layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(name))}
     n = config.num_hidden_layers
-    if layers != set(range(n)):
+    if len(layers) != n or (layers and (min(layers) != 0 or max(layers) != n - 1)):
         have = f"{len(layers)} layer(s) ({min(layers)}..{max(layers)})" if layers else "no layers"
-        missing = sorted(set(range(n)) - layers)[:5]
+        missing = sorted(set(range(min(n, len(layers) + 5))) - layers)[:5]
         extra = sorted(layers - set(range(n)))[:5]
         detail = (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "")
         raise ValueError(f"{source}: num_hidden_layers is {n}, but the checkpoint has {have}{detail}")

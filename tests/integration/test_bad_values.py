@@ -1,0 +1,228 @@
+"""Bad values in configs, GGUF metadata and weights: refused at load with the file and key named.
+
+Each case used to load and then emit token 0 forever, fail later with a raw error
+(ZeroDivisionError, a reshape error, a huggingface_hub dataclass error), or allocate
+memory and time in proportion to a corrupt count before failing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFValueType, GGUFWriter
+from safetensors.torch import load_file, save_file
+
+import infer
+from infer.gguf import GGUFFile, config_from_gguf
+from infer.gguf.reader import StringArray
+from infer.gguf.writer import write_gguf
+from infer.inspect import inspect_checkpoint
+from infer.testing import build_tokenizer, tiny_hf_model
+
+
+def _config_copy(src: Path, dst: Path, **changes: Any) -> Path:
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"num_attention_heads": 0}, "'num_attention_heads' = 0, expected a positive integer"),
+        ({"hidden_size": "64"}, "'hidden_size' = '64', expected an integer"),
+        ({"num_hidden_layers": 2**31}, "'num_hidden_layers' = 2147483648, expected an integer in [1, 10000]"),
+        ({"rms_norm_eps": math.nan}, "'rms_norm_eps' = nan, expected a finite number"),
+        ({"rms_norm_eps": -1.0}, "'rms_norm_eps' = -1.0, expected a number > 0"),
+        ({"rope_theta": 0}, "'rope_theta' = 0.0, expected a number > 0"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ({"head_dim": None, "hidden_size": 66}, "hidden_size 66 is not divisible by num_attention_heads 4"),
+        (
+            {"eos_token_id": 5000},
+            "special token id 5000 (bos_token_id / eos_token_id) is outside the vocabulary",
+        ),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' = 'yes', expected true or false"),
+        (
+            {"layer_types": ["full_attention", "mystery", "full_attention"]},
+            "unsupported layer type(s) ['mystery']",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE scaling type 'yarn'"),
+    ],
+)
+def test_config_values(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, changes: dict[str, Any], needle: str
+) -> None:
+    path = _config_copy(tiny_ckpt_factory("llama"), tmp_path / "bad", **changes)
+    if "rope_scaling" in changes or "rope_theta" in changes:  # the file's rope_parameters would win
+        data = json.loads((path / "config.json").read_text())
+        data.pop("rope_parameters", None)
+        (path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        infer.load(path)
+    message = str(info.value)
+    print(message)
+    assert needle in message and str(path / "config.json") in message
+
+
+def test_layer_count_checked_against_the_tensors(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _config_copy(tiny_ckpt_factory("llama"), tmp_path / "bad", num_hidden_layers=9999)
+    start = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=r"num_hidden_layers is 9999, but the checkpoint has 3 layer\(s\) \(0..2\)"
+    ):
+        infer.load(path)
+    assert time.perf_counter() - start < 30  # a bound on work, not a timing: no 9999-layer model is built
+
+
+def _nan_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = math.nan
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_non_finite_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
+    path = _nan_checkpoint(tiny_ckpt_factory("llama"), tmp_path / "nan")
+    for kwargs in ({}, {"quantize": "int8"}):
+        with pytest.raises(
+            ValueError, match=r"tensor 'model.layers.1.mlp.down_proj.weight' holds a non-finite value"
+        ):
+            infer.load(path, **kwargs)
+    assert infer.load(path, validate=False).model is not None  # the caller's choice
+    streamed = infer.load(path, streaming=infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0))
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' holds a non-finite value"):
+        streamed.generate("hello", max_new_tokens=2)  # streamed weights are checked when first read
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("good")
+    return write_gguf(d / "llama.gguf", tiny_hf_model("llama"), build_tokenizer(d / "tok"), qtype="Q8_0")
+
+
+def rewrite(src: Path, dst: Path, meta: dict[str, Any], arch: str | None = None) -> Path:
+    """A copy of ``src`` with metadata ``meta`` changed (values typed as the original's, or given types)."""
+    f = GGUFFile(src)
+    w = GGUFWriter(str(dst), arch or f.architecture)
+    for key, value in f.metadata.items():
+        if key == "general.architecture":
+            continue
+        if arch is not None and key.startswith(f"{f.architecture}."):
+            key = f"{arch}." + key.split(".", 1)[1]
+        types = f.value_types[key if key in f.value_types else f"{f.architecture}." + key.split(".", 1)[1]]
+        if key in meta:
+            value = meta[key]
+        if types[0] == GGUFValueType.ARRAY:
+            items = value.tolist() if isinstance(value, StringArray | np.ndarray) else list(value)
+            w.add_key_value(key, items, GGUFValueType.ARRAY, GGUFValueType(types[1]))
+        else:
+            w.add_key_value(key, value, GGUFValueType(types[0]))
+    for name, info in f.tensors.items():
+        raw = np.array(f.raw(name))
+        from gguf import GGMLQuantizationType
+
+        if info.ggml_type == GGMLQuantizationType.F32:
+            w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
+        else:
+            w.add_tensor(name, raw.reshape(info.shape[0], -1), raw_dtype=info.ggml_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("meta", "needle"),
+    [
+        (
+            {"llama.block_count": 32769},
+            "'llama.block_count' = 32769, but the tensor table has 3 block(s) (0..2)",
+        ),
+        (
+            {"llama.block_count": 2**31},
+            "'llama.block_count' = 2147483648, but the tensor table has 3 block(s)",
+        ),
+        (
+            {"llama.embedding_length": 2**29},
+            "'llama.embedding_length' = 536870912, but token_embd.weight has 64",
+        ),
+        (
+            {"llama.embedding_length": 2**30},
+            "'llama.embedding_length' = 1073741824, but token_embd.weight has 64",
+        ),
+        (
+            {"llama.attention.layer_norm_rms_epsilon": math.nan},
+            "rms_epsilon' = nan, expected a finite number > 0",
+        ),
+        (
+            {"llama.attention.layer_norm_rms_epsilon": -1.0},
+            "rms_epsilon' = -1.0, expected a finite number > 0",
+        ),
+        ({"llama.rope.freq_base": 0.0}, "'llama.rope.freq_base' = 0.0, expected a finite number > 0"),
+        ({"llama.rope.freq_base": -1.0}, "'llama.rope.freq_base' = -1.0, expected a finite number > 0"),
+        ({"llama.attention.head_count_kv": 3}, "'llama.attention.head_count' = 4 is not a multiple of"),
+        (
+            {"tokenizer.ggml.eos_token_id": 10**6},
+            "'tokenizer.ggml.eos_token_id' = 1000000, expected a token id",
+        ),
+    ],
+)
+def test_gguf_metadata_values(good: Path, tmp_path: Path, meta: dict[str, Any], needle: str) -> None:
+    bad = rewrite(good, tmp_path / "bad.gguf", meta)
+    start = time.perf_counter()
+    for load in (lambda: infer.load(bad), lambda: inspect_checkpoint(bad)):
+        with pytest.raises(ValueError) as info:
+            load()
+        print(info.value)
+        assert needle in str(info.value) and str(bad) in str(info.value)
+    assert time.perf_counter() - start < 30  # nothing sized by the corrupt count was built
+
+
+def test_gguf_architecture_gpt_is_gpt2(tmp_path: Path) -> None:
+    """The GGUF spec names GPT-2 files "gpt2" or "gpt"."""
+    d = tmp_path / "gpt"
+    src = write_gguf(d / "gpt2.gguf", tiny_hf_model("gpt2"), build_tokenizer(d / "tok"), qtype="F32")
+    bad = rewrite(src, d / "gpt.gguf", {}, arch="gpt")
+    config = config_from_gguf(GGUFFile(bad))
+    assert config.model_type == "gpt2" and config.num_hidden_layers == 3
+    ids = torch.randint(0, 260, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(infer.load(bad).model(ids), infer.load(src).model(ids))
+
+
+def test_llama3_rope_freqs_are_the_converters(good: Path) -> None:
+    """Llama 3.1+ files carry llama3 RoPE scaling as rope_freqs; it becomes per-frequency divisors."""
+    from infer.gguf.writer import llama3_rope_factors
+
+    gguf = GGUFFile(good)
+    assert "rope_freqs.weight" in gguf.tensors
+    config = config_from_gguf(gguf)
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "freq_factors"
+    hf = tiny_hf_model("llama")
+    from infer.config import config_from_dict
+
+    expected = llama3_rope_factors(config_from_dict(hf.config.to_dict()))
+    np.testing.assert_array_equal(np.array(config.rope_scaling["factors"], np.float32), expected)
+    assert expected.min() == 1.0 and expected.max() == 8.0  # high frequencies kept, low ones / factor
