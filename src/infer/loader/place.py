@@ -30,7 +30,7 @@ from infer.models.arch import Fix
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
 
-_CHECK_ELEMENTS = 1 << 20  # values checked for NaN / inf at a time
+_CHECK_ELEMENTS = 1 << 16  # values checked for NaN / inf at a time
 
 
 @dataclass(frozen=True)

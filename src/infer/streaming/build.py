@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.config import ModelConfig
-from infer.loader.build import ModelBuilder, reset_buffers
+from infer.loader.build import ModelBuilder, release_freed_memory, reset_buffers
 from infer.loader.names import Entry
 from infer.loader.place import assign_parameter
 from infer.loader.source import WeightSource
@@ -230,6 +230,7 @@ def build_streamed(
         _place_nonlayer(model, walk, plan, dtype, device)
         reset_buffers(model, device)
         _attach(model, plan, store, streaming, device)
+        release_freed_memory()
     except BaseException:
         store.close()
         raise
