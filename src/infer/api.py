@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
 
 if TYPE_CHECKING:
+    from infer.distributed import Parallel
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
@@ -131,6 +133,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.model = model
         self.source = source
+        self.parallel: Parallel | None = None  # this rank's place in a parallel run (infer.distributed)
 
     def __repr__(self) -> str:
         m = self.model
@@ -181,6 +184,11 @@ class LLM:
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = eos_ids[0] if eos_ids else 0
+        if self.parallel is not None and not params.greedy and params.seed is None:
+            from infer.distributed import shared_seed
+
+            # Every rank must draw the same tokens: one seed, chosen by rank 0.
+            params = dataclasses.replace(params, seed=shared_seed(self.parallel))
         self._timings: dict[str, float] = {}
         yield from generate_steps(
             self.model,
@@ -310,6 +318,50 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+def _load_parallel(
+    path: Path,
+    source: WeightSource,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
+    *,
+    quantize: str | None,
+    streaming: StreamingConfig | None,
+    validate: bool,
+    progress: ProgressFn | None,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+) -> LLM:
+    from infer.distributed import load_parallel
+    from infer.loader.build import Partition
+
+    def streamed(partition: Partition, on: torch.device) -> DecoderLM:
+        from infer.streaming import build_streamed
+
+        assert streaming is not None
+        return build_streamed(
+            source, config, device=on, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize,
+            streaming=streaming, validate=validate, partition=partition,
+        )  # fmt: skip
+
+    try:
+        model, parallel = load_parallel(
+            source, config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            device=device, build=streamed if streaming is not None else None, dtype=dtype,
+            compute_dtype=compute_dtype, quantize=quantize, validate=validate, progress=progress,
+        )  # fmt: skip
+    except BaseException:
+        source.close()
+        raise
+    if streaming is None:
+        source.close()
+    llm = LLM(config, tokenizer, model, path)
+    llm.parallel = parallel
+    return llm
+
+
 # GGUF files default to float32 activations with the packed matrix products in bfloat16:
 # torch's CPU int4/int8 kernels take bfloat16 and are 10-30x slower with float32
 # (docs/gguf.md has the numbers).
@@ -325,6 +377,8 @@ def load(
     streaming: StreamingConfig | None = None,
     progress: ProgressFn | None = None,
     validate: bool = True,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -338,6 +392,13 @@ def load(
     keeping them resident. ``validate`` refuses weights holding NaN or inf (a pass over
     every weight; streamed weights are checked the first time they are read).
     ``progress(done, total)`` is called as modules load.
+
+    ``tensor_parallel`` / ``pipeline_parallel`` (T, P): run across ``T x P`` processes of
+    `torch.distributed` (under ``torchrun``, or any initialized default process group;
+    without one it is initialized from torchrun's environment variables: gloo on CPU,
+    NCCL on CUDA). Every rank calls ``load`` with the same arguments and reads only its
+    part of the weights; generation then gives the same result on every rank. See
+    docs/distributed.md.
     """
     device = torch.device(device)
     path = resolve_checkpoint(path_or_hub_id)
@@ -365,6 +426,12 @@ def load(
         torch_dtype = resolve_dtype(dtype, config.torch_dtype)
         tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
         source = SafetensorsSource(path)
+    if tensor_parallel != 1 or pipeline_parallel != 1:
+        return _load_parallel(
+            path, source, config, tokenizer, device, torch_dtype, compute_dtype,
+            quantize=quantize, streaming=streaming, validate=validate, progress=progress,
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        )  # fmt: skip
     try:
         if streaming is not None:
             from infer.streaming import build_streamed

@@ -20,7 +20,10 @@ and the found value.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +34,9 @@ from infer.loader.place import PlaceOptions, place_module, tied_head
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from infer.distributed.shard import TensorParallel
 
 ProgressFn = Callable[[int, int], None]  # (modules done, modules total)
 
@@ -104,11 +110,29 @@ def _check_types(entries: dict[str, Entry], source: str) -> None:
             )
 
 
+@dataclass(frozen=True)
+class Partition:
+    """The part of a model one rank of a parallel run builds and holds.
+
+    ``layers``: its pipeline stage's layers. ``embed`` / ``head``: whether it holds the
+    embedding (the first stage, and the last when the head is tied to it) and the final
+    norm and head (the last stage). ``tensor_parallel``: its share of every layer
+    (`infer.distributed.shard.TensorParallel`), or None.
+    """
+
+    layers: range
+    embed: bool = True
+    head: bool = True
+    tensor_parallel: TensorParallel | None = None
+
+
 class ModelBuilder:
     """A checkpoint mapped onto a model skeleton, ready to be placed module by module.
 
-    ``groups`` lists the walk: one group per layer (its modules), then the modules
-    outside the layers. ``place(group)`` fills them on the CPU.
+    ``layer_groups`` and ``nonlayer`` list the walk: one group per layer (its modules),
+    and the modules outside the layers. ``place(group)`` fills them on the CPU. With a
+    ``partition`` only its layers and modules are placed (the rest stay on the meta
+    device), each tensor-parallel weight from its rank's part of the stored tensor.
     """
 
     def __init__(
@@ -120,6 +144,7 @@ class ModelBuilder:
         compute_dtype: torch.dtype | None = None,
         quantize: str | None = None,
         validate: bool = True,
+        partition: Partition | None = None,
     ) -> None:
         from infer.quant.convert import check_scheme
 
@@ -135,10 +160,14 @@ class ModelBuilder:
             raise ValueError(
                 f"{desc}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
             )
-        self.model = build_empty(config)
+        tp = partition.tensor_parallel if partition is not None else None
+        local = tp.local_config if tp is not None else config
+        self.partition = partition
+        self.model = build_empty(local)
         aliases = tied_aliases(self.model)
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False) if n not in aliases}
-        missing = sorted(params - set(entries))
+        owned = {n for n in params if self.owns(n)}
+        missing = sorted(owned - set(entries))
         if missing:
             names = [stored_name(arch, source.naming, p) for p in missing[:10]]
             raise ValueError(f"{desc}: missing tensor(s) {names} (for parameters {missing[:10]})")
@@ -148,18 +177,20 @@ class ModelBuilder:
             raise ValueError(
                 f"{desc}: unexpected tensor(s) for model_type {config.model_type!r}: {unexpected[:10]}"
             )
+        if tp is not None:
+            entries = {n: dataclasses.replace(e, part=tp.slice_for(n)) for n, e in entries.items()}
         self.opts = PlaceOptions(
             dtype=dtype,
             compute_dtype=compute_dtype if compute_dtype is not None else dtype,
             quantize=quantize,
             validate=validate,
             tie=config.tie_word_embeddings,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
+            num_heads=local.num_attention_heads,
+            num_kv_heads=local.num_key_value_heads,
         )
         # module path -> {"weight": Entry, "bias": Entry}, in the model's order
         by_module: dict[str, dict[str, Entry]] = {}
-        for name in (n for n, _ in self.model.named_parameters() if n in entries):
+        for name in (n for n, _ in self.model.named_parameters() if n in entries and n in owned):
             path, _, attr = name.rpartition(".")
             by_module.setdefault(path, {})[attr] = entries[name]
         self.modules = by_module
@@ -173,6 +204,17 @@ class ModelBuilder:
                 self.nonlayer.append(path)
         # The head is placed after the embedding it may be tied to.
         self.nonlayer.sort(key=lambda p: NONLAYER.index(p) if p in NONLAYER else len(NONLAYER))
+
+    def owns(self, param: str) -> bool:
+        """Whether this rank holds parameter ``param`` (always, without a partition)."""
+        p = self.partition
+        if p is None:
+            return True
+        if param.startswith("layers."):
+            return int(param.split(".", 2)[1]) in p.layers
+        if param.startswith(("norm.", "lm_head.")):
+            return p.head
+        return p.embed
 
     @property
     def total(self) -> int:
@@ -190,8 +232,9 @@ class ModelBuilder:
         return deferred
 
     def check_complete(self) -> None:
-        """Every parameter and buffer of the model has a value."""
-        meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        """Every parameter and buffer this rank holds has a value."""
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        meta = [n for n, t in tensors if t.is_meta and self.owns(n)]
         if meta:
             raise ValueError(f"{self.source.description}: missing tensor(s) for {meta[:10]}")
 
@@ -206,15 +249,23 @@ def load_model(
     quantize: str | None = None,
     validate: bool = True,
     progress: ProgressFn | None = None,
+    partition: Partition | None = None,
 ) -> DecoderLM:
     """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``device``.
 
     ``quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as its
-    tensors are in; ``validate`` refuses weights with NaN or inf.
+    tensors are in; ``validate`` refuses weights with NaN or inf. ``partition``: only the
+    part one rank of a parallel run holds (`infer.distributed`).
     """
     device = torch.device(device)
     builder = ModelBuilder(
-        source, config, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=validate
+        source,
+        config,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        quantize=quantize,
+        validate=validate,
+        partition=partition,
     )
     model = builder.model
     done = 0
@@ -242,6 +293,7 @@ def load_model(
 __all__ = [
     "NONLAYER",
     "ModelBuilder",
+    "Partition",
     "ProgressFn",
     "build_empty",
     "load_model",

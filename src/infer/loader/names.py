@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from infer.config import ModelConfig
-from infer.loader.source import StoredTensor, WeightSource
+from infer.loader.source import Slice, StoredTensor, WeightSource
 from infer.models.arch import Architecture, Fix, fix_for
 
 # Multimodal Gemma 3 checkpoints (4B and up) nest the language model: hub files name it
@@ -41,11 +41,13 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 @dataclass(frozen=True)
 class Entry:
-    """Where one of our parameters comes from: the stored tensor and what to undo in it."""
+    """Where one of our parameters comes from: the stored tensor, what to undo in it, and
+    (tensor parallelism) the part of it this rank holds."""
 
     param: str
     stored: StoredTensor
     fix: Fix | None
+    part: Slice | None = None
 
 
 def _hf(arch: Architecture, names: list[str]) -> tuple[dict[str, str], list[str]]:

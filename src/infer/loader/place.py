@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from infer.loader.names import Entry
-from infer.loader.source import WeightSource, read_tensor
+from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models.arch import Fix
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
+from infer.quant.ggml import block_size, type_size
 
 _CHECK_ELEMENTS = 1 << 16  # values checked for NaN / inf at a time
 
@@ -81,13 +82,68 @@ def _stored_shape(entry: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[::-1] if entry.fix is Fix.TRANSPOSE else shape
 
 
+def _stored_dim(entry: Entry, part: Slice) -> int:
+    """The stored tensor's dimension a part slices (a transposed tensor's is the other one)."""
+    return 1 - part.dim if entry.fix is Fix.TRANSPOSE else part.dim
+
+
 def _check_shape(entry: Entry, expected: tuple[int, ...], source: str) -> None:
-    want = _stored_shape(entry, expected)
-    if tuple(entry.stored.shape) != want:
+    """The stored tensor has the shape our parameter needs (its whole shape, for a rank's part)."""
+    want = list(_stored_shape(entry, expected))
+    if entry.part is not None:
+        want[_stored_dim(entry, entry.part)] = entry.part.full
+    if list(entry.stored.shape) != want:
         raise ValueError(
             f"{source}: tensor {entry.stored.name!r} has shape {list(entry.stored.shape)}, "
-            f"expected {list(want)} (for {entry.param!r})"
+            f"expected {want} (for {entry.param!r})"
         )
+
+
+def read_part(source: WeightSource, entry: Entry) -> torch.Tensor:
+    """The stored tensor as stored (``uint8`` rows for a packed one), or only this rank's part of it.
+
+    Rows come straight from the source; columns (a row-parallel matrix) are cut from rows
+    read a chunk at a time, and for a packed tensor must fall on whole GGML blocks.
+    """
+    stored, part = entry.stored, entry.part
+    if part is None:
+        return read_tensor(source, stored.name)
+    what = f"{source.description}: tensor {stored.name!r}"
+    dim = _stored_dim(entry, part)
+    if dim == 0:
+        return torch.cat([read_tensor(source, stored.name, (a, b)) for a, b in part.ranges])
+    if len(stored.shape) != 2:
+        raise ValueError(f"{what}: cannot split the columns of a {len(stored.shape)}-D tensor")
+    ranges = list(part.ranges)
+    if stored.packed:
+        assert stored.qtype is not None
+        block, size = block_size(stored.qtype), type_size(stored.qtype)
+        for a, b in ranges:
+            if a % block or b % block:
+                raise ValueError(
+                    f"{what}: tensor parallelism splits its {stored.shape[1]} columns at {a}..{b}, "
+                    "which does "
+                    f"not fall on whole {stored.qtype.name} blocks of {block} values; choose another "
+                    "tensor_parallel size"
+                )
+        ranges = [(a // block * size, b // block * size) for a, b in ranges]
+    rows = stored.shape[0]
+    width = sum(b - a for a, b in ranges)
+    out = torch.empty(rows, width, dtype=torch.uint8 if stored.packed else stored.dtype)
+    step = max(1, _CHECK_ELEMENTS * 16 // max(stored.row_bytes, 1))  # rows per chunk: ~1 MiB of them
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunk = read_tensor(source, stored.name, (start, stop))
+        out[start:stop] = torch.cat([chunk[:, a:b] for a, b in ranges], dim=1)
+    return out
+
+
+def _part_shape(entry: Entry) -> tuple[int, ...]:
+    """The stored shape of the part this rank reads (the whole shape without tensor parallelism)."""
+    shape = list(entry.stored.shape)
+    if entry.part is not None:
+        shape[_stored_dim(entry, entry.part)] = entry.part.size
+    return tuple(shape)
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:
@@ -112,10 +168,10 @@ def float_values(source: WeightSource, entry: Entry, opts: PlaceOptions) -> torc
     """The tensor as our module holds it: dequantized if packed, changes undone, in ``opts.dtype``."""
     stored = entry.stored
     what = f"{source.description}: tensor {stored.name!r}"
-    raw = read_tensor(source, stored.name)
+    raw = read_part(source, entry)
     if stored.packed:
         assert stored.qtype is not None
-        values = dequantize(raw, stored.qtype, stored.shape, name=what)
+        values = dequantize(raw, stored.qtype, _part_shape(entry), name=what)
     elif not stored.dtype.is_floating_point:
         raise ValueError(f"{what} has dtype {stored.dtype}, expected a floating-point tensor")
     else:
@@ -137,11 +193,11 @@ def _packed_linear(
     stored = weight.stored
     assert stored.qtype is not None
     what = f"{source.description}: tensor {stored.name!r}"
-    raw = _rows_fixed(weight, read_tensor(source, stored.name), opts)
+    raw = _rows_fixed(weight, read_part(source, weight), opts)
     linear = QuantizedLinear.from_gguf(
         raw,
         stored.qtype,
-        stored.shape,
+        _part_shape(weight),
         bias,
         name=what,
         compute_dtype=opts.compute_dtype,
@@ -209,7 +265,7 @@ def place_module(
         assert stored.qtype is not None
         what = f"{desc}: tensor {stored.name!r}"
         embedding = QuantizedEmbedding.from_gguf(
-            read_tensor(source, stored.name), stored.qtype, stored.shape, name=what, dtype=opts.dtype
+            read_part(source, weight), stored.qtype, _part_shape(weight), name=what, dtype=opts.dtype
         )
         if opts.validate:
             for start in range(0, embedding.num_embeddings, 4096):
@@ -225,7 +281,7 @@ def place_module(
         if not isinstance(param, torch.Tensor):
             raise ValueError(f"{desc}: unexpected tensor {entry.stored.name!r}: {path!r} has no {attr}")
         _check_shape(entry, tuple(param.shape), desc)
-        if lazy and entry.fix is None and not entry.stored.packed and not to_quantize:
+        if lazy and entry.fix is None and entry.part is None and not entry.stored.packed and not to_quantize:
             deferred.append(entry)
             continue
         assign_parameter(model, f"{path}.{attr}", float_values(source, entry, opts))

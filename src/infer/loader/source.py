@@ -60,6 +60,24 @@ class StoredTensor:
         )
 
 
+@dataclass(frozen=True)
+class Slice:
+    """The part of a tensor one tensor-parallel rank holds: ``ranges`` along ``dim`` (model orientation).
+
+    ``dim`` 0 is rows (output features, vocabulary), 1 columns (input features); several
+    ranges (one per segment of a fused module) are concatenated in order. ``full`` is the
+    tensor's whole size along ``dim``.
+    """
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    full: int
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
 class WeightSource(Protocol):
     """The stored tensors of a checkpoint.
 
@@ -120,4 +138,4 @@ def pread_into(fd: int, out: torch.Tensor, offset: int, what: str) -> None:
         done += got
 
 
-__all__ = ["StoredTensor", "WeightSource", "pread_into", "read_tensor"]
+__all__ = ["Slice", "StoredTensor", "WeightSource", "pread_into", "read_tensor"]

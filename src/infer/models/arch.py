@@ -40,6 +40,25 @@ def fix_for(rules: Mapping[str, Fix], name: str) -> Fix | None:
     return None
 
 
+# Tensor parallelism (Megatron-style): how each linear module splits across ranks, by the
+# last component of its path. "column": output rows split (no communication after);
+# "row": input columns split (partial sums all-reduced after). The segments say which
+# sizes the rows / columns are made of, for fused modules: "q" = heads x head_dim,
+# "kv" = kv heads x head_dim, "mlp" = intermediate size.
+TP_ROLES: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "q_proj": ("column", ("q",)),
+    "k_proj": ("column", ("kv",)),
+    "v_proj": ("column", ("kv",)),
+    "qkv_proj": ("column", ("q", "kv", "kv")),  # Phi-3
+    "c_attn": ("column", ("q", "kv", "kv")),  # GPT-2
+    "o_proj": ("row", ("q",)),
+    "gate_proj": ("column", ("mlp",)),
+    "up_proj": ("column", ("mlp",)),
+    "gate_up_proj": ("column", ("mlp", "mlp")),  # Phi-3
+    "c_fc": ("column", ("mlp",)),  # GPT-2
+    "down_proj": ("row", ("mlp",)),
+}
+
 # Buffers older checkpoints saved beside the weights; they are recomputed, never loaded.
 ROPE_BUFFERS = re.compile(r"(?:^|\.)rotary_emb\.inv_freq$")
 
@@ -103,6 +122,8 @@ class Architecture:
     * ``gguf``: the GGUF rules, or None when llama.cpp has no converter for it.
     * ``gguf_as``: the architecture llama.cpp converts this one as (Mistral: ``"llama"``);
       such files load as that architecture.
+    * ``tp_roles``: how linear modules split for tensor parallelism (`TP_ROLES`, by the
+      module's last name; a full path takes precedence, as GPT-2's two ``c_proj``).
     """
 
     model_type: str
@@ -117,6 +138,7 @@ class Architecture:
     hf_fixes: Mapping[str, Fix] = field(default_factory=dict)
     gguf: GGUFRules | None = None
     gguf_as: str | None = None
+    tp_roles: Mapping[str, tuple[str, tuple[str, ...]]] = field(default_factory=lambda: dict(TP_ROLES))
 
 
 def sliding_everywhere(raw: dict[str, Any], source: str) -> None:
@@ -130,6 +152,7 @@ def sliding_everywhere(raw: dict[str, Any], source: str) -> None:
 __all__ = [
     "GGUF_NONLAYER",
     "ROPE_BUFFERS",
+    "TP_ROLES",
     "Architecture",
     "Fix",
     "GGUFRules",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infer.config import FULL_ATTENTION, ModelConfig
-from infer.models.arch import GGUF_NONLAYER, Architecture, Fix, GGUFRules
+from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM, StepInputs
 from infer.models.common import KVStore, activation, attend
 
@@ -29,20 +29,21 @@ if TYPE_CHECKING:
 class GPT2Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads  # a tensor-parallel shard's heads
+        self.head_dim = config.computed_head_dim
         self.scale = self.head_dim**-0.5
-        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        width = self.num_heads * self.head_dim  # hidden_size, unless sharded
+        self.c_attn = nn.Linear(config.hidden_size, 3 * width)
+        self.c_proj = nn.Linear(width, config.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVStore | None) -> torch.Tensor:
-        B, T, D = x.shape
+        B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H, S, hd]
         out = attend(q, k, v, mask, self.scale)  # [B, H, T, hd]
-        y: torch.Tensor = self.c_proj(out.transpose(1, 2).reshape(B, T, D))
+        y: torch.Tensor = self.c_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         return y
 
 
@@ -199,6 +200,7 @@ ARCH = Architecture(
     to_hf=to_hf,
     hf_ignore=(re.compile(r"(?:^|\.)h\.\d+\.attn\.(?:masked_)?bias$"),),  # the causal-mask buffers
     hf_fixes={f"{linear}.weight": Fix.TRANSPOSE for linear in _LINEARS},
+    tp_roles={**TP_ROLES, "attn.c_proj": ("row", ("q",)), "mlp.c_proj": ("row", ("mlp",))},
     gguf=GGUFRules(
         architectures=("gpt2", "gpt"),
         layer={

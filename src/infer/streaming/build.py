@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.config import ModelConfig
-from infer.loader.build import ModelBuilder, release_freed_memory, reset_buffers
+from infer.loader.build import ModelBuilder, Partition, release_freed_memory, reset_buffers
 from infer.loader.names import Entry
 from infer.loader.place import assign_parameter
 from infer.loader.source import WeightSource
@@ -111,7 +111,7 @@ class _Walk:
 
     builder: ModelBuilder
     store: StreamStore
-    layer_refs: list[dict[str, TensorRef]]
+    layer_refs: dict[int, dict[str, TensorRef]]  # layer index -> its tensors as streamed
     deferred_nonlayer: dict[str, Entry]  # float embedding / head / small modules left in the checkpoint
 
 
@@ -124,17 +124,26 @@ def _walk(
     compute_dtype: torch.dtype | None,
     quantize: str | None,
     validate: bool,
+    partition: Partition | None = None,
 ) -> _Walk:
     """Place every layer lazily into the stream store, then the modules outside the layers."""
     streaming.validate()
     builder = ModelBuilder(
-        source, config, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=validate
+        source,
+        config,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        quantize=quantize,
+        validate=validate,
+        partition=partition,
     )
     model = builder.model
     store = StreamStore(source, validate=validate)
     try:
-        layer_refs: list[dict[str, TensorRef]] = []
+        layer_refs: dict[int, dict[str, TensorRef]] = {}
         for i, group in enumerate(builder.layer_groups):
+            if not group:
+                continue  # a layer of another pipeline stage
             deferred = {e.param: e for e in builder.place(group, lazy=True)}
             layer, prefix = model.layers[i], f"layers.{i}."
             refs: dict[str, TensorRef] = {}
@@ -147,10 +156,14 @@ def _walk(
                     converted[name] = t
             refs.update(store.write(f"layers.{i}", converted))
             layer.to("meta")
-            layer_refs.append(refs)
+            layer_refs[i] = refs
         # Outside the layers: a float embedding and head may stream; converted ones stay resident.
         nonlayer_entries = [e for p in builder.nonlayer for e in builder.modules[p].values()]
-        lazy_nonlayer = quantize is None and not any(e.stored.packed or e.fix for e in nonlayer_entries)
+        lazy_nonlayer = (  # a pipeline stage keeps its embedding / head resident
+            quantize is None
+            and partition is None
+            and not any(e.stored.packed or e.fix for e in nonlayer_entries)
+        )
         deferred_nonlayer: dict[str, Entry] = {}
         if lazy_nonlayer and streaming.resident_embeddings is not True:
             deferred_nonlayer = {e.param: e for e in builder.place(builder.nonlayer, lazy=True)}
@@ -202,13 +215,15 @@ def build_streamed(
     quantize: str | None = None,
     validate: bool = True,
     max_context: int | None = None,
+    partition: Partition | None = None,
 ) -> DecoderLM:
     """A `DecoderLM` whose layers stream from ``source`` under ``streaming.memory_budget``.
 
     The same arguments as `infer.loader.build.load_model`, plus the streaming settings;
     ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError` (a
     `ValueError`) when settings the user gave cannot fit the budget, with what would fit.
-    On success the model owns ``source``: it is closed with the executor.
+    On success the model owns ``source``: it is closed with the executor. ``partition``:
+    only one pipeline stage's layers (`infer.distributed`), streamed under this budget.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -221,6 +236,7 @@ def build_streamed(
         compute_dtype=compute_dtype,
         quantize=quantize,
         validate=validate,
+        partition=partition,
     )
     model, store = walk.builder.model, walk.store
     try:
@@ -265,7 +281,8 @@ def _plan(
     inputs = PlanInputs(
         config=config,
         dtype=dtype,
-        layer_refs=walk.layer_refs,
+        layer_refs=list(walk.layer_refs.values()),
+        layer_indices=list(walk.layer_refs),
         embed=embed,
         head=head,
         small_bytes=small,

@@ -166,6 +166,11 @@ class PlanInputs:
     small_bytes: int
     fixed_nonlayer: int | None = None
     description: str = "model"
+    layer_indices: list[int] | None = None  # the model layers ``layer_refs`` are (a pipeline stage's)
+
+    def layer(self, k: int) -> int:
+        """The model's index of the ``k``-th planned layer."""
+        return self.layer_indices[k] if self.layer_indices is not None else k
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ def _candidate(
     streamed = list(range(resident, n))
     for g, start in enumerate(range(0, len(streamed), group_size)):
         members = streamed[start : start + group_size]
-        units.append(layer_unit(len(units), g, [(i, pi.layer_refs[i]) for i in members]))
+        units.append(layer_unit(len(units), g, [(pi.layer(i), pi.layer_refs[i]) for i in members]))
     max_group = max((u.nbytes for u in units), default=0)
     if not head_resident:
         assert pi.head is not None
@@ -217,7 +222,7 @@ def _candidate(
         budget=inp.streaming.budget_bytes,
         limits=limits,
         num_layers=n,
-        resident_layers=list(range(resident)),
+        resident_layers=[pi.layer(i) for i in range(resident)],
         units=units,
         num_buffers=num_buffers,
         buffer_bytes=buffer,

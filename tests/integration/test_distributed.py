@@ -1,0 +1,224 @@
+"""Tensor and pipeline parallelism on CPU: 2 processes over gloo, spawned by the test.
+
+Each case starts the ranks as separate Python processes (the environment torchrun would
+set: RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT), each loads its part with
+``infer.load(..., tensor_parallel=T, pipeline_parallel=P)`` and writes its logits and
+greedy tokens; the test compares every rank's with one process's. Greedy tokens must be
+identical. float32 logits: pipeline parallelism computes exactly what one process does
+(measured: bit-identical); tensor parallelism adds the row-parallel products' partial
+sums across ranks, a different float32 summation order, so its logits agree within
+1e-5 plus float32 rounding at the logits' scale (1e-6 x max |logit|: measured up to 3e-5
+on the tiny Qwen 3, whose logits reach 33, i.e. 9e-7 of them; 5e-6 on the tiny Llama).
+Failures (sizes that do not divide, a world size that is not T x P, a rank that fails to
+load) must reach every rank as one clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import infer
+
+pytestmark = pytest.mark.slow
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+IDS = [[5, 17, 42, 99, 3, 250, 7, 64, 12, 180, 33, 9], [8, 1, 77, 150, 2, 4, 6, 8, 10, 12, 14, 16]]
+PROMPT = [5, 17, 42, 99, 3]
+NEW_TOKENS = 8
+PARITY = 1e-5  # absolute, plus RELATIVE x max |logit| for tensor parallelism's reordered sums
+RELATIVE = 1e-6
+
+CHILD = r"""
+import json, sys, traceback
+import torch
+torch.set_num_threads(1)
+args = json.loads(sys.argv[1])
+out = {"rank": int(__import__("os").environ["RANK"])}
+try:
+    import infer
+    kwargs = dict(args.get("kwargs", {}))
+    if "streaming" in kwargs:
+        kwargs["streaming"] = infer.StreamingConfig(**kwargs["streaming"])
+    path = args["paths"][out["rank"]] if "paths" in args else args["path"]
+    parallel = {"tensor_parallel": args["tp"], "pipeline_parallel": args["pp"]}
+    llm = infer.load(path, dtype=args.get("dtype"), **parallel, **kwargs)
+    with torch.inference_mode():
+        logits = llm.model(torch.tensor(args["ids"]))
+    out["logits"] = logits.tolist()
+    out["tokens"] = llm.generate(args["prompt"], max_new_tokens=args["new"]).token_ids
+    if args.get("sample"):
+        sampled = llm.generate(args["prompt"], max_new_tokens=args["new"], temperature=1.0, top_k=20)
+        out["sampled"] = sampled.token_ids
+except Exception as e:
+    out["error"] = [type(e).__name__, str(e)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run_ranks(world: int, args: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
+    """Run `CHILD` as ``world`` ranks; return each rank's result (its error, if it raised)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(SRC),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", CHILD, json.dumps(args)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"a rank did not finish within {timeout} s (a hang)")
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"rank exited with {proc.returncode} and no result:\n{stderr[-3000:]}"
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+def reference(path: Path, dtype: str | None = "float32") -> dict[str, Any]:
+    llm = infer.load(path, dtype=dtype)
+    with torch.inference_mode():
+        logits = llm.model(torch.tensor(IDS))
+    tokens = llm.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids
+    return {"logits": logits, "tokens": tokens}
+
+
+def check(results: list[dict[str, Any]], ref: dict[str, Any], label: str, exact: bool = False) -> None:
+    scale = ref["logits"].abs().max().item()
+    for r in results:
+        assert "error" not in r, f"{label} rank {r['rank']}: {r['error']}"
+        err = (torch.tensor(r["logits"]) - ref["logits"]).abs().max().item()
+        print(
+            f"{label} rank {r['rank']}: max |logits - one process| {err:.2e} (logits up to {scale:.1f}), "
+            f"tokens {r['tokens']}"
+        )
+        assert err <= (0.0 if exact else PARITY + RELATIVE * scale), label
+        assert r["tokens"] == ref["tokens"], label
+
+
+def args_for(path: Path, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
+    return {"path": str(path), "tp": tp, "pp": pp, "ids": IDS, "prompt": PROMPT, "new": NEW_TOKENS,
+            "dtype": "float32", **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["tp2", "pp2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])
+def test_two_ranks_match_one_process(tiny_ckpt_factory: Callable[..., Path], arch: str, mode: str) -> None:
+    path = tiny_ckpt_factory(arch)
+    tp, pp = (2, 1) if mode == "tp2" else (1, 2)
+    results = run_ranks(2, args_for(path, tp, pp, sample=True))
+    check(results, reference(path), f"{arch} {mode}", exact=mode == "pp2")
+    assert results[0]["sampled"] == results[1]["sampled"]  # every rank draws the same tokens
+
+
+def test_kv_heads_replicated(tmp_path: Path) -> None:
+    """More tensor-parallel ranks than KV heads: each KV head is held by the ranks that use it."""
+    from infer.testing import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "mqa", "llama", num_key_value_heads=1)
+    check(run_ranks(2, args_for(path, 2, 1)), reference(path), "llama 1 KV head, tp2")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_tensor_parallel(tmp_path: Path, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed matrices split on block boundaries: row-parallel columns in whole Q8_0 / Q4_0 blocks."""
+    from infer.gguf.writer import write_gguf
+    from infer.testing import build_tokenizer, tiny_hf_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(
+        tmp_path / f"llama-{qtype}.gguf", tiny_hf_model("llama"), build_tokenizer(tmp_path / "t"), qtype=qtype
+    )
+    ref = reference(path, dtype="float32")
+    check(run_ranks(2, args_for(path, 2, 1)), ref, f"GGUF {qtype} tp2")
+
+
+def test_streaming_pipeline(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Each stage streams its own layers under its own budget."""
+    path = tiny_ckpt_factory("llama")
+    streaming = {"memory_budget": "64MB", "max_resident_layers": 0, "layer_group_size": 1}
+    results = run_ranks(2, args_for(path, 1, 2, kwargs={"streaming": streaming}))
+    check(results, reference(path), "llama pp2 streamed", exact=True)
+
+
+def _expect_same_error(results: list[dict[str, Any]], *needles: str) -> str:
+    errors = [r.get("error") for r in results]
+    assert all(e is not None for e in errors), errors
+    messages = {e[1] for e in errors if e}
+    print(messages)
+    assert len(messages) == 1, messages  # the same error on every rank
+    message = messages.pop()
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def test_sizes_that_do_not_divide(tmp_path: Path) -> None:
+    from infer.testing import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "odd", "llama", vocab_size=271, intermediate_size=130)
+    _expect_same_error(
+        run_ranks(2, args_for(path, 2, 1)), "tensor_parallel=2 does not divide", "vocab_size 271"
+    )
+    one_layer = build_checkpoint(tmp_path / "one", "llama", num_hidden_layers=1)
+    _expect_same_error(run_ranks(2, args_for(one_layer, 1, 2)), "num_hidden_layers 1 cannot be split")
+
+
+def test_world_size_mismatch(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    results = run_ranks(2, args_for(tiny_ckpt_factory("llama"), 2, 2))
+    _expect_same_error(
+        results, "tensor_parallel=2 x pipeline_parallel=2 = 4 processes, but the world size is 2"
+    )
+
+
+def test_a_failing_rank_fails_every_rank(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """Rank 1's copy of the checkpoint has a NaN in a layer only rank 1 holds: both ranks raise its error."""
+    good = tiny_ckpt_factory("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.2.mlp.up_proj.weight"][0, 0] = math.nan
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    args = args_for(good, 1, 2) | {"paths": [str(good), str(bad)]}
+    message = _expect_same_error(
+        run_ranks(2, args), "rank 1:", "model.layers.2.mlp.up_proj.weight", "non-finite"
+    )
+    assert message.startswith("rank 1:")
