@@ -190,3 +190,31 @@ def build_checkpoint(
     gen_config = {"bos_token_id": BOS, "eos_token_id": [EOS, EOT], "pad_token_id": PAD}
     (path / "generation_config.json").write_text(json.dumps(gen_config))
     return path
+
+
+def reference_sampling_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> Any:
+    """The distribution sampling should draw from, in float64 numpy, written from the definitions.
+
+    ``softmax(logits / temperature)`` over the ``top_k`` largest (0: all), then only the
+    most likely tokens until their probability reaches ``top_p`` (the first always),
+    renormalized. For tests of `infer.generate.sample`; independent of its code.
+    """
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    keep = np.ones(len(z), dtype=bool)
+    if top_k:
+        kth = np.sort(z)[::-1][min(top_k, len(z)) - 1]
+        keep &= z >= kth
+    p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        kept_p = np.zeros_like(p)
+        total = 0.0
+        for i in np.argsort(-p, kind="stable"):
+            if p[i] == 0.0 or total >= top_p:
+                break
+            kept_p[i] = p[i]
+            total += p[i]
+        p = kept_p / kept_p.sum()
+    return p
