@@ -2,8 +2,9 @@
 
 Nothing here downloads anything: `build_checkpoint` makes a small model of a given
 architecture with transformers, perturbs every parameter (so no norm weight is all
-ones or zeros), and saves it with ``save_pretrained`` (single file or sharded), with
-a small byte-level tokenizer (a chat template and two EOS ids included).
+ones or zeros), keeps tied-embedding models from merely repeating their input
+(`untangle_tied_embeddings_`), and saves it with ``save_pretrained`` (single file or
+sharded), with a small byte-level tokenizer (a chat template and two EOS ids included).
 
 Each tiny config keeps what distinguishes its architecture: GQA with 2 query heads
 per KV head; ``head_dim != hidden_size // num_heads`` (Qwen 3, Gemma 3); llama3 RoPE
@@ -127,7 +128,41 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     model = classes[arch](config).eval()
     perturb_(model, seed)
+    if config.tie_word_embeddings:
+        untangle_tied_embeddings_(model, arch)
     return model
+
+
+# How much a tied embedding is shrunk (see `untangle_tied_embeddings_`); others: 0.3.
+TIED_EMBEDDING_SCALE = {"gemma3": 0.1}
+GEMMA3_POST_NORM_GAIN = 3.0  # added to Gemma 3's post-attention / post-feedforward norm weights
+
+
+def untangle_tied_embeddings_(model: torch.nn.Module, arch: str) -> None:
+    """Keep a random model with tied embeddings from predicting its own input.
+
+    A tied head scores the input token's own embedding against itself: ``|e|^2 =
+    hidden_size`` where another token scores about ``+-sqrt(hidden_size)``. With
+    embeddings as large as the layers' outputs the residual stream is mostly the
+    input's embedding, so greedy decoding repeats it (the tiny Gemma 3, whose
+    embeddings are also multiplied by sqrt(hidden_size), did at every position and a
+    Gemma norm bug with logit error 9.5 passed every token-level test). Shrinking the
+    shared matrix lets the layers decide; the final norm is scaled back up by the same
+    factor so logits stay as decisive. Gemma 3's sandwich norms cap each layer's
+    output, so its post-norms are raised as well.
+    """
+    scale = TIED_EMBEDDING_SCALE.get(arch, 0.3)
+    inner: Any = model.model  # transformers' decoder stack
+    with torch.no_grad():
+        inner.embed_tokens.weight.mul_(scale)
+        norm = inner.norm.weight
+        if arch == "gemma3":  # Gemma's RMSNorm multiplies by (1 + w)
+            norm.copy_((1 + norm) / scale - 1)
+            for layer in inner.layers:
+                layer.post_attention_layernorm.weight.add_(GEMMA3_POST_NORM_GAIN)
+                layer.post_feedforward_layernorm.weight.add_(GEMMA3_POST_NORM_GAIN)
+        else:
+            norm.div_(scale)
 
 
 def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
