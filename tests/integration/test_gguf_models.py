@@ -28,6 +28,8 @@ from infer.models.base import DecoderLM
 from infer.quant import QuantizedEmbedding, QuantizedLinear
 from infer.testing import build_tokenizer, tiny_hf_model
 
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
+
 # What GGUF can express of each tiny config (it has no llama3 RoPE scaling, no Gemma
 # soft-capping and fixes Gemma's query scale to head_dim).
 OVERRIDES: dict[str, dict[str, Any]] = {
