@@ -173,7 +173,7 @@ class LLM:
         """One prompt (a string, or a list of token ids) as checked token ids."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"{what} is an empty string")
+                raise ValueError(f"{what} is empty (an empty string)")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError(f"{what} encodes to no tokens")
@@ -181,7 +181,7 @@ class LLM:
         if not isinstance(prompt, list | tuple):
             raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
         if not prompt:
-            raise ValueError(f"{what} is an empty list of token ids")
+            raise ValueError(f"{what} is empty (an empty list of token ids)")
         vocab = self.config.vocab_size
         for t in prompt:
             if isinstance(t, bool) or not hasattr(type(t), "__index__"):

@@ -91,10 +91,10 @@ def test_generation_arguments_refused_up_front(
 # ---- prompts ---------------------------------------------------------------------------
 
 BAD_PROMPTS = [
-    ("", ValueError, "prompt is an empty string"),
-    ([], ValueError, "prompt is an empty list of token ids"),
-    ([[]], ValueError, "prompt 0 is an empty list of token ids"),
-    (["Hi", ""], ValueError, "prompt 1 is an empty string"),
+    ("", ValueError, r"prompt is empty \(an empty string\)"),
+    ([], ValueError, r"prompt is empty \(an empty list of token ids\)"),
+    ([[]], ValueError, r"prompt 0 is empty \(an empty list of token ids\)"),
+    (["Hi", ""], ValueError, r"prompt 1 is empty \(an empty string\)"),
     ([1, 2.5], TypeError, "token ids must be ints, found 2.5"),
     ([1, True], TypeError, "token ids must be ints"),
     ([1, 10**6], ValueError, r"token id 1000000 is out of range \[0, 272\)"),

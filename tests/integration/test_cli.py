@@ -143,4 +143,4 @@ def test_runtime_errors_stay_one_line(
 ) -> None:
     path = str(tiny_ckpt_factory("llama"))
     assert main(["generate", path, "", "--quiet"]) == 1
-    assert capsys.readouterr().err == "infer: error: prompt is an empty string\n"
+    assert capsys.readouterr().err == "infer: error: prompt is empty (an empty string)\n"
