@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -55,7 +55,8 @@ def test_max_new_tokens_must_be_an_int(llm: infer.LLM, value: Any) -> None:
 
 def test_max_new_tokens_one_generates_one(llm: infer.LLM) -> None:
     assert len(llm.generate("Hello", max_new_tokens=1).token_ids) == 1
-    assert [len(r.token_ids) for r in llm.generate(["Hello", "Hi"], max_new_tokens=np.int64(1))] == [1, 1]
+    one: Any = np.int64(1)  # numpy ints are ints
+    assert [len(r.token_ids) for r in llm.generate(["Hello", "Hi"], max_new_tokens=one)] == [1, 1]
 
 
 # ---- sampling arguments through the API ------------------------------------------------
@@ -116,12 +117,12 @@ def test_bad_prompts_are_refused(llm: infer.LLM, prompt: Any, error: type[Except
 
 def test_stream_takes_one_prompt(llm: infer.LLM) -> None:
     with pytest.raises(TypeError, match="stream\\(\\) takes one prompt"):
-        llm.stream(["Hello", "Hi"], max_new_tokens=2)
+        llm.stream(cast(Any, ["Hello", "Hi"]), max_new_tokens=2)
 
 
 def test_mixed_batch_of_text_and_ids(llm: infer.LLM) -> None:
     ids = llm.tokenizer.encode("Hello")
-    mixed = llm.generate(["Hello", ids, tuple(ids)], max_new_tokens=5)
+    mixed = llm.generate(cast(Any, ["Hello", ids, tuple(ids)]), max_new_tokens=5)
     assert [r.token_ids for r in mixed] == [llm.generate(ids, max_new_tokens=5).token_ids] * 3
 
 
@@ -149,7 +150,7 @@ def test_nan_weights_stop_at_prefill(tiny_ckpt_factory: Callable[..., Path], tem
     """A NaN weight made the model emit token 0 forever (greedy) or fail inside torch.multinomial."""
     llm = infer.load(tiny_ckpt_factory("qwen3"))
     with torch.no_grad():
-        llm.model.norm.weight[3] = math.nan  # type: ignore[index]
+        cast(torch.Tensor, llm.model.norm.weight)[3] = math.nan
     with pytest.raises(
         NonFiniteLogitsError, match=r"non-finite logits \(NaN or inf\) at prefill .*batch row 0"
     ):

@@ -147,4 +147,5 @@ def test_sampling_params_accept_and_normalize_numpy_and_edges() -> None:
     p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1, seed=2**64 - 1)  # type: ignore[arg-type]
     assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.5, 3, 1.0, 2**64 - 1)
     assert type(p.top_k) is int and type(p.temperature) is float
+    assert p.seed is not None
     torch.Generator().manual_seed(p.seed)  # the largest seed is one torch accepts
