@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 from infer.config import ModelConfig, load_config
-from infer.generate import RowState, SamplingParams, generate_steps, run_to_end
+from infer.generate import RowState, SamplingParams, check_max_new_tokens, generate_steps, run_to_end
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
+Message = dict[str, Any]
 ProgressFn = Callable[[int, int], None]
 
 _DTYPES = {
@@ -54,9 +56,18 @@ class GenerationResult:
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, default: str | None = None) -> torch.dtype:
-    """``dtype`` as a torch dtype; ``None`` means ``default`` (the checkpoint's), else float32."""
+    """``dtype`` as a torch dtype; ``None`` means ``default`` (the checkpoint's), else float32.
+
+    Models compute in float32, float16 or bfloat16; anything else (``torch.int8``,
+    ``"float64"``, ...) is a `ValueError`.
+    """
+    choices = "float32, float16 or bfloat16 (a torch dtype or a name such as 'bf16')"
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}: models compute in {choices}")
         return dtype
+    if dtype is not None and not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype or a string, got {dtype!r} ({type(dtype).__name__})")
     name = dtype if dtype is not None else default
     if name is None:
         return torch.float32
@@ -64,7 +75,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: str | None = None) -
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"unsupported dtype {name!r}: models compute in {choices}") from None
 
 
 def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
@@ -120,6 +131,21 @@ class TextStream:
         return piece
 
 
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """``stop`` as a list of non-empty strings (a lone string is one stop string)."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list | tuple):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for s in items:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must be a string or a list of strings, found {s!r} ({type(s).__name__})")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+    return list(items)
+
+
 def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
@@ -149,19 +175,42 @@ class LLM:
 
     # ---- prompts --------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, what: str = "prompt") -> list[int]:
+        """One prompt (a string, or a list of token ids) as checked token ids."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError(f"{what} is empty (an empty string)")
             ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        return ids
+            if not ids:
+                raise ValueError(f"{what} encodes to no tokens")
+            return ids
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(f"{what} is empty (an empty list of token ids)")
+        vocab = self.config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not hasattr(type(t), "__index__"):
+                raise TypeError(f"{what}: token ids must be ints, found {t!r} ({type(t).__name__})")
+            if not 0 <= operator.index(t) < vocab:
+                raise ValueError(f"{what}: token id {t} is out of range [0, {vocab})")
+        return [operator.index(t) for t in prompt]
+
+    def _encode_batch(self, prompt: Any) -> tuple[list[list[int]], bool]:
+        """``(token ids per prompt, is_batch)`` for a prompt or a list of prompts."""
+        if (
+            isinstance(prompt, list | tuple)
+            and prompt
+            and all(isinstance(p, str | list | tuple) for p in prompt)
+        ):
+            return [self._encode(p, f"prompt {i}") for i, p in enumerate(prompt)], True
+        if (
+            isinstance(prompt, list | tuple)
+            and prompt
+            and any(isinstance(p, str | list | tuple) for p in prompt)
+        ):
+            raise TypeError("a batch of prompts must hold only strings or lists of token ids")
+        return [self._encode(prompt)], False
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.tokenizer.eos_token_ids)
@@ -257,15 +306,19 @@ class LLM:
         run as one padded batch; returns a list). ``temperature=0`` is greedy; with
         ``temperature > 0`` sampling uses ``top_k`` / ``top_p`` and ``seed`` makes it
         reproducible. Generation stops at any EOS id of the model, at any of the
-        ``stop`` strings, or after ``max_new_tokens``.
+        ``stop`` strings, or after ``max_new_tokens`` (an int >= 1; fewer when the
+        model's context ends first).
+
+        Arguments are checked before anything runs: `TypeError` for a wrong type,
+        `ValueError` for a value out of range (``temperature`` finite and >= 0,
+        ``top_k`` >= 0, ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
+        prompts and stop strings, token ids < vocab size). Non-finite logits raise
+        `infer.generate.NonFiniteLogitsError` naming the step and the batch row.
         """
-        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt is empty")
-        prompts_in: list[Prompt] = list(prompt) if batch else [prompt]  # type: ignore[list-item, arg-type]
-        prompts = [self._encode(p) for p in prompts_in]
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature, top_k, top_p, seed)
+        stops = _stop_strings(stop)
+        prompts, batch = self._encode_batch(prompt)
         rows = run_to_end(self._run(prompts, max_new_tokens, params, stops))
         results = [self._result(r, stops) for r in rows]
         return results if batch else results[0]
@@ -282,9 +335,17 @@ class LLM:
         stop: str | Sequence[str] | None = None,
     ) -> Iterator[str]:
         """Like `generate` for one prompt, yielding text pieces as they are decoded."""
-        ids = self._encode(prompt)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature, top_k, top_p, seed)
+        stops = _stop_strings(stop)
+        prompts, batch = self._encode_batch(prompt)
+        if batch:
+            raise TypeError("stream() takes one prompt; use generate() for a batch")
+        return self._stream(prompts[0], max_new_tokens, params, stops)
+
+    def _stream(
+        self, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str]
+    ) -> Iterator[str]:
         out = TextStream(self.tokenizer)
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may be forming
         last: RowState | None = None
@@ -301,21 +362,40 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: Sequence[Message],
         max_new_tokens: int = 256,
-        **kwargs: Any,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        parse_special_in_content: bool = False,
     ) -> GenerationResult:
-        """Apply the tokenizer's chat template to ``messages`` and generate the assistant's reply."""
-        ids = self.chat_prompt(messages)
-        result: GenerationResult = self.generate(ids, max_new_tokens, **kwargs)
-        return result
+        """Apply the tokenizer's chat template to ``messages`` and generate the assistant's reply.
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if not messages:
-            raise ValueError("messages is empty")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template writes the BOS token itself; don't add another one.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ``messages`` is a list of dicts with string ``role`` and ``content``. Message
+        strings are encoded as text: ``"<|im_end|>"`` typed by a user stays text, only
+        the template writes control tokens. ``parse_special_in_content=True`` turns
+        control-token spellings in messages into control tokens (transformers' default).
+        The other arguments are `generate`'s.
+        """
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        stops = _stop_strings(stop)
+        ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
+        rows = run_to_end(self._run([ids], max_new_tokens, params, stops))
+        return self._result(rows[0], stops)
+
+    def chat_prompt(
+        self, messages: Sequence[Message], *, parse_special_in_content: bool = False
+    ) -> list[int]:
+        """The token ids of ``messages`` rendered by the chat template, with the assistant's turn opened."""
+        if not isinstance(parse_special_in_content, bool):
+            raise TypeError(f"parse_special_in_content must be a bool, got {parse_special_in_content!r}")
+        return self.tokenizer.encode_chat(
+            messages, add_generation_prompt=True, parse_special_in_content=parse_special_in_content
+        )
 
 
 def _load_parallel(

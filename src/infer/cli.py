@@ -1,13 +1,86 @@
-"""The `infer` command: generate, chat, inspect."""
+"""The `infer` command: generate, chat, inspect.
+
+Exit status: 0 success, 1 error (one line on stderr; ``--debug`` raises it with its
+traceback), 2 usage error (unknown option, or an option value out of range),
+130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 DEFAULT_MODEL_HELP = "checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, shipped)"
+EXIT_CODES = (
+    "exit status: 0 success, 1 error (one line; --debug shows the traceback), "
+    "2 usage error (bad option or value), 130 interrupted"
+)
+SEED_MAX = 2**64 - 1
+
+
+def _int_option(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in ``[minimum, maximum]`` (out of range is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_option(
+    minimum: float, maximum: float | None = None, *, open_min: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: a finite float >= ``minimum`` (> with ``open_min``) and <= ``maximum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value > minimum if open_min else value >= minimum
+        if not math.isfinite(value) or not low_ok or (maximum is not None and value > maximum):
+            low = f"> {minimum}" if open_min else f">= {minimum}"
+            bound = low if maximum is None else f"{low} and <= {maximum}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def _bytes_option(text: str) -> str:
+    """An argparse type: a size such as ``2GB`` (kept as text; parsed again by StreamingConfig)."""
+    from infer.streaming.config import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"size {text[:24]!r}... is too large") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0][:300]) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return text
+
+
+def _dtype_option(text: str) -> str:
+    """An argparse type: a dtype name `infer.load` accepts."""
+    from infer.api import resolve_dtype
+
+    try:
+        resolve_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _default_model() -> str:
@@ -124,42 +197,76 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infer", description="Pure-PyTorch LLM inference.")
+    parser = argparse.ArgumentParser(
+        prog="infer", description="Pure-PyTorch LLM inference.", epilog=EXIT_CODES
+    )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="cpu")
-        p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
+        p.add_argument(
+            "--dtype",
+            type=_dtype_option,
+            default=None,
+            help="float32, bfloat16, float16 (default: the checkpoint's)",
+        )
         p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
-        p.add_argument("--memory-budget", default=None, help="stream layers under this budget, e.g. 2GB")
-        p.add_argument("--group-size", type=int, default=4, help="layers per streamed group")
-        p.add_argument("--max-new-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=None)
+        p.add_argument(
+            "--memory-budget",
+            type=_bytes_option,
+            default=None,
+            help="stream layers under this budget, e.g. 2GB",
+        )
+        p.add_argument(
+            "--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)"
+        )
+        p.add_argument("--max-new-tokens", type=_int_option(1), default=256, help="tokens to generate (>= 1)")
+        p.add_argument(
+            "--temperature",
+            type=_float_option(0.0),
+            default=0.0,
+            help="0 is greedy (the default); finite, >= 0",
+        )
+        p.add_argument(
+            "--top-k", type=_int_option(0), default=0, help="keep the k most likely tokens (0: all)"
+        )
+        p.add_argument(
+            "--top-p",
+            type=_float_option(0.0, 1.0, open_min=True),
+            default=1.0,
+            help="nucleus sampling, in (0, 1]",
+        )
+        p.add_argument(
+            "--seed", type=_int_option(0, SEED_MAX), default=None, help="sampling seed, 0 to 2**64-1"
+        )
         p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
-    g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
+    g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal", epilog=EXIT_CODES)
     g.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     g.add_argument("prompt", nargs="?", default=None)
     common(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat (keeps the conversation; /reset, /exit)")
+    c = sub.add_parser(
+        "chat", help="interactive chat (keeps the conversation; /reset, /exit)", epilog=EXIT_CODES
+    )
     c.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     common(c)
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("inspect", help="architecture, parameters, tensors, memory estimates")
+    i = sub.add_parser(
+        "inspect", help="architecture, parameters, tensors, memory estimates", epilog=EXIT_CODES
+    )
     i.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
-    i.add_argument("--context", type=int, default=None, help="context length for the KV-cache estimate")
-    i.add_argument("--batch-size", type=int, default=1)
-    i.add_argument("--dtype", default=None)
+    i.add_argument(
+        "--context", type=_int_option(1), default=None, help="context length for the KV-cache estimate (>= 1)"
+    )
+    i.add_argument("--batch-size", type=_int_option(1), default=1, help="batch size for the estimate (>= 1)")
+    i.add_argument("--dtype", type=_dtype_option, default=None)
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     i.set_defaults(func=cmd_inspect)
     return parser
@@ -176,9 +283,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # one clear line, unless --debug
         if args.debug:
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"infer: error: {msg}", file=sys.stderr)
+        print(f"infer: error: {_error_message(e)}", file=sys.stderr)
         return 1
+
+
+def _error_message(e: Exception) -> str:
+    """The first line of the error; all of a `BudgetError`, whose later lines say what would fit."""
+    from infer.streaming.plan import BudgetError
+
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return text if isinstance(e, BudgetError) else text.splitlines()[0]
 
 
 if __name__ == "__main__":

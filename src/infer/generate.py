@@ -8,17 +8,54 @@ has stopped (EOS id, stop string, or ``max_new_tokens``).
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from infer.models.base import DecoderLM
 
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``; `TypeError` for bools, floats and others."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    v = operator.index(value)
+    if v < minimum or (maximum is not None and v > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {bound}, got {v}")
+    return v
+
+
+def check_float(name: str, value: Any) -> float:
+    """``value`` as a finite float; `TypeError` for bools and non-numbers, `ValueError` for NaN/inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def check_max_new_tokens(value: Any) -> int:
+    """``max_new_tokens`` is an int >= 1: a generation call always generates."""
+    return check_int("max_new_tokens", value, 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+
+    Values are checked (and normalized to int / float) on construction: ``temperature``
+    finite and >= 0, ``top_k`` an int >= 0, ``top_p`` finite in (0, 1], ``seed`` None or
+    an int in [0, 2**64 - 1].
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -26,16 +63,25 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        temperature = check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        top_p = check_float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, 0))
+        object.__setattr__(self, "top_p", top_p)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_int("seed", self.seed, 0, SEED_MAX))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits (non-finite weights, or overflow in float16/bfloat16)."""
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -56,6 +102,23 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_checked(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`, and the same tokens with -1 in rows whose logits are not finite: ``([B], [B])``.
+
+    A row is bad when its maximum is NaN or +inf (NaN propagates through ``amax``) or
+    when every logit is -inf. The host reads the second tensor with the ``.tolist()``
+    it needs for the tokens anyway, so the check costs no extra synchronization; the
+    first (always a valid id) is what the model is fed.
+    """
+    ok = logits.amax(dim=-1).isfinite()  # [B]
+    if not params.greedy:  # multinomial refuses NaN probabilities: sample bad rows from zeros
+        logits = torch.where(ok[:, None], logits, 0.0)
+    tokens = sample(logits, params, generator)
+    return tokens, torch.where(ok, tokens, -1)
 
 
 @dataclass
@@ -117,16 +180,15 @@ def generate_steps(
     """
     import time
 
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    if not prompts or not all(prompts):
+        raise ValueError("every prompt needs at least one token")
     context, chunk = context_limits(model, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest + 1 > context:
         raise ValueError(f"prompt has {longest} tokens; the model's context is {context} tokens")
     max_new_tokens = min(max_new_tokens, context - longest)
     rows = [RowState(len(p)) for p in prompts]
-    if max_new_tokens <= 0:
-        for r in rows:
-            r.finish_reason = "length"
-        return
     device = model.device
     ids, pad = left_pad(prompts, pad_id)
     ids, pad = ids.to(device), pad.to(device)
@@ -142,16 +204,22 @@ def generate_steps(
     for start in range(0, ids.shape[1], step):  # chunked prefill when the executor asks for it
         h = model.forward_hidden(ids[:, start : start + step], cache)
     logits = model.head(h[:, -1:])[:, -1]  # [B, V]: only the last position is needed
-    next_tokens = sample(logits, params, generator)
+    next_tokens, checked = sample_checked(logits, params, generator)
     if timings is not None:
         timings["prefill_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
-        chosen = next_tokens.tolist()
+        chosen = checked.tolist()
         for b, tok in enumerate(chosen):
             row = rows[b]
             if row.finish_reason is not None:
                 continue
+            if tok < 0:
+                where = "prefill" if step == 0 else f"decode step {step}"
+                raise NonFiniteLogitsError(
+                    f"non-finite logits (NaN or inf) at {where} (generated token {step + 1}), batch row {b}: "
+                    "the weights hold NaN/inf or the activations overflowed (try dtype=torch.float32)"
+                )
             row.tokens.append(tok)
             if tok in eos:
                 row.finish_reason = "eos"
@@ -163,7 +231,7 @@ def generate_steps(
         if all(r.finish_reason is not None for r in rows) or step == max_new_tokens - 1:
             break
         h = model.forward_hidden(next_tokens[:, None], cache)  # [B, 1, D]
-        next_tokens = sample(model.head(h)[:, -1], params, generator)
+        next_tokens, checked = sample_checked(model.head(h)[:, -1], params, generator)
     if timings is not None:
         timings["decode_s"] = time.perf_counter() - t1
         timings["decode_steps"] = float(max(len(r.tokens) for r in rows) - 1)

@@ -2,8 +2,9 @@
 
 Nothing here downloads anything: `build_checkpoint` makes a small model of a given
 architecture with transformers, perturbs every parameter (so no norm weight is all
-ones or zeros), and saves it with ``save_pretrained`` (single file or sharded), with
-a small byte-level tokenizer (a chat template and two EOS ids included).
+ones or zeros), keeps tied-embedding models from merely repeating their input
+(`untangle_tied_embeddings_`), and saves it with ``save_pretrained`` (single file or
+sharded), with a small byte-level tokenizer (a chat template and two EOS ids included).
 
 Each tiny config keeps what distinguishes its architecture: GQA with 2 query heads
 per KV head; ``head_dim != hidden_size // num_heads`` (Qwen 3, Gemma 3); llama3 RoPE
@@ -198,7 +199,47 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     model = classes[arch](config).eval()
     perturb_(model, seed)
+    if config.tie_word_embeddings:
+        untangle_tied_embeddings_(model, arch)
     return model
+
+
+# How much a tied embedding is shrunk (see `untangle_tied_embeddings_`); others: 0.3.
+TIED_EMBEDDING_SCALE = {"gemma3": 0.1, "gpt2": 0.1}
+GEMMA3_POST_NORM_GAIN = 3.0  # added to Gemma 3's post-attention / post-feedforward norm weights
+
+
+def untangle_tied_embeddings_(model: torch.nn.Module, arch: str) -> None:
+    """Keep a random model with tied embeddings from predicting its own input.
+
+    A tied head scores the input token's own embedding against itself: ``|e|^2 =
+    hidden_size`` where another token scores about ``+-sqrt(hidden_size)``. With
+    embeddings as large as the layers' outputs the residual stream is mostly the
+    input's embedding, so greedy decoding repeats it (the tiny Gemma 3, whose
+    embeddings are also multiplied by sqrt(hidden_size), did at every position and a
+    Gemma norm bug with logit error 9.5 passed every token-level test). Shrinking the
+    shared matrix lets the layers decide; the final norm is scaled back up by the same
+    factor so logits stay as decisive. Gemma 3's sandwich norms cap each layer's
+    output, so its post-norms are raised as well.
+    """
+    scale = TIED_EMBEDDING_SCALE.get(arch, 0.3)
+    if arch == "gpt2":  # transformer.wte, and a LayerNorm (weight and bias) as the final norm
+        with torch.no_grad():
+            model.transformer.wte.weight.mul_(scale)
+            model.transformer.ln_f.weight.div_(scale)
+            model.transformer.ln_f.bias.div_(scale)
+        return
+    inner: Any = model.model  # transformers' decoder stack
+    with torch.no_grad():
+        inner.embed_tokens.weight.mul_(scale)
+        norm = inner.norm.weight
+        if arch == "gemma3":  # Gemma's RMSNorm multiplies by (1 + w)
+            norm.copy_((1 + norm) / scale - 1)
+            for layer in inner.layers:
+                layer.post_attention_layernorm.weight.add_(GEMMA3_POST_NORM_GAIN)
+                layer.post_feedforward_layernorm.weight.add_(GEMMA3_POST_NORM_GAIN)
+        else:
+            norm.div_(scale)
 
 
 def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -261,3 +302,31 @@ def build_checkpoint(
     gen_config = {"bos_token_id": BOS, "eos_token_id": [EOS, EOT], "pad_token_id": PAD}
     (path / "generation_config.json").write_text(json.dumps(gen_config))
     return path
+
+
+def reference_sampling_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> Any:
+    """The distribution sampling should draw from, in float64 numpy, written from the definitions.
+
+    ``softmax(logits / temperature)`` over the ``top_k`` largest (0: all), then only the
+    most likely tokens until their probability reaches ``top_p`` (the first always),
+    renormalized. For tests of `infer.generate.sample`; independent of its code.
+    """
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    keep = np.ones(len(z), dtype=bool)
+    if top_k:
+        kth = np.sort(z)[::-1][min(top_k, len(z)) - 1]
+        keep &= z >= kth
+    p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        kept_p = np.zeros_like(p)
+        total = 0.0
+        for i in np.argsort(-p, kind="stable"):
+            if p[i] == 0.0 or total >= top_p:
+                break
+            kept_p[i] = p[i]
+            total += p[i]
+        p = kept_p / kept_p.sum()
+    return p

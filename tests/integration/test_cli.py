@@ -64,3 +64,83 @@ def test_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == "infer: error: no such file or directory: /no/such/model\n"
     with pytest.raises(FileNotFoundError):
         main(["--debug", "generate", "/no/such/model", "Hello"])
+
+
+BAD_OPTIONS = [
+    ["inspect", "MODEL", "--context", "-5", "--batch-size", "0"],
+    ["inspect", "MODEL", "--batch-size", "0"],
+    ["inspect", "MODEL", "--context", "ten"],
+    ["generate", "MODEL", "Hi", "--max-new-tokens", "0"],
+    ["generate", "MODEL", "Hi", "--max-new-tokens", "2.5"],
+    ["generate", "MODEL", "Hi", "--temperature", "nan"],
+    ["generate", "MODEL", "Hi", "--temperature", "-1"],
+    ["generate", "MODEL", "Hi", "--temperature", "inf"],
+    ["generate", "MODEL", "Hi", "--top-k", "1.5"],
+    ["generate", "MODEL", "Hi", "--top-k", "-1"],
+    ["generate", "MODEL", "Hi", "--top-p", "0"],
+    ["generate", "MODEL", "Hi", "--top-p", "1.5"],
+    ["generate", "MODEL", "Hi", "--seed", str(2**70)],
+    ["generate", "MODEL", "Hi", "--seed", "-1"],
+    ["generate", "MODEL", "Hi", "--group-size", "0"],
+    ["generate", "MODEL", "Hi", "--memory-budget", "9" * 400],
+    ["generate", "MODEL", "Hi", "--memory-budget", "12XB"],
+    ["generate", "MODEL", "Hi", "--dtype", "int8"],
+    ["chat", "MODEL", "--max-new-tokens", "-3"],
+]
+
+
+@pytest.mark.parametrize(
+    "argv", BAD_OPTIONS, ids=lambda a: " ".join(a[2:] if a[0] == "generate" else a[1:])[:60]
+)
+def test_bad_option_values_are_usage_errors(
+    argv: list[str], tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(tiny_ckpt_factory("llama")) if a == "MODEL" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    print(f"\n{err.strip().splitlines()[-1]}")
+    assert exit_info.value.code == 2
+    assert "error: argument --" in err and len(err) < 2000
+    assert "Traceback" not in err
+
+
+def test_budget_error_advice_is_printed_in_full(
+    tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tiny_ckpt_factory("llama"))
+    assert main(["generate", path, "Hello", "--memory-budget", "1KB", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    print(f"\n{err}")
+    assert err.startswith("infer: error: ")
+    assert len(err.strip().splitlines()) > 1  # the "what would fit" lines follow the first
+    assert "Traceback" not in err
+
+
+def test_exit_codes_are_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["generate", "--help"], ["inspect", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert (
+            "exit status: 0 success, 1 error" in out and "2 usage error" in out and "130 interrupted" in out
+        )
+
+
+def test_interrupt_exits_130(monkeypatch: pytest.MonkeyPatch, tiny_ckpt_factory: Callable[..., Path]) -> None:
+    import infer
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(infer, "load", interrupted)
+    assert main(["generate", str(tiny_ckpt_factory("llama")), "Hello"]) == 130
+
+
+def test_runtime_errors_stay_one_line(
+    tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tiny_ckpt_factory("llama"))
+    assert main(["generate", path, "", "--quiet"]) == 1
+    assert capsys.readouterr().err == "infer: error: prompt is empty (an empty string)\n"

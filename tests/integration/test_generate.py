@@ -32,6 +32,7 @@ def _greedy(model: DecoderLM, ids: list[int], n: int) -> list[int]:
     return run_to_end(steps)[0].tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_generate(
     arch: str,

@@ -28,6 +28,8 @@ from infer.models.base import DecoderLM
 from infer.quant import QuantizedEmbedding, QuantizedLinear
 from infer.testing import build_tokenizer, tiny_hf_model
 
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
+
 # What GGUF can express of each tiny config (no Gemma soft-capping, Gemma's query scale fixed
 # to head_dim, no sliding window for Mistral, which llama.cpp converts as llama). The tiny
 # Llama keeps its llama3 RoPE scaling: the file carries it as rope_freqs (Llama 3.1+).

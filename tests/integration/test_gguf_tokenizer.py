@@ -12,6 +12,8 @@ from infer.gguf.reader import GGUFFile
 from infer.gguf.tokenizer import build_hf_tokenizer, gguf_tokenizer
 from infer.realmodels import gemma3_270m_path, smollm2_path
 
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
+
 TEXTS = [
     "The capital of France is",
     "  two leading spaces and\ttabs\n\nnew lines",

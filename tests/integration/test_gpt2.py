@@ -20,6 +20,8 @@ from infer.models.base import DecoderLM
 from infer.quant import QuantizedLinear
 from infer.testing import VOCAB_SIZE, build_tokenizer, perturb_
 
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
+
 IDS = torch.randint(0, 262, (2, 20), generator=torch.Generator().manual_seed(0))
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
 
 ARCHS = ("llama", "qwen3", "gemma3")
 SEQ = 40  # longer than the tiny Gemma 3 sliding window (8)
@@ -46,8 +49,10 @@ def test_logits_match_transformers_bf16(
 ) -> None:
     """bf16 against transformers' default (SDPA) attention: the same kernels, so the same rounding.
 
-    (Its eager attention rounds differently in bf16 and disagrees with its own SDPA
-    path on a few near-tied positions of these tiny random models.)
+    Measured: identical logits (max error 0). Allowed: one bfloat16 step at the largest
+    logit, and the same top-1 token everywhere. (Transformers' eager attention rounds
+    differently in bf16 and disagrees with its own SDPA path on a few near-tied
+    positions of these tiny random models.)
     """
     from transformers import AutoModelForCausalLM
 
@@ -60,11 +65,13 @@ def test_logits_match_transformers_bf16(
         got = ours(ids).float()
     err = (got - ref).abs()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    step = torch.finfo(torch.bfloat16).eps * 2 ** math.floor(math.log2(ref.abs().max().item()))
     print(
-        f"\n{arch} bf16 full-model logit error max {err.max().item():.3e} mean {err.mean().item():.3e}, "
-        f"top-1 agreement {agree:.2%} over {ids.numel()} positions"
+        f"\n{arch} bf16 full-model logit error max {err.max().item():.3e} mean {err.mean().item():.3e} "
+        f"(one bf16 step: {step:.3e}), top-1 agreement {agree:.2%} over {ids.numel()} positions"
     )
-    assert agree >= 0.99
+    assert err.max().item() <= step
+    assert agree == 1.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

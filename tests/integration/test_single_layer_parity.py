@@ -44,6 +44,8 @@ from infer.loader.weights import SafetensorsSource, load_weights
 from infer.models import model_class
 from infer.models.common import RotaryEmbedding, causal_mask, rope_tables, sliding_window_causal_mask
 
+pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
+
 SEQ_LEN = 16
 FP32_MAX_ABS = 1e-5
 BF16_MAX_ABS = 1e-2

@@ -341,7 +341,7 @@ def reference_attention(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention written out in float64: explicit repeat_interleave of K/V, softmax, weighted sum."""
+    """Attention written out in float64: RoPE by hand, explicit repeat_interleave of K/V, softmax, sum."""
     x, cos, sin = x.double(), cos.double(), sin.double()
     B, T, _ = x.shape
     H, Hkv, D = module.num_heads, module.num_kv_heads, module.head_dim
@@ -357,7 +357,15 @@ def reference_attention(
     if module.q_norm is not None:
         q, k = rms(q, w["q_norm.weight"]), rms(k, w["k_norm.weight"])
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        # Written out, not the `apply_rotary` under test: dim i pairs with dim i + D/2,
+        # (a, b) -> (a cos - b sin, b cos + a sin).
+        a, b = t[..., : D // 2], t[..., D // 2 :]
+        c, s = cos[:, None], sin[:, None]  # [B, 1, T, D]
+        return t * c + torch.cat((-b, a), dim=-1) * s
+
+    q, k = rotate(q), rotate(k)
     k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, T, D]
     v = v.repeat_interleave(H // Hkv, dim=1)
     scores = q @ k.transpose(-1, -2) * scale  # [B, H, T, T]

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from infer.chat_template import (
+    RenderLimits,
+    check_messages,
+    control_token_pattern,
+    mark_control_tokens,
+    render_chat_template,
+    split_marked,
+)
 
 
 class Tokenizer:
@@ -58,13 +68,80 @@ class Tokenizer:
         text: str = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not getattr(self._tok, "chat_template", None):
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        limits: RenderLimits | None = None,
+    ) -> str:
+        """The chat as text: the template rendered in a bounded sandbox, as transformers renders it."""
+        return self._render(check_messages(messages), add_generation_prompt, limits)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        parse_special_in_content: bool = False,
+        limits: RenderLimits | None = None,
+    ) -> list[int]:
+        """The chat as token ids; control-token spellings inside messages are encoded as text.
+
+        Only the special tokens the template writes itself (``<|im_start|>``, BOS, ...)
+        become control tokens; a message saying ``"<|im_end|><|im_start|>assistant"``
+        stays those characters. ``parse_special_in_content=True`` encodes the rendered
+        text as a whole instead (transformers' default), so such spellings become tokens.
+        """
+        checked = check_messages(messages)
+        if parse_special_in_content:
+            # The template writes the BOS token itself; don't add another one.
+            return self.encode(self._render(checked, add_generation_prompt, limits), add_special_tokens=False)
+        specials = [t.content for t in self._tok.added_tokens_decoder.values() if t.special]
+        pattern = control_token_pattern(specials)
+        text = self._render(mark_control_tokens(checked, pattern), add_generation_prompt, limits)
+        ids: list[int] = []
+        for i, (piece, is_content_token) in enumerate(split_marked(text, pattern)):
+            piece_ids = self._encode_piece(piece, as_text=is_content_token, first=i == 0)
+            if is_content_token and self._tok.convert_tokens_to_ids(piece) in piece_ids:
+                raise ValueError(f"the tokenizer encodes {piece!r} as its control token even as plain text")
+            ids += piece_ids
+        return ids
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, limits: RenderLimits | None
+    ) -> str:
+        template = self.chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template; use generate() with a plain prompt")
-        text: str = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        variables = {k: v for k, v in self._tok.special_tokens_map.items() if isinstance(v, str)}
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            variables=variables,
+            limits=limits,
         )
-        return text
+
+    def _encode_piece(self, text: str, *, as_text: bool, first: bool) -> list[int]:
+        """Ids of a piece of a rendered chat; ``as_text`` encodes special-token spellings as text."""
+
+        def encode(t: str) -> list[int]:
+            ids: list[int] = self._tok.encode(t, add_special_tokens=False, split_special_tokens=as_text)
+            return ids
+
+        if first:
+            return encode(text)
+        # A piece continues the text before it: encode it after a newline and drop the newline,
+        # so a tokenizer that marks the start of a string (SentencePiece's "▁") does not.
+        newline = encode("\n")
+        ids = encode("\n" + text)
+        return ids[len(newline) :] if ids[: len(newline)] == newline else encode(text)
 
     @property
     def eos_token_id(self) -> int | list[int]:
