@@ -224,10 +224,11 @@ def untangle_tied_embeddings_(model: torch.nn.Module, arch: str) -> None:
     """
     scale = TIED_EMBEDDING_SCALE.get(arch, 0.3)
     if arch == "gpt2":  # transformer.wte, and a LayerNorm (weight and bias) as the final norm
+        stack: Any = model.transformer
         with torch.no_grad():
-            model.transformer.wte.weight.mul_(scale)
-            model.transformer.ln_f.weight.div_(scale)
-            model.transformer.ln_f.bias.div_(scale)
+            stack.wte.weight.mul_(scale)
+            stack.ln_f.weight.div_(scale)
+            stack.ln_f.bias.div_(scale)
         return
     inner: Any = model.model  # transformers' decoder stack
     with torch.no_grad():
