@@ -4,19 +4,18 @@ Whole tensors (and row ranges) are read with ``pread`` into the destination's me
 one copy out of the page cache, no mapping left behind, so the process's resident
 set does not grow with every layer it has streamed. A tensor stored in another
 dtype is read through a small reusable scratch buffer and converted chunk by chunk.
-Embedding lookups touch a few rows only; they go through a read-only memory map.
+Embedding lookups read only the rows they need, one ``pread`` per run of consecutive
+rows. Nothing is memory-mapped: a checkpoint truncated or replaced under a running
+model gives an ``OSError`` naming the file, never a ``SIGBUS``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
-import mmap
 import os
 import struct
 import threading
-import warnings
 import weakref
 from pathlib import Path
 
@@ -45,50 +44,81 @@ def _writable_bytes(t: torch.Tensor) -> memoryview:
 
 
 class SafetensorsFile:
-    """One file of a checkpoint: tensor offsets, a descriptor for ``pread``, a lazy memory map."""
+    """One file of a checkpoint: tensor offsets and a descriptor for ``pread``."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
         self.data_start, self.offsets = safetensors_offsets(file)
         self.fd = os.open(file, os.O_RDONLY)
         self._close_fd = weakref.finalize(self, os.close, self.fd)
-        self._map: mmap.mmap | None = None
-        self._bytes: torch.Tensor | None = None
-        self._lock = threading.Lock()
 
-    def pread(self, out: torch.Tensor, offset: int) -> None:
-        """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset`` of the data section."""
+    def pread(self, out: torch.Tensor, offset: int, what: str = "") -> None:
+        """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset`` of the data section.
+
+        ``OSError`` (naming the file and ``what``) if the file ends first: it was
+        truncated or replaced after it was opened.
+        """
         view = _writable_bytes(out)
         done, total = 0, len(view)
         while done < total:
             got = os.preadv(self.fd, [view[done:]], self.data_start + offset + done)
             if got <= 0:
+                start = self.data_start + offset
                 raise OSError(
-                    f"{self.file}: unexpected end of file at byte {self.data_start + offset + done}"
+                    f"{self.file}: {what + ' ' if what else ''}needs bytes {start}..{start + total}, but the "
+                    f"file now has {os.fstat(self.fd).st_size} bytes: it changed after it was opened"
                 )
             done += got
 
-    def mapped(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """``key`` as a tensor viewing the memory map (for gathering a few rows)."""
-        with self._lock:
-            if self._bytes is None:
-                self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-                with warnings.catch_warnings():  # read-only mapping, never written through
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        begin, end = self.offsets[key]
-        raw = self._bytes[self.data_start + begin : self.data_start + end]
-        if (self.data_start + begin) % dtype.itemsize:
-            raw = raw.clone()  # misaligned in the file: an aligned copy of this one tensor
-        return raw.view(dtype).view(shape)
+    def read_rows(
+        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], index: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``index`` (``[R]``, any integer dtype) of tensor ``key``: ``[R, *shape[1:]]``.
+
+        Each distinct row is read once, with one ``pread`` per run of consecutive rows.
+        """
+        rows = index.reshape(-1).to("cpu", torch.long)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= shape[0]):
+            raise IndexError(
+                f"{self.file}: tensor {key!r} has {shape[0]} rows; asked for rows "
+                f"{int(rows.min())}..{int(rows.max())}"
+            )
+        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        out = torch.empty(unique.numel(), *shape[1:], dtype=dtype)  # [U, ...]
+        row_bytes = out[0].numel() * dtype.itemsize if unique.numel() else 0
+        begin = self.offsets[key][0]
+        breaks = (torch.nonzero(unique[1:] - unique[:-1] != 1).flatten() + 1).tolist()
+        first = unique.tolist()
+        for a, b in zip([0, *breaks], [*breaks, unique.numel()], strict=True):
+            if a < b:
+                self.pread(
+                    out[a:b], begin + first[a] * row_bytes, f"rows {first[a]}..{first[b - 1]} of {key!r}"
+                )
+        return out.index_select(0, inverse)  # [R, ...]
+
+    def mapped(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> RowTable:
+        """Tensor ``key`` as a `RowTable` whose ``index_select(0, rows)`` calls `read_rows`.
+
+        Kept for callers written for the former memory-mapped table; use `read_rows`.
+        """
+        return RowTable(self, key, dtype, shape)
 
     def close(self) -> None:
-        self._bytes = None
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a row view still alive keeps the map
-                self._map.close()
-            self._map = None
         self._close_fd()
+
+
+class RowTable:
+    """A tensor of a `SafetensorsFile` that reads the rows it is asked for (see `SafetensorsFile.mapped`)."""
+
+    def __init__(self, file: SafetensorsFile, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.file, self.key, self.dtype, self.shape = file, key, dtype, shape
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError(
+                f"{self.file.file}: {self.key!r}: rows are selected along dimension 0, not {dim}"
+            )
+        return self.file.read_rows(self.key, self.dtype, self.shape, index)
 
 
 class ConvertingReader:
