@@ -207,7 +207,11 @@ def test_bad_tensor_entries(small_file: Path, tmp_path: Path, field: str, value:
         (b"b.weight", 224, "tensor 'b.weight' has data offset 224, expected 256"),  # overlaps a's end
         (b"b.weight", 288, "tensor 'b.weight' has data offset 288, expected 256"),  # shifted: a gap
         (b"c", 256, "tensor 'c' has data offset 256, expected 640 (tensor 'b.weight' ends at 640)"),
-        (b"a.weight", 256, "tensor 'a.weight' has data offset 256, expected 0 (the first tensor starts at 0)"),
+        (
+            b"a.weight",
+            256,
+            "tensor 'a.weight' has data offset 256, expected 0 (the first tensor starts at 0)",
+        ),
     ],
 )
 def test_overlapping_or_shifted_tensor_data(

@@ -55,6 +55,7 @@ class ComputeRecord:
 
 
 class Transport(Protocol):
+    source: WeightSource
     num_buffers: int
 
     def flat(self, buffer: int) -> torch.Tensor: ...
