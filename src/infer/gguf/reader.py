@@ -59,7 +59,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     11: ("<q", "<i8"),
     12: ("<d", "<f8"),
 }
-_TYPE_NAMES = {
+VALUE_TYPE_NAMES = {
     0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
     7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
 }  # fmt: skip
@@ -333,13 +333,14 @@ class GGUFFile:
         if item in _SCALARS:
             dtype = np.dtype(_SCALARS[item][1])
             nbytes = count * dtype.itemsize
-            self._need(pos, nbytes, f"array {key!r} ({count} x {_TYPE_NAMES[item]})")
+            self._need(pos, nbytes, f"array {key!r} ({count} x {VALUE_TYPE_NAMES[item]})")
             arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=pos).copy()  # no view kept
             arr = arr.astype(bool) if item == 7 else arr
             return arr, (vtype, item), pos + nbytes
         if item == _STRING:
             return self._string_array(key, count, pos)
-        raise self._fail(f"array {key!r} has unsupported item type {item} ({_TYPE_NAMES.get(item, '?')})")
+        name = VALUE_TYPE_NAMES.get(item, "?")
+        raise self._fail(f"array {key!r} has unsupported item type {item} ({name})")
 
     def _string_array(self, key: str, count: int, pos: int) -> tuple[StringArray, tuple[int, ...], int]:
         if count * 8 > self.size - pos:
