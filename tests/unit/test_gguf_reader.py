@@ -256,6 +256,9 @@ def test_random_corruption_never_crashes(small_file: Path, tmp_path: Path) -> No
             assert str(bad) in str(e)
             outcomes["ValueError"] += 1
     print(f"300 random header corruptions: {outcomes}")
+    # Measured 273 refused, 27 parsed (changes inside strings that stay valid UTF-8). A reader
+    # that refused nothing, or everything, would fail here.
+    assert outcomes["ValueError"] >= 250 and outcomes["parsed"] >= 10
 
 
 def test_not_a_file(tmp_path: Path) -> None:
