@@ -14,7 +14,9 @@ replaces a worker that overruns). Outcomes:
 - ``memory-capped``: an allocation refused under the cap (``MemoryError`` / torch's
   "can't allocate memory");
 - ``undocumented``: any other exception (type and innermost ``infer`` source file kept);
-- ``crashed``: the worker died from a signal; ``hung``: it overran the timeout.
+- ``crashed``: the worker died from a signal; ``hung``: the input ran past 80% of the
+  timeout (interrupted with SIGALRM, so where it was is known) or the worker did not
+  answer within the timeout (killed and replaced).
 
 Exceptions are attributed to the innermost ``infer`` source file in their traceback;
 ``owner`` is ``lead`` for the files LEAD_REWRITE.md reserves (config and GGUF-metadata
@@ -100,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"ready": True, "baseline_vm": baseline, "cap": cap}), flush=True)
     for done, line in enumerate(sys.stdin):
         index = int(line)
-        outcome = run_case(mutator.case(index)).as_dict()
+        outcome = run_case(mutator.case(index), time_limit=args.timeout * 0.8).as_dict()
         outcome["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps(outcome), flush=True)
         if done % 200 == 199:  # tokenizers built for mutated headers: keep the cache small
@@ -117,7 +119,8 @@ class Worker:
         self.work = Path(tempfile.mkdtemp(prefix=f"fuzz-w{number}-", dir=out))
         cmd = [
             sys.executable, __file__, "--worker", "--seed", str(args.seed), "--kinds", args.kinds,
-            "--mem-gib", str(args.mem_gib), "--work", str(self.work), "--seeds", json.dumps(seeds),
+            "--mem-gib", str(args.mem_gib), "--timeout", str(args.timeout), "--work", str(self.work),
+            "--seeds", json.dumps(seeds),
         ]  # fmt: skip
         self.log = (self.work / "stderr.log").open("w")
         self.proc = subprocess.Popen(

@@ -39,6 +39,12 @@ def _target(layer: nn.Module, slot: Slot) -> Target:
     return module, attr, is_param, placeholder
 
 
+def _close_pipeline(ref: weakref.ref[Pipeline]) -> None:
+    pipeline = ref()
+    if pipeline is not None:  # (None: it had no reader thread and was freed with the model)
+        pipeline.close()
+
+
 class StreamingExecutor:
     """Runs the layer stack through the plan's resident layers and streamed groups.
 
@@ -59,7 +65,12 @@ class StreamingExecutor:
                 (_target(model.layers[s.layer], s), s) for s in unit.slots if s.layer is not None
             ]
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._finalizer = weakref.finalize(self, pipeline.close) if pipeline is not None else None
+        # The finalizer holds the pipeline weakly: a strong reference would keep alive whatever
+        # the pipeline reaches (its source, and from a GGUF source the model and this executor),
+        # so nothing of a streamed model would ever be freed, nor its converted-layer files.
+        self._finalizer = (
+            weakref.finalize(self, _close_pipeline, weakref.ref(pipeline)) if pipeline is not None else None
+        )
 
     # ---- what the lead's API and generation loop read --------------------------
 
