@@ -123,9 +123,10 @@ class Worker:
             "--seeds", json.dumps(seeds),
         ]  # fmt: skip
         self.log = (self.work / "stderr.log").open("w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(self.work)}  # temp files go too
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            start_new_session=True, env=env,
         )  # fmt: skip
         self.ready = False
         self.index: int | None = None
@@ -138,7 +139,13 @@ class Worker:
         self.proc.stdin.write(f"{index}\n")
         self.proc.stdin.flush()
 
-    def kill(self) -> int:
+    def kill(self, grace: float = 0.0) -> int:
+        """Stop the worker (after ``grace`` seconds for it to exit on its own) and remove its directory."""
+        if grace:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         code = self.proc.wait()
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {len(results)}/{args.n} inputs, {rate:.1f}/s, {counts}")
             sys.stdout.flush()
     for w in workers:
-        w.kill()
+        w.kill(grace=30)
     return {
         "results": results,
         "seconds": time.monotonic() - start,
