@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -104,7 +105,14 @@ def worker(args: argparse.Namespace) -> None:
         index = int(line)
         outcome = run_case(mutator.case(index), time_limit=args.timeout * 0.8).as_dict()
         outcome["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # What earlier inputs left behind (a streamed model that is never freed keeps its reader
+        # thread, ~72 MiB of address space with its stack and malloc arena): past half the cap,
+        # this worker is replaced, so that the cap keeps measuring one input at a time.
+        outcome["reader_threads"] = sum(t.name == "infer-streaming-reader" for t in threading.enumerate())
+        outcome["recycle"] = _vm_size() > baseline + args.mem_gib * 2**30 / 2
         print(json.dumps(outcome), flush=True)
+        if outcome["recycle"]:
+            return
         if done % 200 == 199:  # tokenizers built for mutated headers: keep the cache small
             for entry in (cache / "infer" / "tokenizers").glob("*"):
                 if entry not in keep:
@@ -166,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     selector = selectors.DefaultSelector()
     workers: list[Worker] = []
     spawned = 0
+    recycled: list[int] = []  # reader threads alive in each worker replaced for its address space
 
     def spawn() -> None:
         nonlocal spawned
@@ -178,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def retire(w: Worker, outcome: str, detail: str) -> None:
         selector.unregister(w.proc.stdout)  # type: ignore[arg-type]
         workers.remove(w)
-        code = w.kill()
+        code = w.kill(grace=10 if not outcome else 0)
         if w.index is not None:
             results.append({"index": w.index, "outcome": outcome, "error": detail or f"exit {code}"})
         if todo:
@@ -206,6 +215,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 results.append(record)
                 w.index = None
+                if record.get("recycle"):  # it exits on its own: replace it
+                    recycled.append(record.get("reader_threads", 0))
+                    retire(w, "", "")
+                    continue
             if todo and w.index is None:
                 w.send(todo.pop())
         now = time.monotonic()
@@ -224,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "seconds": time.monotonic() - start,
         "workers_spawned": spawned,
+        "recycled": recycled,
         "worker_info": [w.info for w in workers],
         "seed_paths": seed_paths,
     }
@@ -267,6 +281,9 @@ def summarize(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "seconds": raw["seconds"],
         "workers": args.workers,
         "workers_spawned": raw["workers_spawned"],
+        "workers_recycled": len(raw["recycled"]),
+        "leaked_reader_threads_at_recycle": raw["recycled"],
+        "max_reader_threads": max((r.get("reader_threads", 0) for r in results), default=0),
         "timeout_s": args.timeout,
         "mem_cap_gib_over_baseline": args.mem_gib,
         "max_worker_rss_mib": max((r.get("maxrss_kb", 0) for r in results), default=0) / 1024,
@@ -321,6 +338,10 @@ def print_table(summary: dict[str, Any]) -> None:
     print("\nby kind: " + "; ".join(f"{k}: {dict(v)}" for k, v in summary["by_kind"].items()))
     print("rejected by error type: " + ", ".join(f"{k} {v}" for k, v in summary["rejected_by_error"].items()))
     print(f"max worker RSS {summary['max_worker_rss_mib']:.0f} MiB; slowest input {summary['slowest']}")
+    print(
+        f"workers replaced at half their address-space cap: {summary['workers_recycled']} "
+        f"(streaming reader threads left alive by earlier inputs: up to {summary['max_reader_threads']})"
+    )
     if summary["findings"]:
         print(f"\n{'count':>6s}  {'outcome':16s} {'error':28s} {'stage':18s} {'owner':26s} origin")
         for f in summary["findings"]:
@@ -347,10 +368,8 @@ def reproduce(args: argparse.Namespace) -> None:
     outcome = run_case(case)
     print(json.dumps(outcome.as_dict(), indent=1))
     if outcome.outcome not in ("loaded", "rejected"):
-        import infer
-
         try:
-            infer.load(case.path)
+            run_case(case, reraise=True)
         except Exception:
             traceback.print_exc()
 

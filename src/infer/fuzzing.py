@@ -648,12 +648,15 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
     raise CaseTimeout
 
 
-def run_case(case: Case, *, generate: bool = True, time_limit: float | None = None) -> Outcome:
+def run_case(
+    case: Case, *, generate: bool = True, time_limit: float | None = None, reraise: bool = False
+) -> Outcome:
     """Feed ``case`` to the public entry points, in order, until one raises.
 
     ``time_limit`` (seconds; main thread only) interrupts a case that runs longer with
     SIGALRM: its outcome is "hung", attributed like an error from where it was stopped.
     A hang inside native code is not interrupted; the caller needs its own backstop.
+    ``reraise`` raises the first error after classifying it (to see its traceback).
     """
     import torch
 
@@ -696,6 +699,8 @@ def run_case(case: Case, *, generate: bool = True, time_limit: float | None = No
                 outcome, origin, owner = classify(e, names, case.kind, stage)
                 result.outcome, result.stage, result.error = outcome, stage, type(e).__name__
                 result.origin, result.owner, result.message = origin, owner, str(e)[:300]
+                if reraise:
+                    raise
                 break
     except CaseTimeout as e:
         frames = infer_frames(e)
