@@ -168,7 +168,9 @@ def cpu_kernel_accepts(
     m, k = x.shape
     n = packed.shape[0]
     return (
-        x.is_cpu and packed.is_cpu and scale_zero.is_cpu
+        x.is_cpu
+        and packed.is_cpu
+        and scale_zero.is_cpu
         and x.dtype in _KERNEL_DTYPES
         and packed.dtype == torch.uint8
         and scale_zero.dtype == x.dtype

@@ -63,7 +63,9 @@ def int8_kernel_accepts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     m, k = x.shape
     n = qweight.shape[0]
     return (
-        x.is_cpu and qweight.is_cpu and scales.is_cpu
+        x.is_cpu
+        and qweight.is_cpu
+        and scales.is_cpu
         and x.dtype in _INT8_KERNEL_DTYPES
         and qweight.dtype == torch.int8
         and scales.dtype == x.dtype
