@@ -55,8 +55,10 @@ class GenerationResult:
         return self.text
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, default: str | None = None) -> torch.dtype:
-    """``dtype`` as a torch dtype; ``None`` means ``default`` (the checkpoint's), else float32.
+def resolve_dtype(
+    dtype: torch.dtype | str | None, default: str | None = None, source: str = "the checkpoint"
+) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``None`` means ``default`` (``source``'s), else float32.
 
     Models compute in float32, float16 or bfloat16; anything else (``torch.int8``,
     ``"float64"``, ...) is a `ValueError`.
@@ -75,6 +77,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: str | None = None) -
     try:
         return _DTYPES[name]
     except KeyError:
+        if dtype is None:
+            raise ValueError(
+                f"{source}: 'torch_dtype' = {default!r} is not a dtype models compute in; "
+                f"pass dtype= ({choices})"
+            ) from None
         raise ValueError(f"unsupported dtype {name!r}: models compute in {choices}") from None
 
 
@@ -503,7 +510,7 @@ def load(
         from infer.loader.weights import SafetensorsSource
 
         config = load_config(path)
-        torch_dtype = resolve_dtype(dtype, config.torch_dtype)
+        torch_dtype = resolve_dtype(dtype, config.torch_dtype, str(path / "config.json"))
         tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
         source = SafetensorsSource(path)
     if tensor_parallel != 1 or pipeline_parallel != 1:

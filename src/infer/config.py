@@ -365,8 +365,10 @@ def validate_config(config: ModelConfig, source: str) -> None:
     for key in _BOOL_FIELDS:
         if not isinstance(getattr(c, key), bool):
             raise _fail(source, key, getattr(c, key), "true or false")
-    if not isinstance(c.hidden_act, str):
-        raise _fail(source, "hidden_act", c.hidden_act, "a string")
+    from infer.models.common import ACTIVATIONS
+
+    if not isinstance(c.hidden_act, str) or c.hidden_act not in ACTIVATIONS:
+        raise _fail(source, "hidden_act", c.hidden_act, f"one of {sorted(ACTIVATIONS)}")
     if c.head_dim is None and c.hidden_size % c.num_attention_heads:
         raise ValueError(
             f"{source}: hidden_size {c.hidden_size} is not divisible by num_attention_heads "
@@ -386,9 +388,11 @@ def validate_config(config: ModelConfig, source: str) -> None:
         )
     if c.layer_types is not None:
         if not isinstance(c.layer_types, list) or len(c.layer_types) != c.num_hidden_layers:
-            found = len(c.layer_types) if isinstance(c.layer_types, list) else c.layer_types
+            listed = isinstance(c.layer_types, list)
+            found = f"{len(c.layer_types)} entries" if listed else repr(c.layer_types)
             raise ValueError(
-                f"{source}: layer_types has {found} entries, expected num_hidden_layers={c.num_hidden_layers}"
+                f"{source}: 'layer_types' = {found[:100]}, expected a list of num_hidden_layers="
+                f"{c.num_hidden_layers} layer types"
             )
         unknown = sorted({str(t) for t in c.layer_types if t not in LAYER_TYPES})
         if unknown:

@@ -67,7 +67,8 @@ def inspect_checkpoint(
     else:
         config = load_config(path)
         rows = _rows_safetensors(path)
-    run_dtype = resolve_dtype(dtype, config.torch_dtype)
+    config_file = path if path.is_file() else path / "config.json"
+    run_dtype = resolve_dtype(dtype, config.torch_dtype, str(config_file))
     context = context or config.max_position_embeddings
     params = sum(r.numel for r in rows)
     stored = sum(r.nbytes for r in rows)

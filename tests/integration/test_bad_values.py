@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,12 @@ def _config_copy(src: Path, dst: Path, **changes: Any) -> Path:
             "unsupported layer type(s) ['mystery']",
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE scaling type 'yarn'"),
+        ({"hidden_act": ""}, "'hidden_act' = '', expected one of ['gelu', 'gelu_new'"),
+        ({"layer_types": "full"}, "'layer_types' = 'full', expected a list of num_hidden_layers=3"),
+        ({"rope_parameters": [1]}, "'rope_parameters' = [1], expected an object"),
+        ({"torch_dtype": "float99"}, "'torch_dtype' = 'float99' is not a dtype models compute in"),
+        # Checked against the weights before any buffer sized by it exists (was an 8 GiB RoPE table).
+        ({"head_dim": 2**31}, "has shape [64, 64], expected [8589934592, 64]"),
     ],
 )
 def test_config_values(
@@ -76,19 +81,40 @@ def test_config_values(
         infer.load(path)
     message = str(info.value)
     print(message)
-    assert needle in message and str(path / "config.json") in message
+    assert needle in message and str(path) in message
+
+
+@pytest.mark.parametrize("text", [b"\xff\xfe{", b"[" * 100_000 + b"]" * 100_000], ids=["utf16", "nested"])
+def test_unreadable_config_json(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, text: bytes) -> None:
+    path = _config_copy(tiny_ckpt_factory("llama"), tmp_path / "bad")
+    (path / "config.json").write_bytes(text)
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        infer.load(path)
+    assert str(path / "config.json") in str(info.value)
+
+
+def test_integer_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """A weight stored as integers is refused at load, resident or streamed (was a matmul error)."""
+    path = tmp_path / "int"
+    shutil.copytree(tiny_ckpt_factory("llama"), path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.int64)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    streaming = infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0)
+    for kwargs in ({}, {"streaming": streaming}):
+        with pytest.raises(ValueError, match=f"tensor '{name}' has dtype torch.int64, expected a floating"):
+            infer.load(path, **kwargs)  # type: ignore[arg-type]
 
 
 def test_layer_count_checked_against_the_tensors(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = _config_copy(tiny_ckpt_factory("llama"), tmp_path / "bad", num_hidden_layers=9999)
-    start = time.perf_counter()
     with pytest.raises(
         ValueError, match=r"num_hidden_layers is 9999, but the checkpoint has 3 layer\(s\) \(0..2\)"
     ):
         infer.load(path)
-    assert time.perf_counter() - start < 30  # a bound on work, not a timing: no 9999-layer model is built
 
 
 def _nan_checkpoint(src: Path, dst: Path) -> Path:
@@ -185,19 +211,17 @@ def rewrite(src: Path, dst: Path, meta: dict[str, Any], arch: str | None = None)
         ({"llama.attention.head_count_kv": 3}, "'llama.attention.head_count' = 4 is not a multiple of"),
         (
             {"tokenizer.ggml.eos_token_id": 10**6},
-            "'tokenizer.ggml.eos_token_id' = 1000000, expected a token id",
+            "'tokenizer.ggml.eos_token_id': expected an integer token id in 0..",
         ),
     ],
 )
 def test_gguf_metadata_values(good: Path, tmp_path: Path, meta: dict[str, Any], needle: str) -> None:
     bad = rewrite(good, tmp_path / "bad.gguf", meta)
-    start = time.perf_counter()
     for load in (lambda: infer.load(bad), lambda: inspect_checkpoint(bad)):
         with pytest.raises(ValueError) as info:
             load()
         print(info.value)
         assert needle in str(info.value) and str(bad) in str(info.value)
-    assert time.perf_counter() - start < 30  # nothing sized by the corrupt count was built
 
 
 def test_gguf_architecture_gpt_is_gpt2(tmp_path: Path) -> None:

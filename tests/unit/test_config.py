@@ -196,7 +196,7 @@ def test_json_not_an_object(tmp_path: Path) -> None:
 
 def test_layer_types_length_mismatch(dev_configs: dict[str, dict[str, Any]]) -> None:
     data = dev_configs["gemma3"] | {"layer_types": [FULL_ATTENTION] * 3}
-    with pytest.raises(ValueError, match="layer_types has 3 entries"):
+    with pytest.raises(ValueError, match="'layer_types' = 3 entries, expected a list of num_hidden_layers="):
         config_from_dict(data)
 
 

@@ -25,10 +25,46 @@ def test_parse_bytes(text: int | str, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["six GB", "6XB", "", "GB", "-1GB", "1e9", 1.5, True, None])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "six GB", "6XB", "", "GB", "-1GB", "1e9", 1.5, True, None,
+        "9" * 400, "9" * 400 + "GB", "1" + "0" * 19, "8EB", "9300000TB", 2**63, 2**70, -1,
+        "inf", "nan", "1e400", float("inf"), float("nan"), 1e400, -0.5, [1],
+    ],
+)  # fmt: skip
 def test_parse_bytes_rejects(bad: Any) -> None:
-    with pytest.raises(ValueError, match="memory_budget"):
+    with pytest.raises(ValueError, match="memory_budget") as info:
         parse_bytes(bad, "memory_budget")
+    print(str(info.value)[:160])
+
+
+def test_parse_bytes_limits() -> None:
+    assert parse_bytes(2**63 - 1) == 2**63 - 1
+    assert parse_bytes("8388607TiB") == 8388607 * 2**40
+    assert parse_bytes(0) == 0
+    assert parse_bytes("0.1GB") == 10**8  # exact decimal arithmetic, no float rounding
+
+
+@pytest.mark.parametrize("bad", ["9" * 400, float("inf"), float("nan"), -5, 2**64])
+def test_streaming_config_bad_budgets(bad: Any) -> None:
+    for field in ("memory_budget", "host_memory_budget"):
+        with pytest.raises(ValueError, match=f"StreamingConfig.{field}"):
+            StreamingConfig(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "60", [1]])
+def test_read_timeout_rejects(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"StreamingConfig\.read_timeout") as info:
+        StreamingConfig(read_timeout=bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_read_timeout_accepts() -> None:
+    assert StreamingConfig().read_timeout == 60.0
+    assert StreamingConfig(read_timeout=None).read_timeout is None
+    assert StreamingConfig(read_timeout=0.25).read_timeout == 0.25
+    assert StreamingConfig(read_timeout=3).read_timeout == 3
 
 
 def test_defaults_are_valid() -> None:

@@ -205,6 +205,47 @@ def test_index_without_weight_map(tmp_path: Path) -> None:
         load_weights(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("shard", "found"),
+    [
+        ("/etc/passwd", "'/etc/passwd'"),
+        ("../model-00002-of-00002.safetensors", "'../model-00002-of-00002.safetensors'"),
+        ("sub/model-00002-of-00002.safetensors", "'sub/model-00002-of-00002.safetensors'"),
+        ("..", "'..'"),
+        ("", "''"),
+        ("a\x00b", "'a\\x00b'"),
+        (None, "None"),
+        (3, "3"),
+        (["x"], "['x']"),
+    ],
+)
+def test_index_shard_names_stay_in_the_checkpoint(tmp_path: Path, shard: object, found: str) -> None:
+    """A weight_map entry is the plain name of a shard beside the index: no paths out of the directory."""
+    t = known_tensors()
+    index: dict[str, object] = {n: "model-00001-of-00002.safetensors" for n in t}
+    index["model.norm.weight"] = shard
+    path = write_sharded(tmp_path, two_shards(), index)  # type: ignore[arg-type]
+    for load in (load_weights, SafetensorsSource):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert str(path / INDEX_FILE) in message and "'model.norm.weight'" in message and found in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"\xff\xfe{not utf-8", b'{"weight_map": {"a": "\xe9"}}', b"[" * 100_000 + b"]" * 100_000, b"{", b""],
+    ids=["utf16-ish", "latin-1", "nested", "truncated", "empty"],
+)
+def test_unreadable_index_is_a_value_error(tmp_path: Path, text: bytes) -> None:
+    path = write_sharded(tmp_path, two_shards())
+    (path / INDEX_FILE).write_bytes(text)
+    for load in (load_weights, SafetensorsSource):
+        with pytest.raises(ValueError, match="not valid JSON") as info:
+            load(path)
+        assert str(path / INDEX_FILE) in str(info.value)
+
+
 # --------------------------------------------------------------------------- dtypes and devices
 
 

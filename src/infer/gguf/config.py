@@ -139,7 +139,8 @@ def _special_ids(gguf: GGUFFile, vocab: int) -> dict[str, Any]:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
             raise ValueError(
-                f"{gguf.path}: metadata '{key}' = {value!r}, expected a token id in [0, {vocab})"
+                f"{gguf.path}: metadata {key!r}: expected an integer token id in 0..{vocab - 1}, "
+                f"found {gguf.describe(key)}"
             )
         return value
 

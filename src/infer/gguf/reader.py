@@ -1,14 +1,19 @@
 """A GGUF reader that opens a file in milliseconds: header, metadata and tensor table.
 
 `gguf.GGUFReader` builds a numpy view per element of every metadata array (seconds for
-a 49k-entry vocabulary). Here the file is memory-mapped once and parsed with
-``struct``: numeric arrays become zero-copy numpy views, string arrays are indexed
-(one pass over their lengths) and decoded only when asked for, so a model whose
-tokenizer is already cached never decodes its vocabulary.
+a 49k-entry vocabulary). Here the header (metadata and tensor table, a few MB at most)
+is read into process memory with ordinary reads, growing the read as parsing needs
+more, and parsed with ``struct``: numeric arrays become numpy arrays, string arrays are
+indexed (one pass over their lengths) and decoded only when asked for, so a model whose
+tokenizer is already cached never decodes its vocabulary. Nothing stays memory-mapped:
+a file that shrinks or changes under a running process gives an ``OSError`` when a
+tensor is read, never a ``SIGBUS``.
 
 Every length, count and offset is checked against the file size before it is used:
 a truncated or corrupt file raises ``ValueError`` naming the file, never reads out
-of bounds and never loops on an absurd count.
+of bounds and never loops on an absurd count. Tensor data must be laid out as
+llama.cpp requires: in table order, each tensor starting where the previous one ends
+(padded to the alignment), inside the file — so no two tensors overlap.
 
 Layout (little-endian, versions 2 and 3)::
 
@@ -22,7 +27,9 @@ Layout (little-endian, versions 2 and 3)::
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,7 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+INITIAL_READ = 1 << 20  # header bytes read at open; the read doubles while parsing needs more
 
 # GGUF value types -> (struct format, numpy dtype); 8 = string, 9 = array.
 _STRING, _ARRAY = 8, 9
@@ -51,7 +59,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     11: ("<q", "<i8"),
     12: ("<d", "<f8"),
 }
-_TYPE_NAMES = {
+VALUE_TYPE_NAMES = {
     0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
     7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
 }  # fmt: skip
@@ -60,7 +68,7 @@ _TYPE_NAMES = {
 class StringArray(Sequence[str]):
     """A metadata array of strings, decoded on access (``tolist()`` decodes all of them)."""
 
-    def __init__(self, buf: memoryview, starts: list[int], lengths: list[int]) -> None:
+    def __init__(self, buf: bytearray, starts: array[int], lengths: array[int]) -> None:
         self._buf = buf
         self._starts = starts
         self._lengths = lengths
@@ -76,7 +84,7 @@ class StringArray(Sequence[str]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         s = self._starts[index]
-        return bytes(self._buf[s : s + self._lengths[index]]).decode("utf-8", errors="replace")
+        return self._buf[s : s + self._lengths[index]].decode("utf-8", errors="replace")
 
     def __iter__(self) -> Iterator[str]:
         for i in range(len(self)):
@@ -113,11 +121,11 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """A memory-mapped GGUF file: ``metadata`` (key -> value), ``tensors`` (name -> `TensorInfo`).
+    """A parsed GGUF header: ``metadata`` (key -> value), ``tensors`` (name -> `TensorInfo`).
 
-    Scalars are Python ``int``/``float``/``bool``/``str``; numeric arrays are
-    read-only numpy views into the file; string arrays are `StringArray`. `raw`
-    returns a tensor's bytes as a numpy ``uint8`` view (no copy).
+    Scalars are Python ``int``/``float``/``bool``/``str``; numeric arrays are numpy
+    arrays; string arrays are `StringArray`. Tensor bytes are read from the file on
+    request (`read`); nothing of the file stays mapped.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -127,33 +135,46 @@ class GGUFFile:
         self.size = self.path.stat().st_size
         if self.size < 24:
             raise ValueError(f"{self.path}: not a GGUF file: {self.size} bytes, less than the 24-byte header")
-        # Copy-on-write mapping: torch wants writable arrays; pages stay shared with the page cache.
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
-        self._buf = memoryview(self._map)  # type: ignore[arg-type]
+        self._buf = bytearray()  # the file's first bytes, as many as parsing has needed
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, tuple[int, ...]] = {}  # key -> (type,) or (ARRAY, item type)
         self.tensors: dict[str, TensorInfo] = {}
-        self._parse()
+        with self.path.open("rb") as self._file:
+            self._parse()
+            self._load(min(self.data_offset, self.size))
+        del self._buf[self.data_offset :]  # keep the header only
 
     # ---- public helpers ---------------------------------------------------------
 
+    def describe(self, key: str) -> str:
+        """What the file holds at metadata ``key``, for error messages: its type and value (or length)."""
+        types = self.value_types[key]
+        value = self.metadata[key]
+        if types[0] == _ARRAY:
+            return f"an array of {len(value)} {VALUE_TYPE_NAMES.get(types[1], '?')}"
+        return f"{VALUE_TYPE_NAMES.get(types[0], '?')} {value!r}"[:200]
+
     def raw(self, name: str) -> np.ndarray:
-        """The stored bytes of tensor ``name`` (``uint8``, a view into the mapping)."""
-        info = self.tensors[name]
-        return self._map[info.offset : info.offset + info.nbytes]
+        """The stored bytes of tensor ``name`` (``uint8``), read from the file: `read`."""
+        return self.read(name)
 
     def read(self, name: str) -> np.ndarray:
-        """A fresh copy of tensor ``name``'s bytes (``uint8``), read from the file, not the mapping.
+        """A fresh copy of tensor ``name``'s bytes (``uint8``), read from the file.
 
-        Reading keeps the file's pages out of this process's resident set: after a
-        tensor is converted, nothing of it stays mapped.
+        Raises ``OSError`` naming the file and the tensor if the file is shorter than
+        when it was opened (it was truncated or replaced meanwhile).
         """
         info = self.tensors[name]
         out = np.empty(info.nbytes, dtype=np.uint8)
         with self.path.open("rb") as f:
             f.seek(info.offset)
-            if f.readinto(out.data) != info.nbytes:
-                raise self._fail(f"tensor {name!r} could not be read in full (the file shrank?)")
+            got = f.readinto(out.data)
+            if got != info.nbytes:
+                raise OSError(
+                    f"{self.path}: tensor {name!r} needs bytes {info.offset}..{info.offset + info.nbytes}, "
+                    f"but the file now has {os.fstat(f.fileno()).st_size} bytes: it changed after it was "
+                    "opened"
+                )
         return out
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -168,22 +189,37 @@ class GGUFFile:
 
     def header_digest(self) -> str:
         """sha256 of everything before the tensor data (metadata + tensor table): the file's identity."""
-        return hashlib.sha256(self._buf[: self.data_offset]).hexdigest()
+        return hashlib.sha256(self._buf).hexdigest()
 
     def close(self) -> None:
-        """Drop this reader's references to the mapping (views handed out keep it alive)."""
+        """Drop the parsed header (the file is not held open)."""
         self.metadata = {}
         self.tensors = {}
-        del self._buf, self._map
+        self._buf = bytearray()
 
     # ---- parsing --------------------------------------------------------------
 
     def _fail(self, what: str) -> ValueError:
         return ValueError(f"{self.path}: corrupt or truncated GGUF file: {what}")
 
+    def _load(self, end: int) -> None:
+        """Read the file up to byte ``end`` (<= its size) into the header buffer, at least doubling it."""
+        have = len(self._buf)
+        if end <= have:
+            return
+        target = min(self.size, max(end, 2 * have, INITIAL_READ))
+        chunk = self._file.read(target - have)
+        if have + len(chunk) < end:
+            raise OSError(
+                f"{self.path}: the file ends at byte {have + len(chunk)} while its header was read "
+                f"({self.size} bytes when opened): it changed meanwhile"
+            )
+        self._buf += chunk
+
     def _need(self, pos: int, n: int, what: str) -> None:
         if n < 0 or pos + n > self.size:
             raise self._fail(f"{what} needs bytes {pos}..{pos + n}, but the file has {self.size} bytes")
+        self._load(pos + n)
 
     def _unpack(self, fmt: str, pos: int, what: str) -> tuple[Any, int]:
         n = struct.calcsize(fmt)
@@ -200,6 +236,7 @@ class GGUFFile:
             raise self._fail(f"{what} is not valid UTF-8 ({e})") from None
 
     def _parse(self) -> None:
+        self._load(24)
         magic = bytes(self._buf[:4])
         if magic != MAGIC:
             raise ValueError(f"{self.path}: not a GGUF file: magic {magic!r}, expected {MAGIC!r}")
@@ -219,6 +256,8 @@ class GGUFFile:
             raise self._fail(f"{n_kv} metadata entries and {n_tensors} tensors cannot fit in the file")
         for i in range(n_kv):
             key, pos = self._string(pos, f"metadata key #{i}")
+            if key in self.metadata:
+                raise self._fail(f"metadata key {key!r} appears twice")
             vtype, pos = self._unpack("<I", pos, f"type of metadata {key!r}")
             value, types, pos = self._value(vtype, pos, key)
             self.metadata[key] = value
@@ -240,18 +279,31 @@ class GGUFFile:
             offset, pos = self._unpack("<Q", pos, f"offset of tensor {name!r}")
             infos.append((name, tuple(int(d) for d in reversed(dims)), int(ggml_type), int(offset)))
         self.data_offset = -(-pos // self.alignment) * self.alignment
-        seen: set[str] = set()
+        expected, previous = 0, None  # where the next tensor's data must start (relative), and who ends there
         for name, shape, type_id, offset in infos:
-            if name in seen:
+            if name in self.tensors:
                 raise self._fail(f"tensor {name!r} is listed twice")
-            seen.add(name)
-            self.tensors[name] = self._tensor_info(name, shape, type_id, offset)
+            info = self._tensor_info(name, shape, type_id, offset)
+            if offset != expected:
+                after = (
+                    f"tensor {previous!r} ends at {expected}" if previous else "the first tensor starts at 0"
+                )
+                raise self._fail(
+                    f"tensor {name!r} has data offset {offset}, expected {expected} ({after}): tensor data "
+                    f"must follow the table's order, each tensor padded to {self.alignment} bytes, "
+                    "with no overlap or gap (as llama.cpp requires)"
+                )
+            self.tensors[name] = info
+            expected += -(-info.nbytes // self.alignment) * self.alignment
+            previous = name
 
     def _tensor_info(self, name: str, shape: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
         try:
             qtype = GGMLQuantizationType(type_id)
         except ValueError:
             raise self._fail(f"tensor {name!r} has unknown ggml type {type_id}") from None
+        if qtype not in GGML_QUANT_SIZES:
+            raise self._fail(f"tensor {name!r} has ggml type {qtype.name}, which has no block size")
         block, type_size = GGML_QUANT_SIZES[qtype]
         if any(d <= 0 for d in shape):
             raise self._fail(f"tensor {name!r} has shape {list(shape)} with an empty dimension")
@@ -289,27 +341,36 @@ class GGUFFile:
         if item in _SCALARS:
             dtype = np.dtype(_SCALARS[item][1])
             nbytes = count * dtype.itemsize
-            self._need(pos, nbytes, f"array {key!r} ({count} x {_TYPE_NAMES[item]})")
-            arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=pos)
+            self._need(pos, nbytes, f"array {key!r} ({count} x {VALUE_TYPE_NAMES[item]})")
+            arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=pos).copy()  # no view kept
             arr = arr.astype(bool) if item == 7 else arr
             return arr, (vtype, item), pos + nbytes
         if item == _STRING:
-            if count * 8 > self.size - pos:
-                raise self._fail(f"array {key!r} claims {count} strings, more than the file can hold")
-            starts: list[int] = []
-            lengths: list[int] = []
-            unpack = struct.Struct("<Q").unpack_from
-            size = self.size
-            buf = self._buf
-            for _ in range(count):
-                if pos + 8 > size:
-                    raise self._fail(f"array {key!r} ends after {len(starts)} of {count} strings")
-                (length,) = unpack(buf, pos)
-                pos += 8
-                if pos + length > size:
-                    raise self._fail(f"string #{len(starts)} of array {key!r} runs past the end of the file")
-                starts.append(pos)
-                lengths.append(length)
-                pos += length
-            return StringArray(buf, starts, lengths), (vtype, item), pos
-        raise self._fail(f"array {key!r} has unsupported item type {item} ({_TYPE_NAMES.get(item, '?')})")
+            return self._string_array(key, count, pos)
+        name = VALUE_TYPE_NAMES.get(item, "?")
+        raise self._fail(f"array {key!r} has unsupported item type {item} ({name})")
+
+    def _string_array(self, key: str, count: int, pos: int) -> tuple[StringArray, tuple[int, ...], int]:
+        if count * 8 > self.size - pos:
+            raise self._fail(f"array {key!r} claims {count} strings, more than the file can hold")
+        starts: array[int] = array("q")
+        lengths: array[int] = array("q")
+        unpack = struct.Struct("<Q").unpack_from
+        size = self.size
+        buf = self._buf
+        loaded = len(buf)
+        for _ in range(count):
+            if pos + 8 > size:
+                raise self._fail(f"array {key!r} ends after {len(starts)} of {count} strings")
+            if pos + 8 > loaded:
+                self._load(pos + 8)
+                loaded = len(buf)
+            (length,) = unpack(buf, pos)
+            pos += 8
+            if pos + length > size:
+                raise self._fail(f"string #{len(starts)} of array {key!r} runs past the end of the file")
+            starts.append(pos)
+            lengths.append(length)
+            pos += length
+        self._load(pos)  # the strings' bytes, decoded on access
+        return StringArray(buf, starts, lengths), (_ARRAY, _STRING), pos

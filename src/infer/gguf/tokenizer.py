@@ -28,6 +28,79 @@ CACHE_VERSION = 1
 _MARKER = "infer-tokenizer.json"
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
 
+TOKENS = "tokenizer.ggml.tokens"
+# Metadata keys holding one token id each (llama.cpp's names).
+SPECIAL_ID_KEYS = tuple(
+    f"tokenizer.ggml.{name}_token_id"
+    for name in ("bos", "eos", "eot", "eom", "unknown", "separator", "padding", "cls", "mask")
+)
+_FLAG_KEYS = tuple(f"tokenizer.ggml.{name}" for name in ("add_bos_token", "add_eos_token", "add_sep_token"))
+_STRING_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+_INT_ITEMS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})  # GGUF integer value types
+_FLOAT_ITEMS = frozenset({6, 12})
+_STRING, _ARRAY = 8, 9
+
+
+def check_tokenizer_metadata(gguf: GGUFFile, vocab_size: int) -> None:
+    """Validate the file's ``tokenizer.*`` metadata before anything uses it.
+
+    The token list must be an array of ``vocab_size`` strings (one per row of
+    ``token_embd.weight``, as llama.cpp requires); ``token_type`` (integers) and
+    ``scores`` (floats), when present, one per token; ``merges`` an array of strings;
+    every special token id (bos, eos, eot, eom, unknown, separator, padding, cls, mask)
+    an integer in ``0 .. vocab_size - 1``; flags booleans; the model name, pre-tokenizer
+    and chat template strings. Raises ``ValueError`` naming the file, the key, what was
+    expected and what was found.
+    """
+    md = gguf.metadata
+
+    def fail(key: str, expected: str) -> ValueError:
+        return ValueError(f"{gguf.path}: metadata {key!r}: expected {expected}, found {gguf.describe(key)}")
+
+    if TOKENS not in md:
+        raise ValueError(f"{gguf.path}: no tokenizer in the file (no metadata key {TOKENS!r})")
+    if gguf.value_types[TOKENS] != (_ARRAY, _STRING):
+        raise fail(TOKENS, f"an array of {vocab_size} strings")
+    n = len(md[TOKENS])
+    if n != vocab_size:
+        raise fail(TOKENS, f"{vocab_size} tokens, one per row of token_embd.weight")
+    for key, items, what in (
+        ("tokenizer.ggml.token_type", _INT_ITEMS, "integers"),
+        ("tokenizer.ggml.scores", _FLOAT_ITEMS, "floats"),
+    ):
+        if key in md:
+            types = gguf.value_types[key]
+            if types[0] != _ARRAY or types[1] not in items or len(md[key]) != n:
+                raise fail(key, f"an array of {n} {what} (one per token)")
+    merges = "tokenizer.ggml.merges"
+    if merges in md and gguf.value_types[merges] != (_ARRAY, _STRING):
+        raise fail(merges, "an array of strings")
+    for key in SPECIAL_ID_KEYS:
+        value = md.get(key)
+        if key in md and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n):
+            raise fail(key, f"an integer token id in 0..{n - 1}")
+    for key in _FLAG_KEYS:
+        if key in md and not isinstance(md[key], bool):
+            raise fail(key, "a bool")
+    for key in _STRING_KEYS:
+        if key in md and not isinstance(md[key], str):
+            raise fail(key, "a string")
+
+
+def _check_merges(gguf: GGUFFile) -> None:
+    """Each merge is two tokens of the vocabulary separated by one space (on a cache miss only)."""
+    merges = gguf.metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        return
+    vocab = set(gguf.metadata[TOKENS])
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab:
+            raise ValueError(
+                f"{gguf.path}: metadata 'tokenizer.ggml.merges' entry #{i}: expected two tokens of the "
+                f"vocabulary separated by a space, found {merge[:100]!r}"
+            )
+
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/infer`` (default ``~/.cache/infer``)."""
@@ -47,13 +120,16 @@ def build_hf_tokenizer(gguf: GGUFFile, model_type: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    if "tokenizer.ggml.tokens" not in gguf.metadata:
-        raise ValueError(f"{gguf.path}: no tokenizer in the file (no metadata key 'tokenizer.ggml.tokens')")
+    if TOKENS not in gguf.metadata:
+        raise ValueError(f"{gguf.path}: no tokenizer in the file (no metadata key {TOKENS!r})")
+    _check_merges(gguf)
     cls: Any = TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], TokenizersBackend)
     try:
         return cls.from_pretrained(str(gguf.path.parent), gguf_file=gguf.path.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{gguf.path}: could not build a tokenizer from the GGUF metadata ({e})") from e
+    except Exception as e:  # transformers / tokenizers on metadata we did not foresee: name the file
+        raise ValueError(
+            f"{gguf.path}: could not build a tokenizer from the GGUF metadata ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _save(hf_tok: Any, target: Path) -> None:
@@ -94,6 +170,7 @@ def gguf_tokenizer(gguf: GGUFFile, config: ModelConfig, *, cache_dir: Path | Non
 
     ``cache_dir`` defaults to ``cache_root() / "tokenizers"``; it is written only on a miss.
     """
+    check_tokenizer_metadata(gguf, config.vocab_size)
     root = cache_dir if cache_dir is not None else cache_root() / "tokenizers"
     directory = root / _cache_key(gguf)
     hf_tok = _load_cached(directory)

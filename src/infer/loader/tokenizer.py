@@ -32,8 +32,8 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer directory does not exist: {path}")
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: could not load a tokenizer ({e})") from e
+        except Exception as e:  # transformers also checks config.json (strictly typed fields): name the path
+            raise ValueError(f"{path}: could not load a tokenizer ({type(e).__name__}: {e})"[:2000]) from e
         if eos_token_id is None:
             eos_token_id = _eos_from_generation_config(path)
         self._init(tok, eos_token_id)

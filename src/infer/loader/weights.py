@@ -46,13 +46,24 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 
 def _read_index(index_path: Path) -> dict[str, str]:
     try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+        index = json.loads(index_path.read_bytes())
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested too deeply to parse
+        raise ValueError(f"{index_path}: not valid JSON ({type(e).__name__}: {e})"[:1000]) from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index_path}: no 'weight_map' object")
-    return {str(k): str(v) for k, v in weight_map.items()}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not _is_file_name(shard):
+            raise ValueError(
+                f"{index_path}: weight_map[{name!r}] = {shard!r}: expected the name of a shard file "
+                f"in {index_path.parent} (no directory part)"[:1000]
+            )
+    return dict(weight_map)
+
+
+def _is_file_name(name: str) -> bool:
+    """A plain file name: shards live beside the index, never elsewhere (no '/', '..', NUL)."""
+    return bool(name) and "\x00" not in name and Path(name).name == name and name not in (".", "..")
 
 
 def _shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:

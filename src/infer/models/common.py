@@ -98,7 +98,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        # Computed on the CPU whatever the default device; in a meta skeleton only its shape
+        # exists until `reset_buffers` (after the weights were checked against the config).
+        inv_freq = torch.empty(head_dim // 2)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if not inv_freq.is_meta:
+            self.reset_buffers()
 
     def reset_buffers(self) -> None:
         """Recompute ``inv_freq`` on the CPU (after construction on the meta device)."""
@@ -337,7 +342,7 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -348,9 +353,9 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
-        return _ACTIVATIONS[name]
+        return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
 
 
 class GatedMLP(nn.Module):

@@ -143,17 +143,66 @@ def cpu_kernel_usable() -> bool:
         return False
 
 
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT32_LIMIT = 2**31  # the kernel indexes with 32-bit ints
+
+
+def cpu_kernel_accepts(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor
+) -> bool:
+    """Whether ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` correctly for these operands.
+
+    torch checks only some of what its kernel assumes. Unchecked there, and a wrong
+    result or an out-of-bounds read when broken: ``N % 16 == 0`` (the kernel's column
+    blocks are 16, 32, 48 or 64 wide), ``scale_zero`` of shape ``[K / group_size, N, 2]``,
+    contiguous, in x's dtype (it is read as ``[K/g, N, 2]`` elements of x's dtype,
+    whatever its shape and strides), and every ``M*K``, ``N*K``, ``M*N`` below 2^31
+    (32-bit indexing). Checked there (an error, not a crash, but refused here too):
+    the dtypes, 2-D contiguous ``x`` and ``packed``, ``packed`` of shape ``[N, K/2]``,
+    ``group_size`` in 32/64/128/256 dividing K. Loads are unaligned, so alignment is
+    free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`).
+    """
+    if x.dim() != 2 or packed.dim() != 2 or scale_zero.dim() != 3:
+        return False
+    m, k = x.shape
+    n = packed.shape[0]
+    return (
+        x.is_cpu
+        and packed.is_cpu
+        and scale_zero.is_cpu
+        and x.dtype in _KERNEL_DTYPES
+        and packed.dtype == torch.uint8
+        and scale_zero.dtype == x.dtype
+        and group_size in KERNEL_GROUP_SIZES
+        and k % group_size == 0
+        and packed.shape[1] * 2 == k
+        and n % ROW_MULTIPLE == 0
+        and scale_zero.shape == (k // group_size, n, 2)
+        and x.is_contiguous()
+        and packed.is_contiguous()
+        and scale_zero.is_contiguous()
+        and max(m * k, n * k, m * n, 2 * n * (k // group_size)) < _INT32_LIMIT
+        and cpu_kernel_usable()
+    )
+
+
 def cpu_matmul(
     x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor
 ) -> torch.Tensor:
-    """``x [M, K]`` (bfloat16) times the packed weight: ``[M, N]`` in x's dtype."""
+    """``x [M, K]`` (bfloat16) times the packed weight: ``[M, N]`` in x's dtype.
+
+    The caller checks `cpu_kernel_accepts` first.
+    """
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
     return y
 
 
 __all__ = [
     "BLOCK_N",
+    "KERNEL_GROUP_SIZES",
     "ROW_MULTIPLE",
+    "cpu_kernel_accepts",
     "cpu_kernel_usable",
     "cpu_matmul",
     "gather_rows",

@@ -45,6 +45,42 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+_INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def int8_kernel_accepts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``aten._weight_int8pack_mm`` computes ``(x @ qweight.T) * scales`` correctly on CPU.
+
+    torch checks the dtypes of ``x`` and ``qweight``, the shapes, and that ``x``'s last
+    dimension is dense. Its vectorized kernel (AVX-512 and AVX2) also assumes, unchecked:
+    ``K % 16 == 0`` (it reads 16 values per step: with K = 72 the result is NaN or
+    1e33, and the second row's misaligned load segfaults), ``x`` 32-byte and ``qweight``
+    16-byte aligned (aligned vector loads: a fault otherwise), dense rows, ``scales``
+    contiguous in x's dtype, and ``M*K``, ``N*K``, ``M*N`` below 2^31 (32-bit indexing).
+    """
+    if x.dim() != 2 or qweight.dim() != 2 or scales.dim() != 1:
+        return False
+    m, k = x.shape
+    n = qweight.shape[0]
+    return (
+        x.is_cpu
+        and qweight.is_cpu
+        and scales.is_cpu
+        and x.dtype in _INT8_KERNEL_DTYPES
+        and qweight.dtype == torch.int8
+        and scales.dtype == x.dtype
+        and qweight.shape[1] == k
+        and scales.shape[0] == n
+        and k % 16 == 0
+        and x.is_contiguous()
+        and qweight.is_contiguous()
+        and scales.is_contiguous()
+        and x.data_ptr() % 32 == 0
+        and qweight.data_ptr() % 16 == 0
+        and max(m * k, n * k, m * n) < 2**31
+    )
+
+
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T + bias`` with ``W [out_features, in_features]`` held packed.
 
@@ -176,7 +212,7 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
         use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.is_cpu
         if self.fmt == "int4":
-            y = self._int4(x2, use_kernel and int4.cpu_kernel_usable())
+            y = self._int4(x2, use_kernel)
         elif self.fmt == "int8":
             y = self._int8(x2, use_kernel)
         else:
@@ -214,10 +250,12 @@ class QuantizedLinear(nn.Module):
         return w.sum(dim=1)
 
     def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        y: torch.Tensor | None = None
         if use_kernel:
             xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
-            y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
-        else:
+            if int4.cpu_kernel_accepts(xp, self.packed, GROUP, self.scale_zero):
+                y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
+        if y is None:
             y = self._int4_dequant_matmul(x2)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
@@ -256,7 +294,11 @@ class QuantizedLinear(nn.Module):
 
     def _int8(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel:
-            return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)  # type: ignore[no-any-return]
+            xk = x2.contiguous()
+            if xk.data_ptr() % 32:  # a view into a larger tensor: the kernel needs aligned rows
+                xk = xk.clone()
+            if int8_kernel_accepts(xk, self.qweight, self.scales):
+                return torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales)  # type: ignore[no-any-return]
         n = self.out_features
         out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
         tile = max(64, _TILE_VALUES // self.in_features // 64 * 64)
@@ -293,4 +335,4 @@ class QuantizedLinear(nn.Module):
         )
 
 
-__all__ = ["KERNEL_MAX_ROWS", "QuantizedLinear"]
+__all__ = ["KERNEL_MAX_ROWS", "QuantizedLinear", "int8_kernel_accepts"]

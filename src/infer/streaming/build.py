@@ -346,6 +346,7 @@ def _attach(
             trace=streaming.trace,
             clock_origin=origin,
             gpu_origin=gpu_origin,
+            read_timeout=streaming.read_timeout,
         )
         if not plan.head_resident:
             model.lm_head = StreamedHead(pipeline, plan.head_unit_list, model.config.vocab_size)  # type: ignore[assignment]

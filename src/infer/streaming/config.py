@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from infer.streaming.stats import ProgressEvent
 
@@ -23,28 +25,37 @@ _UNITS = {
     "M": 2**20,
     "G": 2**30,
 }
+MAX_BYTES = 2**63 - 1
+DEFAULT_READ_TIMEOUT = 60.0  # seconds; generous: a healthy disk reads a layer group in well under a second
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_bytes(value: int | str, field: str = "size") -> int:
     """``6GB`` (10^9), ``512MiB`` (2^20), ``1.5G`` (2^30) or an int -> bytes.
 
-    Raises `ValueError` naming ``field`` and the value for anything else.
+    Raises `ValueError` naming ``field`` and the value for anything else: other types,
+    unparsable text, negative sizes and sizes of 2^63 bytes or more.
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{field}: expected bytes as an int or a string like '6GB', found {value!r}")
     if isinstance(value, int):
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"{field}: expected bytes as an int or a string like '6GB', found {value!r}")
-    m = _SIZE.match(value)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{field}: cannot parse {value!r} as a size; expected a number with a unit in "
-            "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB, K, M, G (powers of 2)"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
+        n = value
+    else:
+        m = _SIZE.match(value)
+        unit = m.group(2).upper() if m else ""
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{field}: cannot parse {value!r} as a size; expected a number with a unit in "
+                "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB, K, M, G (powers of 2)"
+            )
+        if len(m.group(1)) > 40:  # far beyond MAX_BYTES; keeps Fraction's work bounded
+            raise ValueError(f"{field}: {value!r} is too large a size (at most 2^63 - 1 bytes)")
+        n = int(Fraction(m.group(1)) * _UNITS[unit])  # exact: no float overflow or rounding
+    if n < 0:
+        raise ValueError(f"{field}: expected a size >= 0, found {value!r}")
+    if n > MAX_BYTES:
+        raise ValueError(f"{field}: {value!r} is too large a size (at most 2^63 - 1 bytes)")
+    return n
 
 
 def format_bytes(n: float) -> str:
@@ -97,6 +108,8 @@ class StreamingConfig:
         resident_embeddings: keep the embedding and ``lm_head`` on the device
             (``None``: when they fit; ``False``: always stream them).
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
+        read_timeout: seconds a forward waits for one unit's weights before raising
+            ``TimeoutError`` (a stalled disk or network file system); ``None`` waits forever.
     """
 
     layer_group_size: int | None = None
@@ -111,6 +124,7 @@ class StreamingConfig:
     max_resident_layers: int | None = None
     resident_embeddings: bool | None = None
     trace: bool = False
+    read_timeout: float | None = DEFAULT_READ_TIMEOUT
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,6 +172,17 @@ class StreamingConfig:
         if self.on_progress is not None and not callable(self.on_progress):
             raise ValueError(
                 f"StreamingConfig.on_progress: expected a callable or None, found {self.on_progress!r}"
+            )
+        timeout = self.read_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(
+                "StreamingConfig.read_timeout: expected None or a finite number of seconds > 0, "
+                f"found {timeout!r}"
             )
         positive_int("max_context", self.max_context, allow_none=True)
         positive_int("max_batch_size", self.max_batch_size)

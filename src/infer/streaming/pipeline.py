@@ -10,6 +10,12 @@ If the consumer asks for a unit other than the one expected (a forward that
 stopped half-way, ``forward_hidden`` without ``head``), the pipeline discards what
 was prefetched and restarts at the requested unit, so results never depend on the
 call pattern.
+
+A unit that takes longer than ``read_timeout`` seconds to arrive raises
+``TimeoutError`` instead of waiting forever on a stalled reader. The stalled read is
+abandoned (its result is discarded when it ever returns); the next `get` waits for
+the reader again and raises again while it is still stuck. In sync mode a load runs
+on a helper thread when there is a timeout, so that it can be waited for with one.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from infer.streaming.config import DEFAULT_READ_TIMEOUT
 from infer.streaming.layout import Unit
 from infer.streaming.stats import COMPUTED, LOADED, ProgressEvent, StreamingStats, TimelineEntry
 from infer.streaming.transport import ComputeRecord, LoadRecord, Transport
@@ -41,6 +48,7 @@ class Pipeline:
         trace: bool,
         clock_origin: float,
         gpu_origin: tuple[Any, float] | None = None,
+        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
     ) -> None:
         self.units = units
         self.transport = transport
@@ -61,6 +69,10 @@ class Pipeline:
         self.thread: threading.Thread | None = None
         self.pending: list[ComputeRecord] = []  # CUDA records whose events are not resolved yet
         self._current: tuple[Unit, int, LoadRecord, ComputeRecord | None, float] | None = None
+        self.read_timeout = read_timeout
+        self._sync_load: threading.Thread | None = (
+            None  # sync mode: a load that timed out, maybe still running
+        )
 
     # ---- reader ---------------------------------------------------------------
 
@@ -104,19 +116,27 @@ class Pipeline:
     # ---- consumer -------------------------------------------------------------
 
     def get(self, unit_index: int) -> tuple[Unit, int]:
-        """Block until ``unit_index`` is in a buffer; return the unit and the buffer index."""
+        """Block until ``unit_index`` is in a buffer; return the unit and the buffer index.
+
+        Raises ``TimeoutError`` if the unit is not loaded within ``read_timeout`` seconds.
+        """
         unit = self.units[unit_index]
         start = time.perf_counter()
+        deadline = None if self.read_timeout is None else time.monotonic() + self.read_timeout
         wait_mark = self.transport.mark_wait()
         if not self.prefetch:
             buffer = 0
-            record = self.transport.load(unit, buffer)
+            record = self._load_now(unit, buffer, deadline)
         else:
             with self.cond:
                 if self.expected != unit_index:
                     self._restart(unit_index)
                 while not self.ready:
-                    self.cond.wait()
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self.expected = None  # the next get restarts; the stalled read is discarded
+                        raise self._timed_out(unit)
+                    self.cond.wait(remaining)
                 got, buffer, item = self.ready.popleft()
                 self.expected = (unit_index + 1) % len(self.units)
                 if isinstance(item, BaseException):
@@ -134,6 +154,44 @@ class Pipeline:
         self._account_load(unit, record, waited)
         self._current = (unit, buffer, record, compute, time.perf_counter())
         return unit, buffer
+
+    def _load_now(self, unit: Unit, buffer: int, deadline: float | None) -> LoadRecord:
+        """Sync mode: load ``unit`` into ``buffer`` and wait for it, at most until ``deadline``."""
+        if deadline is None and self._sync_load is None:
+            return self.transport.load(unit, buffer)
+        stalled = self._sync_load
+        if stalled is not None:  # a load that timed out still writes into the only buffer
+            stalled.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if stalled.is_alive():
+                raise self._timed_out(unit, still=True)
+            self._sync_load = None
+        outcome: list[LoadRecord | BaseException] = []
+
+        def load() -> None:
+            try:
+                outcome.append(self.transport.load(unit, buffer))
+            except BaseException as e:  # handed to the consumer, which raises it
+                outcome.append(e)
+
+        thread = threading.Thread(target=load, name="infer-streaming-load", daemon=True)
+        thread.start()
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            self._sync_load = thread
+            raise self._timed_out(unit)
+        item = outcome[0]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _timed_out(self, unit: Unit, still: bool = False) -> TimeoutError:
+        where = self.transport.store.description
+        waiting = "an earlier read that timed out is still running" if still else "the reader is stalled"
+        return TimeoutError(
+            f"{where}: {unit.label} (streaming unit {unit.index}) was not loaded within "
+            f"{self.read_timeout} s: {waiting} (a hung disk or network file system?). "
+            "StreamingConfig.read_timeout sets the limit; None waits forever"
+        )
 
     def done(self, unit_index: int, buffer: int) -> None:
         """The consumer finished with ``unit_index``: its buffer may be refilled."""

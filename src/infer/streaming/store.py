@@ -114,9 +114,13 @@ class StreamStore:
             raise ValueError(
                 f"{self.description}: {stored.name!r} is packed; it must be converted, not referenced"
             )
-        target = dtype if stored.dtype.is_floating_point else stored.dtype
-        self._converts |= target != stored.dtype
-        return TensorRef(stored.name, stored.shape, target, stored.dtype)
+        if not stored.dtype.is_floating_point:
+            raise ValueError(
+                f"{self.description}: tensor {stored.name!r} has dtype {stored.dtype}, "
+                "expected a floating-point tensor"
+            )
+        self._converts |= dtype != stored.dtype
+        return TensorRef(stored.name, stored.shape, dtype, stored.dtype)
 
     def write(self, label: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorRef]:
         """Append ``tensors`` (converted at load) to the stream file; their refs by name."""
@@ -183,10 +187,16 @@ class StreamStore:
 
     def read_rows(self, ref: TensorRef, index: torch.Tensor) -> torch.Tensor:
         ids = index.to("cpu", torch.long).reshape(-1)
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        unique, inverse = torch.unique(ids, return_inverse=True)  # sorted
         rows = torch.empty(unique.numel(), *ref.shape[1:], dtype=ref.dtype)
-        for k, r in enumerate(unique.tolist()):
-            self.read_into(ref, rows[k : k + 1], (r, r + 1))
+        wanted = unique.tolist()
+        k = 0
+        while k < len(wanted):  # one read per run of consecutive rows
+            end = k + 1
+            while end < len(wanted) and wanted[end] == wanted[end - 1] + 1:
+                end += 1
+            self.read_into(ref, rows[k:end], (wanted[k], wanted[end - 1] + 1))
+            k = end
         return rows[inverse]
 
     def prefetch_hint(self, ref: TensorRef) -> None:

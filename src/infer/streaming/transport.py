@@ -55,6 +55,7 @@ class ComputeRecord:
 
 
 class Transport(Protocol):
+    store: WeightStore
     num_buffers: int
 
     def flat(self, buffer: int) -> torch.Tensor: ...
