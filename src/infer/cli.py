@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,6 +112,11 @@ def _progress_bar(enabled: bool) -> tuple[Callable[[int, int], None] | None, Cal
     return update, close
 
 
+def _primary() -> bool:
+    """Whether this process prints: always, except on ranks other than 0 of a torchrun launch."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _load(args: argparse.Namespace) -> Any:
     import infer
 
@@ -118,7 +124,7 @@ def _load(args: argparse.Namespace) -> Any:
     streaming = None
     if getattr(args, "memory_budget", None):
         streaming = infer.StreamingConfig(layer_group_size=args.group_size, memory_budget=args.memory_budget)
-    progress, close = _progress_bar(sys.stderr.isatty() and not args.quiet)
+    progress, close = _progress_bar(sys.stderr.isatty() and not args.quiet and _primary())
     try:
         return infer.load(
             model,
@@ -127,9 +133,32 @@ def _load(args: argparse.Namespace) -> Any:
             quantize=args.quantize,
             streaming=streaming,
             progress=progress,
+            tensor_parallel=args.tensor_parallel,
+            pipeline_parallel=args.pipeline_parallel,
         )
     finally:
         close()
+
+
+def _write(text: str) -> None:
+    """Model output to stdout, from one rank only when several run the same generation."""
+    if _primary():
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _read_line(llm: Any, prompt: str) -> str:
+    """A line of stdin ("" at its end); under torchrun rank 0 reads it and sends it to the others."""
+    line = ""
+    if _primary():
+        if prompt:
+            _write(prompt)
+        line = sys.stdin.readline()
+    if llm.parallel is not None:
+        from infer.distributed.runtime import broadcast_object
+
+        line = broadcast_object(llm.parallel, line)
+    return line
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,9 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompt given: infer generate [MODEL] PROMPT")
     llm = _load(args)
     for piece in llm.stream(args.prompt, args.max_new_tokens, **_sampling(args)):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        _write(piece)
+    _write("\n")
     return 0
 
 
@@ -160,12 +188,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
+    prompt = "> " if sys.stdin.isatty() else ""
     while True:
-        if interactive:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
-        line = sys.stdin.readline()
+        line = _read_line(llm, prompt)
         if not line:
             break
         text = line.strip()
@@ -181,9 +206,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = []
         for piece in llm.stream(ids, args.max_new_tokens, **_sampling(args)):
             reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            _write(piece)
+        _write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
@@ -241,6 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--seed", type=_int_option(0, SEED_MAX), default=None, help="sampling seed, 0 to 2**64-1"
         )
         p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+        p.add_argument(
+            "--tensor-parallel",
+            type=_int_option(1),
+            default=1,
+            help="split each layer across this many processes (run under torchrun; >= 1)",
+        )
+        p.add_argument(
+            "--pipeline-parallel",
+            type=_int_option(1),
+            default=1,
+            help="split the layers into this many stages of processes (run under torchrun; >= 1)",
+        )
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
@@ -283,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # one clear line, unless --debug
         if args.debug:
             raise
-        print(f"infer: error: {_error_message(e)}", file=sys.stderr)
+        if _primary():  # every rank of a parallel run raises the same error
+            print(f"infer: error: {_error_message(e)}", file=sys.stderr)
         return 1
 
 

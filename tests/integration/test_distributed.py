@@ -222,3 +222,35 @@ def test_a_failing_rank_fails_every_rank(tiny_ckpt_factory: Callable[..., Path],
         run_ranks(2, args), "rank 1:", "model.layers.2.mlp.up_proj.weight", "non-finite"
     )
     assert message.startswith("rank 1:")
+
+
+def _cli(args: list[str], stdin: str = "", ranks: int = 0, timeout: float = 240) -> tuple[str, str]:
+    """``infer ARGS`` in one process, or under torchrun with ``ranks`` processes: (stdout, stderr)."""
+    launch = [sys.executable, "-m", "infer"]
+    if ranks:
+        torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        launch = [sys.executable, *torchrun, "--master-port", str(_free_port()), "-m", "infer"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    try:
+        proc = subprocess.run(
+            [*launch, *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"infer {args} did not finish within {timeout} s (a hang)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel", "--pipeline-parallel"])
+def test_cli_under_torchrun_prints_once(tiny_ckpt_factory: Callable[..., Path], flag: str) -> None:
+    """``torchrun --nproc-per-node 2 -m infer generate ... --tensor-parallel 2``: one copy of the text."""
+    path = str(tiny_ckpt_factory("llama"))
+    common = ["--dtype", "float32", "--max-new-tokens", "6", "--quiet"]
+    one, _ = _cli(["generate", path, "Hello there", *common])
+    two, _ = _cli(["generate", path, "Hello there", *common, flag, "2"], ranks=2)
+    print(f"one process: {one!r}\n2 ranks ({flag}): {two!r}")
+    assert one.strip() and two == one
+    chat_one, _ = _cli(["chat", path, *common], stdin="hi\nand more\n/exit\n")
+    chat_two, _ = _cli(["chat", path, *common, flag, "2"], stdin="hi\nand more\n/exit\n", ranks=2)
+    print(f"chat, one process: {chat_one!r}\nchat, 2 ranks: {chat_two!r}")
+    assert chat_one.count("\n") == 2 and chat_two == chat_one  # two replies, printed once

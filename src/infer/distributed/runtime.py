@@ -13,6 +13,7 @@ with a timeout, so a dead rank makes the others fail instead of waiting forever.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Callable
@@ -94,6 +95,7 @@ def setup(
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(_shutdown)  # ours to close: before the interpreter tears torch down
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tp * pp:
         raise ValueError(
@@ -118,6 +120,11 @@ def setup(
             column_group = group
     assert tp_group is not None and column_group is not None
     return Parallel(tp, pp, rank, world, tp_group, column_group, device)
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def agree(parallel: Parallel | None, work: Callable[[], T]) -> T:
@@ -154,4 +161,12 @@ def shared_seed(parallel: Parallel) -> int:
     return int(box[0])
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Parallel", "agree", "setup", "shared_seed"]
+def broadcast_object(parallel: Parallel, value: T) -> T:
+    """Rank 0's ``value`` on every rank (a chat line read on rank 0, whose stdin torchrun feeds)."""
+    box: list[Any] = [value if parallel.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    result: T = box[0]
+    return result
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Parallel", "agree", "broadcast_object", "setup", "shared_seed"]
