@@ -62,7 +62,7 @@ def bench_transformers(
 ) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()  # type: ignore[no-untyped-call]
     ids = torch.tensor([prompt])
     prefill, decode = [], []
     with torch.inference_mode():

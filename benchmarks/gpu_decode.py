@@ -42,7 +42,7 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     model.head(model.forward_hidden(x, cache))
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()  # type: ignore[call-arg]
         with torch.inference_mode():
             out = hf(ids, use_cache=True)
             past = out.past_key_values

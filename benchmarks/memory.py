@@ -70,7 +70,7 @@ def main() -> None:
         build_checkpoint(smol, "llama", dtype=torch.bfloat16, **SMOLLM2_SHAPE)
     disk = sum(f.stat().st_size for f in smol.glob("*.safetensors"))
     gguf = smollm2_path()
-    rows = [
+    rows: list[tuple[str, Path, dict[str, object], int]] = [
         ("safetensors bf16 -> float32", smol, {"dtype": "float32"}, disk),
         ("safetensors bf16 -> bfloat16", smol, {"dtype": "bfloat16"}, disk),
         ("safetensors, quantize=int8", smol, {"dtype": "bfloat16", "quantize": "int8"}, disk),

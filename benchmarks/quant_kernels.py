@@ -88,7 +88,7 @@ def bench_case(
     if type_name == "int8":
         lin = QuantizedLinear.from_int8(w32, compute_dtype=cdt)
     else:
-        qtype = T[type_name]
+        qtype = GGMLQuantizationType[type_name]
         raw = random_gguf(qtype, out_f, in_f)
         lin = QuantizedLinear.from_gguf(raw, qtype, (out_f, in_f), compute_dtype=cdt)
         w32 = dequantize(raw, qtype, (out_f, in_f))
@@ -112,7 +112,7 @@ def bench_case(
         fns["kernel"] = forced(1 << 30)
         fns["tiles"] = forced(0)
     if naive and raw is not None:
-        qt = T[type_name]
+        qt = GGMLQuantizationType[type_name]
         fns["deq+mm"] = lambda: F.linear(x, dequantize(raw, qt, (out_f, in_f)))
     times = time_calls(fns, budget_s)
     packed = lin.packed_nbytes()
@@ -152,7 +152,7 @@ def main() -> None:
     for type_name in args.types.split(","):
         for shape in args.shapes.split(","):
             in_f, out_f = (int(s) for s in shape.split("x"))
-            if type_name != "int8" and in_f % GGML_QUANT_SIZES[T[type_name]][0]:
+            if type_name != "int8" and in_f % GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]:
                 print(f"{type_name:6s} {shape:>11s}  skipped: {in_f} is not a multiple of the block size\n")
                 continue
             for rows in (int(r) for r in args.rows.split(",")):

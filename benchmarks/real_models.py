@@ -102,7 +102,7 @@ def run_transformers(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     t_load = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     ready = time.perf_counter()
     ids = torch.tensor([tok.encode(PROMPT_TEXT)[: args.prompt]])
 

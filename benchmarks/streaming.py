@@ -27,8 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -227,19 +228,19 @@ def _child_accelerate(job: dict[str, Any], path: Path, dtype: Any, prompt: Any) 
         _sync(device)
         load_s = time.perf_counter() - t0
         placement: dict[str, int] = {}
-        for where in model.hf_device_map.values():
+        for where in cast(dict[str, object], model.hf_device_map).values():
             placement[str(where)] = placement.get(str(where), 0) + 1
         with torch.inference_mode():
             t0 = time.perf_counter()
-            model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)  # cold, like ours
+            model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)  # type: ignore[misc]  # cold, like ours
             _sync(device)
             cold_ttft = time.perf_counter() - t0
             t0 = time.perf_counter()
-            first = model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+            first = model.generate(prompt, max_new_tokens=1, do_sample=False, min_new_tokens=1)  # type: ignore[misc]
             _sync(device)
             ttft = time.perf_counter() - t0
             t0 = time.perf_counter()
-            out = model.generate(
+            out = model.generate(  # type: ignore[misc]
                 prompt, max_new_tokens=job["new"] + 1, do_sample=False, min_new_tokens=job["new"] + 1
             )
             _sync(device)
@@ -272,10 +273,13 @@ def copy_bandwidth(device: str, path: Path) -> dict[str, float]:
     fd = os.open(file, os.O_RDONLY)
     n = min(256 * 2**20, file.stat().st_size)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=device == "cuda")
-    read = lambda: pread_into(fd, host, 0, str(file))  # noqa: E731
+
+    def read() -> None:
+        pread_into(fd, host, 0, str(file))
+
     read()  # the file is in the page cache, as it is for a streamed model after a token
 
-    def best(fn: Any, repeats: int = 5) -> float:
+    def best(fn: Callable[[], None], repeats: int = 5) -> float:
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

@@ -189,7 +189,7 @@ def hf_model_factory() -> Callable[..., Any]:
         key = (Path(path), dtype)
         if key not in cache:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
-            cache[key] = model.eval()
+            cache[key] = model.eval()  # type: ignore[no-untyped-call]
         return cache[key]
 
     return load

@@ -37,7 +37,7 @@ def test_cuda_logits_match_transformers(arch: str, tiny_ckpt_factory: Callable[.
     ids = torch.randint(0, 260, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, None)):
         llm = infer.load(path, device="cuda", dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").cuda().eval()  # type: ignore[call-arg]
         with torch.no_grad():
             ref = hf(ids).logits.float()
             got = llm.model(ids).float()

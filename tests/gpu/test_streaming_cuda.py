@@ -85,7 +85,7 @@ def test_cuda_streamed_equals_resident(
     path = tiny_ckpt_factory(arch)
     resident = load_resident(path, torch.float32)
     model = streamed(path, layer_group_size=group_size, prefetch=prefetch, host_memory_budget=host_cache)
-    want_logits, want_tokens = greedy_trace(resident)  # type: ignore[arg-type]
+    want_logits, want_tokens = greedy_trace(resident)
     for rep in range(2):  # the second pass reads from the host cache when there is one
         got_logits, got_tokens = greedy_trace(model)
         worst = max((w - g).abs().max().item() for w, g in zip(want_logits, got_logits, strict=True))
@@ -107,7 +107,7 @@ def test_cuda_streamed_head_and_bfloat16(tiny_ckpt_factory: Any, tmp_path: Path)
     resident = load_resident(path, torch.bfloat16)
     model = streamed(path, torch.bfloat16, layer_group_size=2, resident_embeddings=False)
     assert len(model.executor.plan.head_unit_list) >= 2  # type: ignore[attr-defined]
-    want, got = greedy_trace(resident), greedy_trace(model)  # type: ignore[arg-type]
+    want, got = greedy_trace(resident), greedy_trace(model)
     assert all(torch.equal(w, g) for w, g in zip(want[0], got[0], strict=True)) and want[1] == got[1]
 
 

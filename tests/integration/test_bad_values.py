@@ -101,10 +101,9 @@ def test_integer_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_pat
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].to(torch.int64)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    streaming = infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0)
-    for kwargs in ({}, {"streaming": streaming}):
+    for streaming in (None, infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0)):
         with pytest.raises(ValueError, match=f"tensor '{name}' has dtype torch.int64, expected a floating"):
-            infer.load(path, **kwargs)  # type: ignore[arg-type]
+            infer.load(path, streaming=streaming)
 
 
 def test_layer_count_checked_against_the_tensors(
@@ -127,11 +126,11 @@ def _nan_checkpoint(src: Path, dst: Path) -> Path:
 
 def test_non_finite_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
     path = _nan_checkpoint(tiny_ckpt_factory("llama"), tmp_path / "nan")
-    for kwargs in ({}, {"quantize": "int8"}):
+    for quantize in (None, "int8"):
         with pytest.raises(
             ValueError, match=r"tensor 'model.layers.1.mlp.down_proj.weight' holds a non-finite value"
         ):
-            infer.load(path, **kwargs)
+            infer.load(path, quantize=quantize)
     assert infer.load(path, validate=False).model is not None  # the caller's choice
     streamed = infer.load(path, streaming=infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0))
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' holds a non-finite value"):

@@ -79,7 +79,7 @@ def test_gpt2_mask_buffers_are_ignored(tmp_path: Path) -> None:
 
     from infer.testing import tiny_hf_config
 
-    hf = GPT2LMHeadModel(tiny_hf_config("gpt2")).eval()
+    hf = GPT2LMHeadModel(tiny_hf_config("gpt2")).eval()  # type: ignore[no-untyped-call]
     hf.save_pretrained(str(tmp_path / "plain"))
     tensors = load_file(tmp_path / "plain" / "model.safetensors")
     for i in range(hf.config.n_layer):

@@ -185,7 +185,7 @@ def _expect_same_error(results: list[dict[str, Any]], *needles: str) -> str:
     messages = {e[1] for e in errors if e}
     print(messages)
     assert len(messages) == 1, messages  # the same error on every rank
-    message = messages.pop()
+    message: str = messages.pop()
     for needle in needles:
         assert needle in message, message
     return message

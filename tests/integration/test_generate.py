@@ -194,6 +194,7 @@ def test_chat_applies_template(llm_factory: Callable[[str], infer.LLM]) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     ids = llm.chat_prompt(messages)
     assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "<|begin|><|user|>Hi<|eot|><|assistant|>"
+    assert llm.tokenizer.bos_token_id is not None
     assert ids.count(llm.tokenizer.bos_token_id) == 1
     reply = llm.chat(messages, max_new_tokens=8)
     assert reply.token_ids == llm.generate(ids, max_new_tokens=8).token_ids

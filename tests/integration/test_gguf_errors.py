@@ -16,14 +16,17 @@ from infer.gguf.reader import StringArray
 from infer.gguf.writer import write_gguf
 from infer.testing import build_tokenizer, tiny_hf_model
 
-LLAMA = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+LLAMA_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("good")
     return write_gguf(
-        d / "llama.gguf", tiny_hf_model("llama", **LLAMA), build_tokenizer(d / "tok"), qtype="Q8_0"
+        d / "llama.gguf",
+        tiny_hf_model("llama", rope_parameters=LLAMA_ROPE),
+        build_tokenizer(d / "tok"),
+        qtype="Q8_0",
     )
 
 

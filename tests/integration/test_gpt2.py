@@ -33,7 +33,7 @@ def hf_gpt2() -> Any:
         vocab_size=VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, bos_token_id=256, eos_token_id=257
     )  # n_positions: the default 1024, which transformers' GGUF loader assumes (it ignores context_length)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).eval()
+    model = GPT2LMHeadModel(config).eval()  # type: ignore[no-untyped-call]
     perturb_(model)
     return model
 
@@ -110,10 +110,10 @@ def test_gguf_matches_transformers(qtype: str, hf_gpt2: Any, tokenizer: Any, tmp
     config = config_from_gguf(gguf)
     model = load_model(GGUFSource(gguf), config, dtype=torch.float32)
     if qtype == "Q8_0":
-        assert isinstance(model.layers[0].attn.c_attn, QuantizedLinear)
+        assert isinstance(model.get_submodule("layers.0.attn.c_attn"), QuantizedLinear)
         assert isinstance(model.lm_head, QuantizedLinear)
     # transformers' own GGUF loader reads the file the same way (checks the writer's conventions).
-    theirs = AutoModelForCausalLM.from_pretrained(
+    theirs = AutoModelForCausalLM.from_pretrained(  # type: ignore[no-untyped-call]
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).eval()
     with torch.no_grad():

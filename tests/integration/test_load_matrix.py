@@ -120,7 +120,8 @@ def _logits(path: Path, mode: str) -> torch.Tensor:
     streaming = _streaming(quantize is not None) if mode.startswith("streamed") else None
     llm = infer.load(path, dtype=torch.float32, quantize=quantize, streaming=streaming)
     with torch.inference_mode():
-        return llm.model(IDS)
+        logits: torch.Tensor = llm.model(IDS)
+    return logits
 
 
 _resident_cache: dict[tuple[str, str], torch.Tensor] = {}

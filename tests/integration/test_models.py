@@ -57,7 +57,7 @@ def test_logits_match_transformers_bf16(
     from transformers import AutoModelForCausalLM
 
     path = tiny_ckpt_factory(arch)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()  # type: ignore[no-untyped-call]
     ours = our_model_factory(path, dtype=torch.bfloat16)
     ids = _random_ids(4, SEQ, seed=2)
     with torch.no_grad():

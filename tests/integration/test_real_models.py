@@ -69,10 +69,10 @@ def _compute_reference(path: Path) -> dict[str, torch.Tensor]:
     ids = torch.tensor([tok.encode(TEXT)])
     prompt = torch.tensor([tok.encode(GREEDY_PROMPT)])
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         logits = model(ids).logits[0]
-        greedy = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)[0, prompt.shape[1] :]
+        greedy = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)[0, prompt.shape[1] :]  # type: ignore[misc]
     return {"ids": ids, "logits": logits, "prompt": prompt, "greedy": greedy}
 
 

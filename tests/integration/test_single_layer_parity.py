@@ -84,20 +84,21 @@ def our_block(
 ) -> torch.nn.Module:
     block = model_class(config).block_class(config).to(dtype).eval()
     block.load_state_dict(layer_state(path, config, layer, loader, dtype), strict=True)
-    return block  # type: ignore[no-any-return]
+    return block
 
 
 def hf_mask(hf_model: Any, layer_type: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     make = create_sliding_window_causal_mask if layer_type == SLIDING_ATTENTION else create_causal_mask
-    mask: torch.Tensor = make(
+    mask = make(
         config=hf_model.config,
         inputs_embeds=x,
         attention_mask=None,
         past_key_values=None,
         position_ids=positions,
     )
+    assert isinstance(mask, torch.Tensor)
     return mask
 
 

@@ -21,7 +21,7 @@ import torch
 
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
-from infer.streaming import BudgetError, StreamingConfig, build_streamed
+from infer.streaming import BudgetError, StreamingConfig, StreamingExecutor, build_streamed
 from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=24, vocab_size=8192)
@@ -145,7 +145,8 @@ def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
         dtype=torch.float32,
         streaming=StreamingConfig(memory_budget=budget),
     )
-    plan = model.executor.plan  # type: ignore[union-attr]
+    assert isinstance(model.executor, StreamingExecutor)
+    plan = model.executor.plan
     print(
         f"\n{size / 1e6:.0f} MB model, budget {budget / 1e6:.0f} MB: {plan.describe()}; notes: {plan.notes}"
     )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -35,12 +36,14 @@ from infer.models.common import (
 
 NEG_INF = float("-inf")
 
+M = TypeVar("M", bound=torch.nn.Module)
+
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def randomize_(module: M, seed: int = 0) -> M:
     g = gen(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -149,7 +152,7 @@ def test_inv_freq_matches_transformers_at_dev_configs(
     dev_configs: dict[str, dict[str, Any]], name: str
 ) -> None:
     """Our frequencies for the dev models' RoPE settings equal transformers' rotary modules'."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, Gemma3TextConfig, LlamaConfig, Qwen3Config
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -158,11 +161,15 @@ def test_inv_freq_matches_transformers_at_dev_configs(
     ours = make_rotary_embeddings(config_from_dict(data))
     hf_config = CONFIG_MAPPING[data["model_type"]].from_dict(copy.deepcopy(data))
     if name == "gemma3":
+        assert isinstance(hf_config, Gemma3TextConfig)
         hf_gemma = Gemma3RotaryEmbedding(hf_config)
         hf = {lt: getattr(hf_gemma, f"{lt}_inv_freq") for lt in (FULL_ATTENTION, SLIDING_ATTENTION)}
+    elif name == "llama":
+        assert isinstance(hf_config, LlamaConfig)
+        hf = {FULL_ATTENTION: LlamaRotaryEmbedding(hf_config).inv_freq}
     else:
-        cls = LlamaRotaryEmbedding if name == "llama" else Qwen3RotaryEmbedding
-        hf = {FULL_ATTENTION: cls(hf_config).inv_freq}
+        assert isinstance(hf_config, Qwen3Config)
+        hf = {FULL_ATTENTION: Qwen3RotaryEmbedding(hf_config).inv_freq}
     assert set(ours) == set(hf)
     for lt, inv in hf.items():
         err = _max_rel(ours[lt].inv_freq, inv)
@@ -325,6 +332,7 @@ def test_masks_match_transformers(seq_len: int, window: int) -> None:
         position_ids=torch.arange(seq_len)[None],
     )
     hf_full, hf_sliding = create_causal_mask(**kw), create_sliding_window_causal_mask(**kw)
+    assert isinstance(hf_full, torch.Tensor) and isinstance(hf_sliding, torch.Tensor)
     assert torch.equal(causal_mask(seq_len) == 0, hf_full == 0)
     assert torch.equal(sliding_window_causal_mask(seq_len, window) == 0, hf_sliding == 0)
 
@@ -387,7 +395,7 @@ def padded_bool_mask(B: int, T: int) -> torch.Tensor:
     return torch.stack(rows)[:, None]
 
 
-MASKS = {
+MASKS: dict[str, Callable[[int], torch.Tensor | None]] = {
     "none": lambda T: None,
     "causal": lambda T: causal_mask(T),
     "sliding": lambda T: sliding_window_causal_mask(T, 3),

@@ -317,9 +317,10 @@ def test_gemma_3_4b_it_text_config_written_as_a_diff() -> None:
 
 
 def test_gemma_3_4b_it_agrees_with_transformers() -> None:
-    from transformers import Gemma3Config
+    from transformers import Gemma3Config, Gemma3TextConfig
 
     hf_text = Gemma3Config.from_dict(copy.deepcopy(GEMMA_3_4B_IT)).text_config
+    assert isinstance(hf_text, Gemma3TextConfig)
     ours = config_from_dict(GEMMA_3_4B_IT)
     theirs = config_from_dict(hf_text.to_dict())
     for field in ModelConfig.__dataclass_fields__:
@@ -332,6 +333,7 @@ def test_gemma_3_4b_it_agrees_with_transformers() -> None:
             "torch_dtype",
         ):
             assert getattr(ours, field) == getattr(theirs, field), field
+    assert hf_text.layer_types is not None
     assert ours.layer_types == list(hf_text.layer_types)
 
 
@@ -470,6 +472,7 @@ def test_gemma3_rope_parameters_per_layer_type(tmp_path: Path) -> None:
     assert cfg.rope_theta == 1_000_000.0
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert cfg.rope_local_base_freq == 10_000.0
+    assert hf.layer_types is not None
     assert cfg.layer_types == list(hf.layer_types)
     assert [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION] == [5]
     assert cfg.hidden_act == "gelu_pytorch_tanh"
@@ -484,6 +487,7 @@ def test_gemma3_default_transformers_config() -> None:
 
     hf = Gemma3TextConfig()
     cfg = config_from_dict(hf.to_dict())
+    assert hf.layer_types is not None and hf.rope_parameters is not None
     assert cfg.layer_types == list(hf.layer_types)
     assert cfg.rope_theta == hf.rope_parameters[FULL_ATTENTION]["rope_theta"]
     assert cfg.rope_local_base_freq == hf.rope_parameters[SLIDING_ATTENTION]["rope_theta"]
@@ -517,6 +521,7 @@ def test_qwen3_sliding_layer_types_from_transformers() -> None:
 
     hf = Qwen3Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
     cfg = config_from_dict(hf.to_dict())
+    assert hf.layer_types is not None
     assert cfg.layer_types == list(hf.layer_types)
     assert cfg.layer_types.count(SLIDING_ATTENTION) == 2
     assert cfg.sliding_window == 16

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import infer.loader.weights as weights_mod
 from infer.loader.weights import INDEX_FILE, SINGLE_FILE, SafetensorsSource, load_weights
@@ -282,7 +282,7 @@ def test_device_is_passed_to_safetensors(
     """The device reaches ``safetensors.torch.load_file`` for every shard (no GPU needed to check)."""
     path = write_sharded(tmp_path, two_shards())
     seen: list[tuple[str, Any]] = []
-    real_load_file: Callable[..., dict[str, torch.Tensor]] = weights_mod.load_file
+    real_load_file: Callable[..., dict[str, torch.Tensor]] = load_file
 
     def spy(filename: str, device: Any = "cpu") -> dict[str, torch.Tensor]:
         seen.append((Path(filename).name, device))
