@@ -44,27 +44,39 @@ def test_logits_match_transformers_fp32(
 def test_logits_match_transformers_bf16(
     arch: str, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Callable[..., torch.nn.Module]
 ) -> None:
-    """bf16 against transformers' default (SDPA) attention: the same kernels, so the same rounding.
+    """bf16, measured against the float32 model: as close as transformers' own bf16 (SDPA) path.
 
-    (Its eager attention rounds differently in bf16 and disagrees with its own SDPA
-    path on a few near-tied positions of these tiny random models.)
+    Our attention reduces in float32 chunks, not with bf16 SDPA kernels, so the two bf16
+    paths round differently and flip different near-tied positions of these tiny random
+    models. What must hold: an error like transformers' bf16, and top-1 flips only where
+    the float32 top-2 margin is within the bf16 error.
     """
     from transformers import AutoModelForCausalLM
 
     path = tiny_ckpt_factory(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = our_model_factory(path, dtype=torch.bfloat16)
     ids = _random_ids(4, SEQ, seed=2)
     with torch.no_grad():
+        exact = hf32(ids).logits
         ref = hf(ids).logits.float()
         got = ours(ids).float()
-    err = (got - ref).abs()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+    def agree(x: torch.Tensor) -> float:
+        return (x.argmax(-1) == exact.argmax(-1)).float().mean().item()
+
+    err, ref_err = (got - exact).abs().max().item(), (ref - exact).abs().max().item()
+    top2 = exact.topk(2, dim=-1).values
+    flipped = got.argmax(-1) != exact.argmax(-1)
+    margins = (top2[..., 0] - top2[..., 1])[flipped]
     print(
-        f"\n{arch} bf16 full-model logit error max {err.max().item():.3e} mean {err.mean().item():.3e}, "
-        f"top-1 agreement {agree:.2%} over {ids.numel()} positions"
+        f"\n{arch} bf16 vs float32 over {ids.numel()} positions: ours max error {err:.3e}, top-1 "
+        f"{agree(got):.2%} (flipped margins {[round(m, 3) for m in margins.tolist()]}); "
+        f"transformers bf16 {ref_err:.3e}, {agree(ref):.2%}"
     )
-    assert agree >= 0.99
+    assert err <= 1.5 * ref_err
+    assert (margins <= 2 * err).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -19,16 +19,20 @@ from torch import nn
 
 from infer.cache import KVCache, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.common import make_rotary_embeddings
+from infer.models.common import Linear, make_rotary_embeddings
 
 
 @dataclass
 class StepInputs:
-    """Per-step inputs shared by the layers: the same for every layer of a type."""
+    """Per-step inputs shared by the layers: the same for every layer of a type.
+
+    All tensors, computed once per step by `DecoderLM.prepare`: a step reads nothing
+    from the host, so the same code runs eagerly or compiled whole (`infer.step`).
+    """
 
     positions: torch.Tensor  # [B, T]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, T, hd]
-    masks: dict[str, torch.Tensor | None]  # layer type -> [B, 1, T, S] bool, or None
+    masks: dict[str, torch.Tensor]  # layer type -> [B, 1, T, S] bool (True = attend)
     cache: KVCache | None
 
 
@@ -77,7 +81,7 @@ class DecoderLM(nn.Module):
         )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = nn.ModuleDict(make_rotary_embeddings(config))
@@ -112,12 +116,19 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        n_new: torch.Tensor | None = None,
     ) -> StepInputs:
+        """What every layer of a step shares. With a ``cache``, ``n_new [B]`` counts each row's
+        real tokens (a right-padded batch; default: all ``T``)."""
         B, T = input_ids.shape
         device = input_ids.device
+        masks: dict[str, torch.Tensor] = {}
         if cache is not None:
-            positions = cache.positions(T)
-            masks = {lt: cache.mask(lt, T) for lt in set(self.layer_types)}
+            plan = cache.make_plan(T, n_new)
+            cache.plan = plan
+            positions = plan.positions
+            for lt in set(self.layer_types):
+                masks[lt] = cache.mask(lt, plan)
         else:
             pad = (
                 pad_from_attention_mask(attention_mask)
@@ -126,10 +137,9 @@ class DecoderLM(nn.Module):
             )
             slots = torch.arange(T, device=device)
             positions = (slots[None] - pad[:, None]).clamp_min(0)
-            masks = {}
             for lt in set(self.layer_types):
                 window = self.config.sliding_window if lt == SLIDING_ATTENTION else None
-                masks[lt] = slot_mask(0, T, slots, pad, window)
+                masks[lt] = slot_mask(slots, slots, pad, window)
         rope = {lt: rot(positions, self.dtype) for lt, rot in self.rotary.items()}
         return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache)
 
@@ -156,12 +166,38 @@ class DecoderLM(nn.Module):
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[B, T, D]`` after the last block (before the final norm)."""
-        step = self.prepare(input_ids, cache, attention_mask)
+        """Hidden states ``[B, T, D]`` after the last block (before the final norm).
+
+        With a ``cache`` every row continues its cached sequence with all ``T`` tokens.
+        Positions past ``max_position_embeddings`` are refused here, on the host.
+        """
+        T = input_ids.shape[1]
+        limit = self.config.max_position_embeddings
+        if cache is not None:
+            cache.check(T)
+            if cache.length + T > limit:
+                raise ValueError(f"position {cache.length + T - 1} is past the model's {limit} positions")
+        elif limit < T:
+            raise ValueError(f"{T} tokens are more than the model's {limit} positions")
+        x = self.hidden(input_ids, cache, attention_mask)
+        if cache is not None:
+            cache.length += T
+        return x
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        n_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The walk itself, tensors only (no host bounds checks: `forward_hidden` and
+        `infer.step` do them): prepare, embed, the executor's layers, advance the cache."""
+        step = self.prepare(input_ids, cache, attention_mask, n_new)
         x = self.embed(input_ids, step.positions)
         x = self.executor.run_layers(self, x, step)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+        if cache is not None and cache.plan is not None:
+            cache.advance(cache.plan)
         return x
 
     def forward(

@@ -20,7 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from infer import rows
+from infer.cache import KEY_CHUNK
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose rows do not depend on the batch (`infer.rows`): decode rows one
+    by one, prefill as one product of at least 4 rows. Same parameters and names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rows.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -217,10 +227,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
         self.softcap = softcap
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm:
@@ -264,40 +274,84 @@ def attend(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
+    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``.
+
+    ``mask`` is boolean ``[B|1, 1, T, S]`` (True = attend), additive, or None. On the CPU, and for
+    decode steps everywhere, this is `attend_chunked` (whose result for a row does not
+    depend on the batch or on masked keys after the row's own); CUDA prefill uses
+    flash / memory-efficient SDPA.
+    """
+    if q.is_cuda and q.shape[2] > 1 and softcap is None:
+        return _attend_sdpa(q, k, v, mask, scale)
+    return attend_chunked(q, k, v, mask, scale, softcap)
+
+
+def _fold_gqa(
+    q: torch.Tensor, mask: torch.Tensor | None, Hkv: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fold the ``G = H / Hkv`` query heads of each KV head into the query axis: row ``g*T + t``."""
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
     G = H // Hkv
-    if softcap is not None:
-        return _attend_softcapped(q, k, v, mask, scale, softcap)
-    if G > 1:
-        # Fold the G query heads of each KV head into the query axis: row g*T + t.
-        q = q.reshape(B, Hkv, G * T, D)
-        if mask is not None and mask.shape[-2] != 1:
-            mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
-    if q.is_cuda:
-        # cuDNN's SDPA builds a new graph whenever the key length changes, i.e. every
-        # decode step: 1.35 ms of host time per call measured on an H100. Flash and
-        # memory-efficient attention have no such cost.
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
+    q = q.reshape(B, Hkv, G * T, D)
+    if G > 1 and mask is not None and mask.shape[-2] != 1:
+        mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
+    return q, mask
 
 
-def _attend_softcapped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+def attend_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    G = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(G, dim=1)
-    v = v.repeat_interleave(G, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    """Attention computed in float32 with every sum over keys split into fixed chunks of
+    `KEY_CHUNK` keys aligned at key 0.
+
+    A row's result then depends only on its own keys and where they sit, not on how many
+    keys the buffer holds after them or on the other rows: the chunk sums have a fixed
+    length, and masked keys add exact zeros. (CPU SDPA changes its blocking with the
+    key count: measured, one more masked key changes float32 outputs.) GQA folds the
+    query heads of a KV head into the query axis instead of repeating K/V.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qf, mask = _fold_gqa(q, mask, Hkv)  # [B, Hkv, G*T, D]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask == 0  # additive (0 / -inf) -> boolean
+    if S % KEY_CHUNK:  # pad the keys with masked zeros to whole chunks
+        extra = KEY_CHUNK - S % KEY_CHUNK
+        k = F.pad(k, (0, 0, 0, extra))
+        v = F.pad(v, (0, 0, 0, extra))
+        if mask is None:
+            mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device=q.device)
+        mask = F.pad(mask, (0, extra), value=False)
+        S += extra
+    n = S // KEY_CHUNK
+    scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)  # exact whatever the order: the row's max over its keys
+    p = torch.exp(scores - top).view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
+    den = p.sum(-1).sum(-1, keepdim=True)  # [B, Hkv, G*T, 1]
+    parts = torch.matmul(p.transpose(2, 3), v.float().view(B, Hkv, n, KEY_CHUNK, D))  # [B, Hkv, n, G*T, D]
+    out = parts.sum(2) / den  # [B, Hkv, G*T, D]
+    return out.to(q.dtype).reshape(B, H, T, D)
+
+
+def _attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    B, H, T, D = q.shape
+    qf, mask = _fold_gqa(q, mask, k.shape[1])
+    # cuDNN's SDPA builds a new graph whenever the key length changes: 1.35 ms of host time
+    # per call measured on an H100. Flash and memory-efficient attention have no such cost.
+    with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -325,9 +379,9 @@ class GatedMLP(nn.Module):
         self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

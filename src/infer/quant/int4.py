@@ -75,29 +75,27 @@ def unpack_transposed(
 ) -> torch.Tensor:
     """Rows ``start:stop`` of a packed ``[N, K/2]`` matrix, unpacked and transposed: ``[K, rows]``.
 
-    ``start`` must be a multiple of `BLOCK_N`. The values (0..15) are written straight
-    into the transposed layout (the order of the packed bytes) as ``dtype``, ready for
-    ``x @ w_t``.
+    ``start`` must be a multiple of `BLOCK_N`. The values (0..15) come out in the
+    transposed layout (the order of the packed bytes) as ``dtype``, ready for
+    ``x @ w_t``. Functional (no writes into views), so it compiles into one loop.
     """
     n, half_k = packed.shape
     k = half_k * 2
     if start % BLOCK_N:
         raise ValueError(f"unpack_transposed: start {start} is not a multiple of {BLOCK_N}")
-    out = torch.empty(k, stop - start, dtype=dtype, device=packed.device)
+    parts = []
     full_stop = min(stop, n - n % BLOCK_N)
     if full_stop > start:
         nb = (full_stop - start) // BLOCK_N
         byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
-        view = out[:, : full_stop - start].view(k, nb, 2, BLOCK_N // 2)
-        view[:, :, 0].copy_(byte & 0x0F)
-        view[:, :, 1].copy_(byte >> 4)
+        both = torch.stack((byte & 0x0F, byte >> 4), dim=2)  # [K, nb, 2, 32]: rows j, j + 32
+        parts.append(both.reshape(k, nb * BLOCK_N))
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
-        view = out[:, full_stop - start :].view(k, r // 2, 2)
-        view[..., 0].copy_(byte & 0x0F)
-        view[..., 1].copy_(byte >> 4)
-    return out
+        parts.append(torch.stack((byte & 0x0F, byte >> 4), dim=2).reshape(k, r))  # rows 2j, 2j + 1
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out.to(dtype)
 
 
 def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

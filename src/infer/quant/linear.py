@@ -9,32 +9,29 @@ Three storage formats, chosen per GGML type (numbers and reasons in docs/quantiz
 - ``dense``: a float copy in the compute dtype, for Q2_K, Q3_K, Q6_K (groups of 16, which
   the kernel cannot take) and float GGUF tensors.
 
-Per call: with at most ``kernel_max_rows`` rows of input (decode) on CPU, the packed
-kernel runs on bfloat16 activations (``_weight_int4pack_mm_for_cpu`` /
-``_weight_int8pack_mm``); with more rows (prefill), or on other devices, the weight is
-dequantized tile by tile into the compute dtype and multiplied with a dense matmul.
-Scales are held in the compute dtype (bfloat16 by default), so every path computes with
-the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
+Per call, keyed on the shape of the step and never on the batch (so a row's result does
+not depend on the other rows, `infer.rows`): a decode step (one token per sequence) on
+CPU with bfloat16 compute runs the packed kernel on bfloat16 activations
+(``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, which compute every row the
+same way whatever the row count); a prefill step (several tokens per sequence), float32
+compute, or another device dequantizes the weight tile by tile into the compute dtype
+and multiplies with a dense matmul (rows one by one for decode steps). Scales are held
+in the compute dtype (bfloat16 by default), so every path computes with the same
+effective weights up to bfloat16 rounding: `effective_weight` returns them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from infer import rows as row_rules
 from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
 from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes, to_planes
 from infer.quant.quantize import quantize_int8_per_channel
 
-# Decode/prefill switch per format, for bfloat16 compute: rows of input up to which the
-# packed kernel beats dequantize + matmul (the kernel's cost grows linearly with the rows;
-# the dequantization is paid once per call). With float32 compute the kernels are 10-30x
-# slower and dequantize + matmul wins from one row on. Measured with
-# benchmarks/quant_kernels.py (docs/quantization.md).
-KERNEL_MAX_ROWS = {"int4": 64, "int8": 16, "dense": 0}
 # Outputs re-scored exactly per row by an output head that kept float32 scales (see `rescore`).
 RESCORE_TOP_K = 16
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
@@ -84,7 +81,10 @@ class QuantizedLinear(nn.Module):
         self.planes = planes
         self.source = source  # e.g. "Q4_1", "q4_0", "int8"
         self.compute_dtype = compute_dtype
-        self.kernel_max_rows = KERNEL_MAX_ROWS[fmt] if compute_dtype == torch.bfloat16 else 0
+        # The packed kernels are fast only on bfloat16 activations (10-30x slower in float32).
+        self.use_kernel = compute_dtype == torch.bfloat16 and (
+            fmt == "int8" or (fmt == "int4" and int4.cpu_kernel_usable())
+        )
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias: nn.Parameter | None = None
@@ -173,14 +173,15 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        per_row = row_rules.one_token_per_row(x)
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
-        use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.is_cpu
+        kernel = per_row and self.use_kernel and x2.is_cpu
         if self.fmt == "int4":
-            y = self._int4(x2, use_kernel and int4.cpu_kernel_usable())
+            y = self._int4(x2, kernel, per_row)
         elif self.fmt == "int8":
-            y = self._int8(x2, use_kernel)
+            y = self._int8(x2, kernel, per_row)
         else:
-            y = F.linear(x2, self.weight)
+            y = row_rules.matmul_rows(x2, self.weight.t(), per_row)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -213,32 +214,29 @@ class QuantizedLinear(nn.Module):
         w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
-    def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-        if use_kernel:
+    def _int4(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
+        if kernel:
             xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
             y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
         else:
-            y = self._int4_dequant_matmul(x2)
+            n_pad = self.packed.shape[0]
+            kp = self.planes * self.in_features
+            tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
+            parts = [
+                row_rules.matmul_rows(x2, self._dequant_tile_t(start, min(n_pad, start + tile)), per_row)
+                for start in range(0, n_pad, tile)
+            ]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
         return y
 
-    def _int4_dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        n_pad = self.packed.shape[0]
-        out = torch.empty(x2.shape[0], n_pad, dtype=x2.dtype, device=x2.device)
-        kp = self.planes * self.in_features
-        tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
-        for start in range(0, n_pad, tile):
-            stop = min(n_pad, start + tile)
-            torch.matmul(x2, self._dequant_tile_t(start, stop), out=out[:, start:stop])
-        return out
-
     def _dequant_tile_t(self, start: int, stop: int) -> torch.Tensor:
         """Effective weight rows ``start:stop``, transposed: ``[K, rows]`` in the compute dtype.
 
-        Unpacks straight to float32 (cheap), applies the scales in one ``addcmul`` without
-        dtype mixing (mixed or bfloat16 broadcasting is ~3x slower on CPU), sums the planes
-        and rounds to the compute dtype once.
+        Unpacks straight to float32, applies the scales in float32 (mixed or bfloat16
+        broadcasting is ~3x slower on CPU), sums the planes and rounds to the compute
+        dtype once. Compiled, the whole tile is one fused loop.
         """
         k, r = self.in_features, stop - start
         kp = self.planes * k
@@ -246,25 +244,22 @@ class QuantizedLinear(nn.Module):
         sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
         scale = sz[..., 0]
         zero = sz[..., 1] - 8 * scale
-        f3 = f.view(kp // GROUP, GROUP, r)
-        torch.addcmul(zero[:, None], f3, scale[:, None], out=f3)
-        if self.planes == 1:
-            return f.to(self.compute_dtype)
-        w_t = torch.empty(k, r, dtype=self.compute_dtype, device=f.device)
-        torch.add(f[:k], f[k:], out=w_t)
-        return w_t
+        w = (f.view(kp // GROUP, GROUP, r) * scale[:, None] + zero[:, None]).view(kp, r)
+        if self.planes > 1:
+            w = w.view(self.planes, k, r).sum(0)
+        return w.to(self.compute_dtype)
 
-    def _int8(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-        if use_kernel:
+    def _int8(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
+        if kernel:
             return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)  # type: ignore[no-any-return]
         n = self.out_features
-        out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
         tile = max(64, _TILE_VALUES // self.in_features // 64 * 64)
-        for start in range(0, n, tile):
-            stop = min(n, start + tile)
-            w = self.qweight[start:stop].to(x2.dtype)  # exact: |q| <= 127 fits bfloat16's mantissa
-            torch.matmul(x2, w.T, out=out[:, start:stop])
-        return out * self.scales
+        parts = [
+            row_rules.matmul_rows(x2, self.qweight[start : min(n, start + tile)].to(x2.dtype).T, per_row)
+            for start in range(0, n, tile)
+        ]  # int8 -> compute dtype is exact: |q| <= 127 fits bfloat16's mantissa
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return y * self.scales
 
     # ---- introspection ----------------------------------------------------------
 
@@ -293,4 +288,4 @@ class QuantizedLinear(nn.Module):
         )
 
 
-__all__ = ["KERNEL_MAX_ROWS", "QuantizedLinear"]
+__all__ = ["QuantizedLinear"]
