@@ -15,6 +15,7 @@ from infer.loader.config import ModelConfig, load_config
 from infer.loader.tokenizer import Tokenizer
 from infer.models import model_class
 from infer.models.base import DecoderLM
+from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.streaming import StreamingConfig
@@ -126,11 +127,25 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 class LLM:
     """A loaded model with its tokenizer: `generate`, `stream`, `chat`."""
 
-    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, model: DecoderLM, source: Path) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        model: DecoderLM,
+        source: Path,
+        *,
+        compile: bool = False,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
         self.source = source
+        self.stepper = Stepper(model, compile=compile)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether generation runs the compiled step (`infer.step.Stepper`)."""
+        return self.stepper.compiled
 
     def __repr__(self) -> str:
         m = self.model
@@ -188,6 +203,7 @@ class LLM:
             pad_id=pad_id,
             stop_check=stop_check if stop else None,
             timings=self._timings,
+            stepper=self.stepper,
         )
 
     def _result(self, row: RowState, stop: Sequence[str]) -> GenerationResult:
@@ -315,6 +331,7 @@ def load(
     quantize: str | None = None,
     streaming: StreamingConfig | None = None,
     progress: ProgressFn | None = None,
+    compile: bool | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -324,11 +341,22 @@ def load(
     "int8") quantizes the weight matrices of a safetensors checkpoint at load time.
     ``streaming`` runs the layers through the device under a memory budget instead
     of keeping them resident. ``progress(done, total)`` is called as tensors load.
+    ``compile`` runs generation through ``torch.compile`` of the whole step (resident
+    models only; `infer.step`): the first request of each new (batch, length) bucket
+    compiles it (cached on disk under the user's cache directory, so later processes
+    load it). ``None`` decides per device: see `compile_by_default`.
     """
     device = torch.device(device)
+    if compile and streaming is not None:
+        raise ValueError("compile=True applies to resident models; a streamed model runs eagerly")
+    use_compile = compile_by_default(device) if compile is None else compile
+    use_compile = use_compile and streaming is None
     path = resolve_checkpoint(path_or_hub_id)
     if path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, quantize=quantize, streaming=streaming, progress=progress)
+        llm = _load_gguf(path, device, dtype, quantize=quantize, streaming=streaming, progress=progress)
+        if use_compile:
+            llm.stepper = Stepper(llm.model, compile=True)
+        return llm
     config = load_config(path)
     torch_dtype = resolve_dtype(dtype, config.torch_dtype)
     tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
@@ -348,7 +376,17 @@ def load(
         )
     if not isinstance(model, DecoderLM):
         raise TypeError(f"model builder returned {type(model).__name__}, expected a DecoderLM")
-    return LLM(config, tokenizer, model, path)
+    return LLM(config, tokenizer, model, path, compile=use_compile)
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """Whether `load` compiles when ``compile`` is not given.
+
+    Off: on this project's CPU benchmark (docs/performance.md, *Compiled step*) a short
+    generation does not win back even a warm compile. Pass ``compile=True`` for long or
+    repeated generations.
+    """
+    return False
 
 
 def _load_gguf(

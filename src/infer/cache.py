@@ -65,39 +65,65 @@ class LayerKV:
         self.v = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
-
-        Key ``s`` of what is returned is the one `KVCache.key_slots` lists at ``s``.
-        """
+        """`StepKV.update` with the cache's current step plan."""
         plan = self.cache.plan
         if plan is None:
-            raise RuntimeError("KVCache.update outside a step: call KVCache.plan first")
-        B, H = k.shape[0], k.shape[1]
-        rows = torch.arange(B, device=k.device)[:, None, None]  # [B, 1, 1]
-        heads = torch.arange(H, device=k.device)[None, :, None]  # [1, H, 1]
-        if not self.ring:
-            slots = plan.slots[:, None, :]  # [B, 1, T]
-            self.k[rows, heads, slots] = k  # index_put_: compiles to an in-place write
-            self.v[rows, heads, slots] = v
-            return self.k, self.v
-        if plan.one_token:
-            assert plan.ring_write is not None
-            slot = plan.ring_write[:, None, None]  # [B, 1, 1]
-            keep = (plan.n_new == 0)[:, None, None, None]  # a row with no token this step keeps its entry
-            self.k[rows, heads, slot] = torch.where(keep, self.k[rows, heads, slot], k)
-            self.v[rows, heads, slot] = torch.where(keep, self.v[rows, heads, slot], v)
-            return self.k, self.v
-        assert plan.ring_src is not None
-        keys = torch.cat((k, self.k), dim=2)  # [B, Hkv, T + R, hd]: new first (aligned at key 0)
-        values = torch.cat((v, self.v), dim=2)
-        src = plan.ring_src[:, None, :]  # [B, 1, R]
-        self.k.copy_(keys[rows, heads, src])
-        self.v.copy_(values[rows, heads, src])
-        return keys, values
+            raise RuntimeError("KVCache: update outside a step (no plan; see KVCache.make_plan)")
+        bound = StepKV(self.k, self.v, self.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src)
+        return bound.update(k, v)
 
     @property
     def nbytes(self) -> int:
         return int(self.k.numel() * self.k.element_size() * 2)
+
+
+class StepKV:
+    """One layer's buffers bound to a step's plan: what attention calls `update` on.
+
+    Built from plain tensors (no reference to the cache), so a compiled block can take
+    everything it touches as inputs.
+    """
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: bool,
+        slots: torch.Tensor,
+        n_new: torch.Tensor,
+        ring_write: torch.Tensor | None,
+        ring_src: torch.Tensor | None,
+    ) -> None:
+        self.k, self.v, self.ring = k, v, ring
+        self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
+
+        Key ``s`` of what is returned is the one `KVCache.key_slots` lists at ``s``.
+        """
+        B, H, T = k.shape[0], k.shape[1], k.shape[2]
+        rows = torch.arange(B, device=k.device)[:, None, None]  # [B, 1, 1]
+        heads = torch.arange(H, device=k.device)[None, :, None]  # [1, H, 1]
+        if not self.ring:
+            slots = self.slots[:, None, :]  # [B, 1, T]
+            self.k[rows, heads, slots] = k  # index_put_: compiles to an in-place write
+            self.v[rows, heads, slots] = v
+            return self.k, self.v
+        if T == 1:
+            assert self.ring_write is not None
+            slot = self.ring_write[:, None, None]  # [B, 1, 1]
+            keep = (self.n_new == 0)[:, None, None, None]  # a row with no token this step keeps its entry
+            self.k[rows, heads, slot] = torch.where(keep, self.k[rows, heads, slot], k)
+            self.v[rows, heads, slot] = torch.where(keep, self.v[rows, heads, slot], v)
+            return self.k, self.v
+        assert self.ring_src is not None
+        keys = torch.cat((k, self.k), dim=2)  # [B, Hkv, T + R, hd]: new first (aligned at key 0)
+        values = torch.cat((v, self.v), dim=2)
+        src = self.ring_src[:, None, :]  # [B, 1, R]
+        self.k.copy_(keys[rows, heads, src])
+        self.v.copy_(values[rows, heads, src])
+        return keys, values
 
 
 class KVCache:
@@ -258,4 +284,4 @@ def slot_mask(
     return mask[:, None]  # [B, 1, T, S]
 
 
-__all__ = ["KEY_CHUNK", "KVCache", "LayerKV", "StepPlan", "slot_mask"]
+__all__ = ["KEY_CHUNK", "KVCache", "LayerKV", "StepKV", "StepPlan", "slot_mask"]

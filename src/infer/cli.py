@@ -54,6 +54,7 @@ def _load(args: argparse.Namespace) -> Any:
             quantize=args.quantize,
             streaming=streaming,
             progress=progress,
+            compile=args.compile,
         )
     finally:
         close()
@@ -141,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="compile the generation step with torch.compile (resident models; default: per device)",
+        )
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
     g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")

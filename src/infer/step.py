@@ -121,7 +121,7 @@ def head_and_sample(
     noise: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Head and sampling for ``h [B, 1, D]``: ``(tokens, logits, nonfinite)``."""
-    logits = model.head(h)[:, 0].float()  # [B, V]
+    logits = model.head(h, greedy=mode.greedy)[:, 0].float()  # [B, V]
     nonfinite = ~torch.isfinite(logits).all(dim=-1)
     tokens = sample(logits, mode, values, noise)
     return tokens, logits, nonfinite
@@ -165,8 +165,10 @@ class Stepper:
         self._fn: StepFn = model_step
         if compile:
             enable_disk_cache()
-            mode = "reduce-overhead" if model.device.type == "cuda" else None
-            self._fn = torch.compile(model_step, fullgraph=True, dynamic=False, mode=mode)
+            if model.device.type == "cuda":  # CUDA graphs: one launch per step
+                self._fn = torch.compile(model_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+            else:  # inductor's C++ kernels; packed products stay torch's aten kernels
+                self._fn = torch.compile(model_step, fullgraph=True, dynamic=False)
 
     def capacity(self, needed: int) -> int:
         """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""

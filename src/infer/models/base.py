@@ -17,9 +17,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from infer.cache import KVCache, slot_mask
+from infer.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import Linear, make_rotary_embeddings
+from infer.quant.linear import QuantizedLinear
 
 
 @dataclass
@@ -47,6 +48,34 @@ class SequentialExecutor:
         for i, layer in enumerate(model.layers):
             x = model.run_layer(i, layer, x, step)
         return x
+
+
+_NO_KV = (None, None, False, None, None, None, None)
+
+
+@torch.compiler.nested_compile_region
+def _run_block(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    ring: bool,
+    slots: torch.Tensor | None,
+    n_new: torch.Tensor | None,
+    ring_write: torch.Tensor | None,
+    ring_src: torch.Tensor | None,
+) -> torch.Tensor:
+    """One block, everything it reads passed in. Compiled, the blocks of a model form one
+    region, traced and code-generated once per kind of layer and stamped out per layer
+    (eagerly a plain call)."""
+    kv = None
+    if k is not None and v is not None and slots is not None and n_new is not None:
+        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src)
+    out: torch.Tensor = layer(x, cos, sin, mask, kv)
+    return out
 
 
 def pad_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -146,13 +175,28 @@ class DecoderLM(nn.Module):
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         lt = self.layer_types[index]
         cos, sin = step.rope[lt]
-        kv = step.cache.layers[index] if step.cache is not None else None
-        out: torch.Tensor = layer(x, cos, sin, step.masks[lt], kv)
+        cache = step.cache
+        if cache is None or cache.plan is None:
+            out: torch.Tensor = _run_block(layer, x, cos, sin, step.masks[lt], *_NO_KV)
+            return out
+        kv, plan = cache.layers[index], cache.plan
+        out = _run_block(
+            layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
+            plan.slots, plan.n_new, plan.ring_write, plan.ring_src,
+        )  # fmt: skip
         return out
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits."""
-        logits: torch.Tensor = self.lm_head(self.norm(h))
+    def head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits.
+
+        ``greedy``: only each row's argmax must be exact (`QuantizedLinear.greedy`: a
+        packed head may then scan fewer bytes); the other logits may be approximate.
+        """
+        x = self.norm(h)
+        lm_head = self.lm_head
+        logits: torch.Tensor = (
+            lm_head.greedy(x) if greedy and isinstance(lm_head, QuantizedLinear) else lm_head(x)
+        )
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
