@@ -15,7 +15,7 @@ so (with the row-invariant products of `infer.rows` and the chunked attention of
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -139,8 +139,7 @@ def generate_steps(
     in the batch but their outputs are ignored. ``stepper`` runs the steps (default:
     eagerly); a streaming model always runs eagerly.
     """
-    B = len(prompts)
-    context, chunk = context_limits(model, B)
+    context, _ = context_limits(model, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest + 1 > context:
         raise ValueError(f"prompt has {longest} tokens; the model's context is {context} tokens")
@@ -150,12 +149,56 @@ def generate_steps(
         for r in rows:
             r.finish_reason = "length"
         return
+    eos = set(eos_ids)
+    outputs = step_outputs(
+        model, prompts, max_new_tokens=max_new_tokens, params=params, pad_id=pad_id, stepper=stepper
+    )
+    t0 = time.perf_counter()
+    t1 = t0
+    for step, out in enumerate(outputs):
+        chosen: list[int] = out.tokens.tolist()  # the step's one host read (out.nonfinite comes with it)
+        if step == 0:
+            t1 = time.perf_counter()
+            if timings is not None:
+                timings["prefill_s"] = t1 - t0
+        for b, tok in enumerate(chosen):
+            row = rows[b]
+            if row.finish_reason is not None:
+                continue
+            row.tokens.append(tok)
+            if tok in eos:
+                row.finish_reason = "eos"
+            elif stop_check is not None and stop_check(b, row.tokens):
+                row.finish_reason = "stop"
+            elif len(row.tokens) >= max_new_tokens:
+                row.finish_reason = "length"
+        yield rows
+        if all(r.finish_reason is not None for r in rows):
+            break
+    outputs.close()
+    if timings is not None:
+        timings["decode_s"] = time.perf_counter() - t1
+        timings["decode_steps"] = float(max(len(r.tokens) for r in rows) - 1)
+
+
+def step_outputs(
+    model: DecoderLM,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    params: SamplingParams,
+    pad_id: int = 0,
+    stepper: Stepper | None = None,
+) -> Generator[StepOutput, None, None]:
+    """The steps of a generation: the prefill's output, then one per decode step, ``max_new_tokens``
+    in all (each step feeds the previous one's tokens). Close it to stop early."""
+    B = len(prompts)
+    _, chunk = context_limits(model, B)
+    longest = max(len(p) for p in prompts)
     if stepper is None or stepper.model is not model or chunk is not None:
         stepper = Stepper(model)
     device = model.device
-    T = stepper.prefill_length(longest)
-    if chunk is not None:
-        T = max(2, longest)
+    T = stepper.prefill_length(longest) if chunk is None else max(2, longest)
     ids = right_pad(prompts, pad_id, T).to(device)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     cache = stepper.cache(B, stepper.capacity(max(T, longest + max_new_tokens)))
@@ -169,45 +212,19 @@ def generate_steps(
     def noise() -> torch.Tensor | None:
         return None if generator is None else gumbel_noise(B, vocab, generator, device)
 
-    def check(out: StepOutput, step: int) -> list[int]:
-        chosen: list[int] = out.tokens.tolist()  # the step's one host read (out.nonfinite comes with it)
-        return chosen
-
-    eos = set(eos_ids)
-    t0 = time.perf_counter()
     if chunk is None:
         out = stepper(cache, ids, lengths, lengths - 1, mode, values, noise())
     else:  # a streamed model: prefill in the chunks its plan has memory for, the head once
         out = StepOutput(*_chunked_prefill(model, cache, ids, lengths, chunk, mode, values, noise()))
     cache.length = longest
-    chosen = check(out, 0)
-    if timings is not None:
-        timings["prefill_s"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    yield out
     ones = torch.ones(B, dtype=torch.long, device=device)
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    for step in range(max_new_tokens):
-        for b, tok in enumerate(chosen):
-            row = rows[b]
-            if row.finish_reason is not None:
-                continue
-            row.tokens.append(tok)
-            if tok in eos:
-                row.finish_reason = "eos"
-            elif stop_check is not None and stop_check(b, row.tokens):
-                row.finish_reason = "stop"
-            elif len(row.tokens) >= max_new_tokens:
-                row.finish_reason = "length"
-        yield rows
-        if all(r.finish_reason is not None for r in rows) or step == max_new_tokens - 1:
-            break
+    for _ in range(max_new_tokens - 1):
         cache.check(1)
         out = stepper(cache, out.tokens[:, None], ones, zeros, mode, values, noise())
         cache.length += 1
-        chosen = check(out, step + 1)
-    if timings is not None:
-        timings["decode_s"] = time.perf_counter() - t1
-        timings["decode_steps"] = float(max(len(r.tokens) for r in rows) - 1)
+        yield out
 
 
 def _chunked_prefill(

@@ -1,26 +1,26 @@
 """Matrix products whose per-row arithmetic does not depend on how many rows there are.
 
-A prompt's tokens must not depend on what else is in its batch. CPU BLAS picks a
-different kernel (and so a different summation order) by row count: measured with
-torch 2.15 (MKL / oneDNN), a float32 ``x @ W.T`` gives one result for 1 row, another
-for 2-3 rows and a third for 4 rows or more (float32 differences ~1e-5, bfloat16 at
-vocabulary size 2^-10 relative), while the rows-of-4-or-more results agree for every
-row count tried (4 to 2048). torch's packed int4/int8 CPU kernels compute every row
-the same way whatever the row count.
+A prompt's tokens must not depend on what else is in its batch. CPU BLAS picks its
+kernels by row count, and with them the summation order. Measured with torch 2.15
+(MKL sgemm, 2 threads; float32 differences ~1e-6 relative): a product of 1 row, one of
+2-3 rows and one of 4 or more rows round differently, and with fewer than 12 rows the
+rows of a last, partial group of 4 round differently again; products whose row count is
+a multiple of 4 give every row the value it has in a 2048-row product. torch's packed
+int4/int8 CPU kernels compute every row the same way whatever the row count.
 
 So the rule, keyed on the shape of the step, never on the batch:
 
 * one token per sequence (``x [..., 1, K]``, a decode step): each row is its own
-  1-row product (`per_row`);
+  1-row product (`matmul_rows` with ``per_row``);
 * several tokens per sequence (prefill): one product over all rows, padded with zero
-  rows to at least `MIN_GEMM_ROWS`.
+  rows to a multiple of `ROW_GROUP`.
 """
 
 from __future__ import annotations
 
 import torch
 
-MIN_GEMM_ROWS = 4  # from 4 rows on, the float GEMMs measured give every row the same result
+ROW_GROUP = 16  # prefill products run on a multiple of this many rows (a multiple of 4 suffices here)
 
 
 def one_token_per_row(x: torch.Tensor) -> bool:
@@ -35,8 +35,8 @@ def matmul_rows(x: torch.Tensor, w_t: torch.Tensor, per_row: bool) -> torch.Tens
         if m == 1:
             return x @ w_t
         return torch.cat([x[i : i + 1] @ w_t for i in range(m)])
-    if m < MIN_GEMM_ROWS:
-        padded = torch.cat((x, x.new_zeros(MIN_GEMM_ROWS - m, x.shape[1])))
+    if m % ROW_GROUP:
+        padded = torch.cat((x, x.new_zeros(ROW_GROUP - m % ROW_GROUP, x.shape[1])))
         return (padded @ w_t)[:m]
     return x @ w_t
 
@@ -50,4 +50,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, weight.shape[0])
 
 
-__all__ = ["MIN_GEMM_ROWS", "linear", "matmul_rows", "one_token_per_row"]
+__all__ = ["ROW_GROUP", "linear", "matmul_rows", "one_token_per_row"]

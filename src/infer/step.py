@@ -29,6 +29,7 @@ import torch
 
 from infer.cache import KVCache, round_up
 from infer.models.base import DecoderLM
+from infer.rows import ROW_GROUP
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
@@ -178,10 +179,12 @@ class Stepper:
         return max(needed, min(bucket, round_up(self.model.config.max_position_embeddings, 64)))
 
     def prefill_length(self, longest: int) -> int:
-        """Tokens per row of the prefill step: at least 2, so a prefill is never a decode-shaped step
-        (`infer.rows`: the arithmetic of a row must not depend on the batch's longest prompt)."""
+        """Tokens per row of the prefill step (prompts are right-padded to it): a multiple of
+        `infer.rows.ROW_GROUP`, so a prefill is never decode-shaped and its products (the
+        attention's too: ``heads/kv_heads x T`` rows) have whole row groups whatever the
+        batch's longest prompt; a power of two from `MIN_PREFILL` when compiled."""
         if not self.compiled:
-            return max(2, longest)
+            return round_up(longest, ROW_GROUP)
         return max(MIN_PREFILL, 1 << (longest - 1).bit_length())
 
     def cache(self, batch: int, capacity: int) -> KVCache:
