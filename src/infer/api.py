@@ -15,6 +15,7 @@ from infer.loader.config import ModelConfig, load_config
 from infer.loader.tokenizer import Tokenizer
 from infer.models import model_class
 from infer.models.base import DecoderLM
+from infer.models.common import fuse_projections
 from infer.step import Stepper
 
 if TYPE_CHECKING:
@@ -354,6 +355,8 @@ def load(
     path = resolve_checkpoint(path_or_hub_id)
     if path.suffix == ".gguf":
         llm = _load_gguf(path, device, dtype, quantize=quantize, streaming=streaming, progress=progress)
+        if streaming is None:
+            fuse_projections(llm.model)
         if use_compile:
             llm.stepper = Stepper(llm.model, compile=True)
         return llm
@@ -376,6 +379,8 @@ def load(
         )
     if not isinstance(model, DecoderLM):
         raise TypeError(f"model builder returned {type(model).__name__}, expected a DecoderLM")
+    if streaming is None:
+        fuse_projections(model)  # q/k/v and gate/up as one product each
     return LLM(config, tokenizer, model, path, compile=use_compile)
 
 

@@ -23,14 +23,75 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from infer import rows
 from infer.cache import KEY_CHUNK
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.quant.linear import QuantizedLinear
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on the batch (`infer.rows`): decode rows one
-    by one, prefill as one product of at least 4 rows. Same parameters and names."""
+    by one, prefill as one product of whole row groups. Same parameters and names."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rows.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One module computing ``parts`` (same input) side by side, their outputs concatenated;
+    the parts keep views of its weights. None when they cannot be fused."""
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return QuantizedLinear.concat(parts)  # type: ignore[arg-type]
+    if not all(type(p) is Linear for p in parts):
+        return None
+    linears: list[Linear] = parts  # type: ignore[assignment]
+    first = linears[0]
+    if any(p.in_features != first.in_features or (p.bias is None) != (first.bias is None) for p in linears):
+        return None
+    if any(p.weight.dtype != first.weight.dtype or p.weight.device != first.weight.device for p in linears):
+        return None
+    n = sum(p.out_features for p in linears)
+    fused = Linear(first.in_features, n, bias=first.bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in linears]), requires_grad=False)
+    if first.bias is not None:
+        biases = [p.bias.detach() for p in linears if p.bias is not None]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    start = 0
+    for p in linears:
+        stop = start + p.out_features
+        p.weight = nn.Parameter(fused.weight[start:stop], requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
+        start = stop
+    return fused
+
+
+class Fusable(nn.Module):
+    """A module whose sibling projections can run as one product (`fuse`). The fused module is
+    held outside the module tree (no second copy in ``state_dict``/``parameters``) and dropped
+    when the module is moved or cast, which falls back to the separate projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused: list[nn.Module] = []
+
+    def fuse(self) -> bool:
+        fused = fuse_linears(self.fusable())
+        self._fused = [fused] if fused is not None else []
+        return fused is not None
+
+    def fusable(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self._fused = []
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up of every block of a resident model (fewer, larger kernel calls).
+
+    Not for layer streaming, which swaps each projection's weights on its own.
+    Returns how many groups were fused.
+    """
+    return sum(m.fuse() for m in model.modules() if isinstance(m, Fusable))
 
 
 class RMSNorm(nn.Module):
@@ -196,7 +257,7 @@ class KVStore(Protocol):
         ...
 
 
-class Attention(nn.Module):
+class Attention(Fusable):
     """Multi-head attention with GQA, decoupled ``head_dim``, optional QK-norm.
 
     Projections are named as in HF checkpoints (``q_proj``, ``k_proj``, ``v_proj``,
@@ -237,6 +298,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
             self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
 
+    def fusable(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -246,9 +310,14 @@ class Attention(nn.Module):
         cache: KVStore | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._fused:
+            q, k, v = self._fused[0](x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, H, hd)
+        k = k.reshape(B, T, Hkv, hd)
+        v = v.reshape(B, T, Hkv, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -329,7 +398,12 @@ def attend_chunked(
         mask = F.pad(mask, (0, extra), value=False)
         S += extra
     n = S // KEY_CHUNK
-    scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if T == 1:  # decode: tiny products, as broadcast-and-sum (compiled: fused loops, no BLAS calls)
+        scores = (qf.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(
+            -1
+        ) * scale  # [B, Hkv, G, S]
+    else:
+        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -337,8 +411,13 @@ def attend_chunked(
     top = scores.amax(-1, keepdim=True)  # exact whatever the order: the row's max over its keys
     p = torch.exp(scores - top).view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
     den = p.sum(-1).sum(-1, keepdim=True)  # [B, Hkv, G*T, 1]
-    parts = torch.matmul(p.transpose(2, 3), v.float().view(B, Hkv, n, KEY_CHUNK, D))  # [B, Hkv, n, G*T, D]
-    out = parts.sum(2) / den  # [B, Hkv, G*T, D]
+    vc = v.float().view(B, Hkv, n, KEY_CHUNK, D)
+    if T == 1:
+        parts = (p[..., None] * vc[:, :, None]).sum(-2)  # [B, Hkv, G, n, D]
+        out = parts.sum(-2) / den
+    else:
+        parts = torch.matmul(p.transpose(2, 3), vc)  # [B, Hkv, n, G*T, D]
+        out = parts.sum(2) / den  # [B, Hkv, G*T, D]
     return out.to(q.dtype).reshape(B, H, T, D)
 
 
@@ -372,7 +451,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(Fusable):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)."""
 
     def __init__(
@@ -384,8 +463,15 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = activation(act)
 
+    def fusable(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self._fused:
+            gate, up = self._fused[0](x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(self.act_fn(gate) * up)
         return out
 
 

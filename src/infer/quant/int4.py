@@ -83,17 +83,18 @@ def unpack_transposed(
     k = half_k * 2
     if start % BLOCK_N:
         raise ValueError(f"unpack_transposed: start {start} is not a multiple of {BLOCK_N}")
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)  # low nibble, high nibble
     parts = []
     full_stop = min(stop, n - n % BLOCK_N)
     if full_stop > start:
         nb = (full_stop - start) // BLOCK_N
         byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
-        both = torch.stack((byte & 0x0F, byte >> 4), dim=2)  # [K, nb, 2, 32]: rows j, j + 32
+        both = (byte[:, :, None, :] >> shifts[:, None]) & 0x0F  # [K, nb, 2, 32]: rows j, j + 32
         parts.append(both.reshape(k, nb * BLOCK_N))
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
-        parts.append(torch.stack((byte & 0x0F, byte >> 4), dim=2).reshape(k, r))  # rows 2j, 2j + 1
+        parts.append(((byte[:, :, None] >> shifts) & 0x0F).reshape(k, r))  # rows 2j, 2j + 1
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return out.to(dtype)
 

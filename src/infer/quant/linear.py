@@ -186,6 +186,52 @@ class QuantizedLinear(nn.Module):
         tensors = {"qweight": q, "scales": scale}
         return cls(k, n, "int8", tensors, bias=bias, source="int8", compute_dtype=compute_dtype)
 
+    @classmethod
+    def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+        """One module computing ``parts`` side by side (their outputs concatenated), or None
+        when they cannot share one packed matrix. The parts then hold views of its buffers
+        (no second copy). Used to run q/k/v and gate/up as one kernel call each."""
+        first = parts[0]
+        same = all(
+            p.fmt == first.fmt
+            and p.in_features == first.in_features
+            and p.planes == first.planes
+            and p.compute_dtype == first.compute_dtype
+            and not p.split
+            and not hasattr(p, "scale_zero_residual")
+            and (p.bias is None) == (first.bias is None)
+            for p in parts
+        )
+        if not same:
+            return None
+        if first.fmt == "int4":  # whole 64-row packing blocks, no padding rows in between
+            inner = any(p.out_features % int4.BLOCK_N for p in parts[:-1])
+            if inner or parts[-1].packed.shape[0] != parts[-1].out_features:
+                return None
+            names, dims = ["packed", "scale_zero"], [0, 1]
+        elif first.fmt == "int8":
+            names, dims = ["qweight", "scales"], [0, 0]
+        else:
+            names, dims = ["weight"], [0]
+        pairs = list(zip(names, dims, strict=True))
+        tensors = {name: torch.cat([getattr(p, name) for p in parts], dim=dim) for name, dim in pairs}
+        bias = torch.cat([p.bias for p in parts]) if first.bias is not None else None  # type: ignore[misc]
+        n = sum(p.out_features for p in parts)
+        source = "+".join(sorted({p.source for p in parts}))
+        fused = cls(
+            first.in_features, n, first.fmt, tensors, bias=bias, planes=first.planes, source=source,
+            compute_dtype=first.compute_dtype,
+        )  # fmt: skip
+        start = 0
+        for p in parts:
+            stop = start + p.out_features
+            for name, dim in pairs:
+                setattr(p, name, getattr(fused, name).narrow(dim, start, stop - start))
+            if p.bias is not None and fused.bias is not None:
+                p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
+            start = stop
+        return fused
+
     # ---- forward --------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
