@@ -345,7 +345,8 @@ def load(
     ``compile`` runs generation through ``torch.compile`` of the whole step (resident
     models only; `infer.step`): the first request of each new (batch, length) bucket
     compiles it (cached on disk under the user's cache directory, so later processes
-    load it). ``None`` decides per device: see `compile_by_default`.
+    load it). ``None`` means `compile_by_default` (off: a short generation does not win
+    back even a warm compile).
     """
     device = torch.device(device)
     if compile and streaming is not None:
@@ -385,12 +386,14 @@ def load(
 
 
 def compile_by_default(device: torch.device) -> bool:
-    """Whether `load` compiles when ``compile`` is not given.
+    """Whether `load` compiles when ``compile`` is not given: off on every device.
 
-    Off: on this project's CPU benchmark (docs/performance.md, *Compiled step*) a short
-    generation does not win back even a warm compile. Pass ``compile=True`` for long or
-    repeated generations.
+    On this project's CPU benchmark (docs/performance.md, *Compiled step*) a compiled step
+    saves ~15 ms a token on SmolLM2 but a warm compile takes ~10 s, so a short generation
+    (128 tokens) does not win it back; on CUDA it is not measured here. Pass
+    ``compile=True`` (``--compile``) for long or repeated generations in one process.
     """
+    del device
     return False
 
 

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--compile",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="compile the generation step with torch.compile (resident models; default: per device)",
+            help="compile the generation step with torch.compile (resident models; default: off)",
         )
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
