@@ -3,8 +3,9 @@
 For each type, weight shape and number of input rows (T=1: a decode step; T=128: a
 prefill chunk) it times:
 
-- ``chosen``: ``QuantizedLinear.forward`` as shipped (packed kernel for T <= KERNEL_MAX_ROWS[fmt],
-  tile-wise dequantize + bf16 matmul above);
+- ``chosen``: ``QuantizedLinear.forward`` as shipped on a step of that shape (T=1: a decode
+  step, the packed kernel; T>1: a prefill chunk of one sequence, tile-wise dequantize + bf16
+  matmul over whole 16-row groups; the path is keyed on the step's shape, never the row count);
 - ``kernel``: the packed kernel forced (``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``,
   bfloat16 activations);
 - ``tiles``: tile-wise dequantize + bf16 matmul forced;
@@ -34,7 +35,6 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from infer.quant import QuantizedLinear, dequantize
-from infer.quant.linear import KERNEL_MAX_ROWS
 
 T = GGMLQuantizationType
 FP16_FIELDS = {
@@ -96,21 +96,25 @@ def bench_case(
     x = torch.randn(rows, in_f, generator=gen)
     xbf = x.to(torch.bfloat16)
 
-    def forced(limit: int) -> Callable[[], object]:
+    shipped = lin.use_kernel
+
+    def forced(kernel: bool, shape: str) -> Callable[[], object]:
+        xs = x[:, None] if shape == "decode" else x[None]  # [T, 1, K] rows one by one, or [1, T, K]
+
         def run() -> object:
-            lin.kernel_max_rows = limit
-            return lin(x)
+            lin.use_kernel = kernel
+            return lin(xs)
 
         return run
 
     fns: dict[str, Callable[[], object]] = {
-        "chosen": forced(lin.kernel_max_rows),
+        "chosen": forced(shipped, "decode" if rows == 1 else "prefill"),
         "f32": lambda: F.linear(x, w32),
         "bf16": lambda: F.linear(xbf, wbf),
     }
     if lin.fmt != "dense":
-        fns["kernel"] = forced(1 << 30)
-        fns["tiles"] = forced(0)
+        fns["kernel"] = forced(True, "decode")  # decode rows: the kernel takes any row count
+        fns["tiles"] = forced(False, "prefill")
     if naive and raw is not None:
         qt = GGMLQuantizationType[type_name]
         fns["deq+mm"] = lambda: F.linear(x, dequantize(raw, qt, (out_f, in_f)))
@@ -140,8 +144,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cdt = getattr(torch, args.compute_dtype)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-        f"compute dtype {args.compute_dtype}, KERNEL_MAX_ROWS={KERNEL_MAX_ROWS}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), compute dtype {args.compute_dtype}"
     )
     header = (
         f"{'type':6s} {'shape':>11s} {'T':>4s}  {'path':7s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} "

@@ -17,6 +17,8 @@ from infer.generate import RowState, SamplingParams, check_max_new_tokens, gener
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
+from infer.models.common import fuse_projections
+from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
@@ -161,12 +163,26 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 class LLM:
     """A loaded model with its tokenizer: `generate`, `stream`, `chat`."""
 
-    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, model: DecoderLM, source: Path) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        model: DecoderLM,
+        source: Path,
+        *,
+        compile: bool = False,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
         self.source = source
         self.parallel: Parallel | None = None  # this rank's place in a parallel run (infer.distributed)
+        self.stepper = Stepper(model, compile=compile)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether generation runs the compiled step (`infer.step.Stepper`)."""
+        return self.stepper.compiled
 
     def __repr__(self) -> str:
         m = self.model
@@ -255,6 +271,7 @@ class LLM:
             pad_id=pad_id,
             stop_check=stop_check if stop else None,
             timings=self._timings,
+            stepper=self.stepper,
         )
 
     def _result(self, row: RowState, stop: Sequence[str]) -> GenerationResult:
@@ -466,6 +483,7 @@ def load(
     validate: bool = True,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
+    compile: bool | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -486,8 +504,23 @@ def load(
     NCCL on CUDA). Every rank calls ``load`` with the same arguments and reads only its
     part of the weights; generation then gives the same result on every rank. See
     docs/distributed.md.
+
+    ``compile`` runs generation through ``torch.compile`` of the whole step (resident
+    models only; `infer.step`): the first request of each new (batch, length) bucket
+    compiles it (cached on disk under the user's cache directory, so later processes
+    load it). ``None`` means `compile_by_default` (off: a short generation does not win
+    back even a warm compile).
     """
     device = torch.device(device)
+    parallel = tensor_parallel != 1 or pipeline_parallel != 1
+    if compile and streaming is not None:
+        raise ValueError("compile=True applies to resident models; a streamed model runs eagerly")
+    if compile and parallel:
+        raise ValueError(
+            "compile=True applies to one process; tensor- and pipeline-parallel models run eagerly"
+        )
+    use_compile = compile_by_default(device) if compile is None else compile
+    use_compile = use_compile and streaming is None and not parallel
     path = resolve_checkpoint(path_or_hub_id)
     source: WeightSource
     compute_dtype: torch.dtype | None = None
@@ -513,7 +546,7 @@ def load(
         torch_dtype = resolve_dtype(dtype, config.torch_dtype, str(path / "config.json"))
         tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
         source = SafetensorsSource(path)
-    if tensor_parallel != 1 or pipeline_parallel != 1:
+    if parallel:
         return _load_parallel(
             path, source, config, tokenizer, device, torch_dtype, compute_dtype,
             quantize=quantize, streaming=streaming, validate=validate, progress=progress,
@@ -550,4 +583,18 @@ def load(
     except BaseException:
         source.close()
         raise
-    return LLM(config, tokenizer, model, path)
+    if streaming is None:
+        fuse_projections(model)  # q/k/v and gate/up as one product each
+    return LLM(config, tokenizer, model, path, compile=use_compile)
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """Whether `load` compiles when ``compile`` is not given: off on every device.
+
+    On this project's CPU benchmark (docs/performance.md, *Compiled step*) a compiled step
+    saves ~15 ms a token on SmolLM2 but a warm compile takes ~10 s, so a short generation
+    (128 tokens) does not win it back; on CUDA it is not measured here. Pass
+    ``compile=True`` (``--compile``) for long or repeated generations in one process.
+    """
+    del device
+    return False

@@ -1,26 +1,58 @@
-"""Preallocated KV cache: one buffer per layer, ring buffers for sliding-window layers.
+"""Static KV cache: preallocated buffers addressed by position tensors.
 
-Sequences in a batch are left-padded and advance in lock-step, so the cache works in
-*slots*: slot ``s`` holds the token written at step ``s`` for every row. Row ``b``'s
-real tokens start at slot ``pad[b]``; its RoPE position is ``slot - pad[b]``. Masks
-are built once per forward and per layer type from the slots each layer will attend
-to (`KVCache.key_slots`), so the attention kernels never see padding logic.
+Every row of a batch has its own write position, a tensor: ``slot[b]`` is the next slot
+row ``b`` writes. A step of ``T`` tokens writes them at slots ``slot[b] + t`` and
+advances each row by its number of real tokens ``n_new[b]`` (a right-padded prefill
+advances short rows less; what their padding wrote is overwritten by their next
+tokens, and masked until then). Rows may also be left-padded (``pad[b]`` slots of
+padding before the first real token, as ``attention_mask`` describes it): a token's
+position (RoPE, learned positions) is ``slot - pad[b]``. Generation right-pads, so a
+row's keys sit at the same slots alone and in any batch — the attention's reductions
+then see the same numbers in the same order (`infer.models.common.attend`).
 
-Full-attention layers keep ``max_len`` slots. Sliding-window layers keep
-``min(window, max_len)`` slots in a ring: a decode step writes its token into slot
-``pos % window`` and then attends over the ring (every entry is inside the window);
-a multi-token step attends over ``ring + new`` and then writes the newest entries.
+Full-attention layers keep ``capacity`` slots, rounded up to a multiple of
+`KEY_CHUNK`. Sliding-window layers keep ``min(window, capacity)`` slots in a ring
+and, per ring slot, the slot number it holds (``ring_slots [B, R]``, -1 when empty):
+a decode step writes slot ``slot % R`` and attends over the ring; a multi-token step
+attends over ``new + ring`` and then rewrites the ring with the newest entries.
+
+All of a step's indices and masks are tensors computed once per step (`KVCache.plan`),
+so a step has no host synchronization and a fixed shape for a given
+``(batch, capacity, T)``: it can be compiled whole. The host keeps only ``length``, an
+upper bound of the slots used, to refuse overflowing steps before they run.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from infer.config import SLIDING_ATTENTION, ModelConfig
 
+KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
+
+
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class StepPlan:
+    """Where a step's ``T`` tokens go and what they see (all tensors, computed once per step)."""
+
+    slots: torch.Tensor  # [B, T] slot of every new token (query slots)
+    n_new: torch.Tensor  # [B] real tokens per row in this step
+    positions: torch.Tensor  # [B, T] positions (slot - pad, clamped at 0)
+    ring_write: torch.Tensor | None  # [B] ring slot of a 1-token step
+    ring_src: torch.Tensor | None  # [B, R] index into cat(new [T], ring [R]) of each new ring entry
+    ring_before: torch.Tensor | None  # [B, R] slots the ring holds before the step
+    ring_after: torch.Tensor | None  # [B, R] ... and after it
+    one_token: bool  # T == 1: write first, then attend over the buffers
+
 
 class LayerKV:
-    """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each."""
+    """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers)."""
 
     def __init__(
         self, cache: KVCache, capacity: int, ring: bool, shape: tuple[int, int, int], **kw: object
@@ -33,41 +65,73 @@ class LayerKV:
         self.v = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.cache.length
-        T = k.shape[2]
-        if not self.ring:
-            end = start + T
-            if end > self.capacity:
-                raise RuntimeError(f"KV cache overflow: {end} positions, capacity {self.capacity}")
-            self.k[:, :, start:end] = k
-            self.v[:, :, start:end] = v
-            return self.k[:, :, :end], self.v[:, :, :end]
-        W = self.capacity
-        if T == 1:
-            slot = start % W
-            self.k[:, :, slot : slot + 1] = k
-            self.v[:, :, slot : slot + 1] = v
-            n = min(start + 1, W)
-            return self.k[:, :, :n], self.v[:, :, :n]
-        n_old = min(start, W)
-        k_all = torch.cat((self.k[:, :, :n_old], k), dim=2)  # [B, Hkv, n_old + T, hd]
-        v_all = torch.cat((self.v[:, :, :n_old], v), dim=2)
-        keep = min(T, W)
-        slots = torch.arange(start + T - keep, start + T, device=self.k.device) % W
-        self.k[:, :, slots] = k[:, :, T - keep :]
-        self.v[:, :, slots] = v[:, :, T - keep :]
-        return k_all, v_all
+        """`StepKV.update` with the cache's current step plan."""
+        plan = self.cache.plan
+        if plan is None:
+            raise RuntimeError("KVCache: update outside a step (no plan; see KVCache.make_plan)")
+        bound = StepKV(self.k, self.v, self.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src)
+        return bound.update(k, v)
 
     @property
     def nbytes(self) -> int:
         return int(self.k.numel() * self.k.element_size() * 2)
 
 
+class StepKV:
+    """One layer's buffers bound to a step's plan: what attention calls `update` on.
+
+    Built from plain tensors (no reference to the cache), so a compiled block can take
+    everything it touches as inputs.
+    """
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: bool,
+        slots: torch.Tensor,
+        n_new: torch.Tensor,
+        ring_write: torch.Tensor | None,
+        ring_src: torch.Tensor | None,
+    ) -> None:
+        self.k, self.v, self.ring = k, v, ring
+        self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
+
+        Key ``s`` of what is returned is the one `KVCache.key_slots` lists at ``s``.
+        """
+        B, H, T = k.shape[0], k.shape[1], k.shape[2]
+        rows = torch.arange(B, device=k.device)[:, None, None]  # [B, 1, 1]
+        heads = torch.arange(H, device=k.device)[None, :, None]  # [1, H, 1]
+        if not self.ring:
+            slots = self.slots[:, None, :]  # [B, 1, T]
+            self.k[rows, heads, slots] = k  # index_put_: compiles to an in-place write
+            self.v[rows, heads, slots] = v
+            return self.k, self.v
+        if T == 1:
+            assert self.ring_write is not None
+            slot = self.ring_write[:, None, None]  # [B, 1, 1]
+            keep = (self.n_new == 0)[:, None, None, None]  # a row with no token this step keeps its entry
+            self.k[rows, heads, slot] = torch.where(keep, self.k[rows, heads, slot], k)
+            self.v[rows, heads, slot] = torch.where(keep, self.v[rows, heads, slot], v)
+            return self.k, self.v
+        assert self.ring_src is not None
+        keys = torch.cat((k, self.k), dim=2)  # [B, Hkv, T + R, hd]: new first (aligned at key 0)
+        values = torch.cat((v, self.v), dim=2)
+        src = self.ring_src[:, None, :]  # [B, 1, R]
+        self.k.copy_(keys[rows, heads, src])
+        self.v.copy_(values[rows, heads, src])
+        return keys, values
+
+
 class KVCache:
     """The KV cache of a whole model for one batch.
 
-    ``pad[b]`` is the number of left-padding slots of row ``b``. ``length`` is the
-    number of slots written so far; `advance` moves it after a forward.
+    ``max_len`` slots per row (``capacity`` is that rounded up to `KEY_CHUNK`);
+    ``pad[b]`` left-padding slots of row ``b``. ``slot [B]`` (tensor) is the next slot
+    of every row; ``length`` (host int) bounds the slots used so far.
     """
 
     def __init__(
@@ -82,30 +146,37 @@ class KVCache:
     ) -> None:
         self.config = config
         self.max_len = max_len
+        self.capacity = round_up(max_len, KEY_CHUNK)
         self.batch_size = batch_size
         self.length = 0
         self.device = torch.device(device)
         if pad is None:
             pad = torch.zeros(batch_size, dtype=torch.long)
         self.pad = pad.to(device=self.device, dtype=torch.long)
-        self.has_padding = bool((pad > 0).any())
+        self.slot = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.window = config.sliding_window
+        self.ring_size = min(self.window, self.capacity) if self.window is not None else None
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
+        self.ring_slots: torch.Tensor | None = None
         for i in range(config.num_hidden_layers):
-            ring = config.layer_type(i) == SLIDING_ATTENTION and self.window is not None
-            capacity = min(self.window, max_len) if ring and self.window is not None else max_len
+            ring = config.layer_type(i) == SLIDING_ATTENTION and self.ring_size is not None
+            capacity = self.ring_size if ring and self.ring_size is not None else self.capacity
             self.layers.append(LayerKV(self, capacity, ring, shape, dtype=dtype, device=self.device))
+            if ring and self.ring_slots is None:
+                self.ring_slots = torch.full((batch_size, capacity), -1, dtype=torch.long, device=self.device)
+        self.plan: StepPlan | None = None
 
     @staticmethod
     def bytes_needed(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
-        """Bytes the cache will take, without allocating it."""
+        """Bytes the K/V buffers will take, without allocating them."""
         per_slot = 2 * batch_size * config.num_key_value_heads * config.computed_head_dim
         per_slot *= torch.empty((), dtype=dtype).element_size()
+        capacity = round_up(max_len, KEY_CHUNK)
         total = 0
         for i in range(config.num_hidden_layers):
             sliding = config.layer_type(i) == SLIDING_ATTENTION and config.sliding_window is not None
-            slots = min(config.sliding_window, max_len) if sliding and config.sliding_window else max_len
+            slots = min(config.sliding_window, capacity) if sliding and config.sliding_window else capacity
             total += slots * per_slot
         return total
 
@@ -113,51 +184,104 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def positions(self, T: int) -> torch.Tensor:
-        """RoPE / position-embedding positions ``[B, T]`` of the next ``T`` tokens."""
-        slots = torch.arange(self.length, self.length + T, device=self.device)
-        return (slots[None, :] - self.pad[:, None]).clamp_min(0)
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step reads or writes in place (for CUDA graphs: their addresses must not move)."""
+        out = [self.slot, self.pad]
+        if self.ring_slots is not None:
+            out.append(self.ring_slots)
+        for layer in self.layers:
+            out += [layer.k, layer.v]
+        return out
 
-    def key_slots(self, layer_type: str, T: int) -> torch.Tensor:
-        """Slot index of every key a ``layer_type`` layer attends to in the next ``T``-token step."""
-        start = self.length
-        if layer_type != SLIDING_ATTENTION or self.window is None:
-            return torch.arange(start + T, device=self.device)
-        W = min(self.window, self.max_len)
+    def reset(self) -> None:
+        """Empty the cache for a new batch of the same shape (the buffers are reused)."""
+        self.slot.zero_()
+        self.pad.zero_()
+        if self.ring_slots is not None:
+            self.ring_slots.fill_(-1)
+        self.length = 0
+        self.plan = None
+
+    # ---- host side: bounds ---------------------------------------------------
+
+    def check(self, T: int) -> None:
+        """Refuse a ``T``-token step that could write past ``max_len`` (host-side, no sync)."""
+        if self.length + T > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {self.length + T} positions, capacity {self.max_len}")
+
+    # ---- inside the step: tensors only -----------------------------------------
+
+    def make_plan(self, T: int, n_new: torch.Tensor | None = None) -> StepPlan:
+        """Indices of a ``T``-token step (``n_new [B]`` real tokens per row; default all ``T``)."""
+        device = self.slot.device
+        start = self.slot  # [B]
+        if n_new is None:
+            n_new = torch.full_like(start, T)
+        slots = start[:, None] + torch.arange(T, device=device)  # [B, T]
+        positions = (slots - self.pad[:, None]).clamp_min(0)
+        plan = StepPlan(slots, n_new, positions, None, None, None, None, one_token=T == 1)
+        if self.ring_slots is None or self.ring_size is None:
+            return plan
+        R = self.ring_size
+        before = self.ring_slots
+        plan.ring_before = before
         if T == 1:
-            n = min(start + 1, W)
-            s = torch.arange(n, device=self.device)
-            return start - (start - s) % W  # slot s of the ring holds the newest slot index = s mod W
-        n_old = min(start, W)
-        s = torch.arange(n_old, device=self.device)
-        old = (start - 1) - (start - 1 - s) % W
-        return torch.cat((old, torch.arange(start, start + T, device=self.device)))
+            write = start % R  # [B]
+            held = before.gather(1, write[:, None])  # [B, 1]
+            new = torch.where(n_new[:, None] > 0, start[:, None], held)
+            plan.ring_write = write
+            plan.ring_after = before.scatter(1, write[:, None], new)
+            return plan
+        j = torch.arange(R, device=device)[None]  # [1, R]
+        last = (start + n_new - 1)[:, None]  # [B, 1] newest real slot (start - 1 if none)
+        newest = last - (last - j) % R  # [B, R] newest slot <= last that ring slot j would hold
+        fresh = newest >= start[:, None]
+        plan.ring_src = torch.where(fresh, newest - start[:, None], T + j)
+        plan.ring_after = torch.where(fresh, newest, before)
+        return plan
 
-    def mask(self, layer_type: str, T: int) -> torch.Tensor | None:
-        """Boolean mask ``[B, 1, T, S]`` (True = attend) for the next step; None when every key is visible."""
-        if T == 1 and not self.has_padding:
-            return None  # decode: every stored key is causal and (ring) inside the window
+    def key_slots(self, layer_type: str, plan: StepPlan) -> torch.Tensor:
+        """Slot of every key a ``layer_type`` layer attends to: ``[S]`` or ``[B, S]`` (-1: empty)."""
+        ring = layer_type == SLIDING_ATTENTION and self.ring_slots is not None
+        if not ring:
+            return torch.arange(self.capacity, device=self.slot.device)
+        assert plan.ring_after is not None and plan.ring_before is not None
+        if plan.one_token:
+            return plan.ring_after
+        return torch.cat((plan.slots, plan.ring_before), dim=1)
+
+    def mask(self, layer_type: str, plan: StepPlan) -> torch.Tensor:
+        """Boolean mask ``[B, 1, T, S]`` (True = attend) of the step's queries over `key_slots`."""
         window = self.window if layer_type == SLIDING_ATTENTION else None
-        return slot_mask(self.length, T, self.key_slots(layer_type, T), self.pad, window)
+        return slot_mask(plan.slots, self.key_slots(layer_type, plan), self.pad, window)
 
-    def advance(self, T: int) -> None:
-        self.length += T
+    def advance(self, plan: StepPlan) -> None:
+        """Move every row past its new tokens (in place: the step's last act)."""
+        self.slot.add_(plan.n_new)
+        if self.ring_slots is not None and plan.ring_after is not None:
+            self.ring_slots.copy_(plan.ring_after)
+        self.plan = None
 
 
 def slot_mask(
-    start: int, T: int, key_slots: torch.Tensor, pad: torch.Tensor, window: int | None
+    query_slots: torch.Tensor, key_slots: torch.Tensor, pad: torch.Tensor, window: int | None
 ) -> torch.Tensor:
-    """Mask ``[B, 1, T, S]`` for queries at slots ``start..start+T-1`` over ``key_slots [S]``.
+    """Mask ``[B, 1, T, S]`` for queries at ``query_slots [B, T]`` (or ``[T]``) over ``key_slots [B|., S]``.
 
-    A query sees a key if the key is causal, inside the sliding window (if any) and
-    not left padding. A padding query sees itself, so no row is fully masked (a fully
-    masked row would put NaN into the cache and poison later steps).
+    A query sees a key if the key is written (slot >= 0), causal, inside the sliding
+    window (if any) and not left padding. A padding query sees itself, so no row is
+    fully masked (a fully masked row would put NaN into the cache and poison later steps).
     """
-    q = torch.arange(start, start + T, device=key_slots.device)[:, None]  # [T, 1]
-    k = key_slots[None, :]  # [1, S]
-    visible = (k <= q) & (k >= 0)  # [T, S]
+    q = query_slots[..., :, None]  # [B|., T, 1]
+    k = key_slots[..., None, :]  # [B|., 1, S]
+    visible = (k <= q) & (k >= 0)
     if window is not None:
         visible &= (q - k) < window
-    not_pad = k[None] >= pad[:, None, None]  # [B, 1, S]
-    itself = (k == q)[None]  # [1, T, S]
-    return (visible[None] & (not_pad | itself))[:, None]  # [B, 1, T, S]
+    not_pad = k >= pad.view(-1, 1, 1)  # [B, 1|T, S]
+    mask = visible & (not_pad | (k == q))  # [B, T, S]
+    if mask.dim() == 2:
+        mask = mask[None]
+    return mask[:, None]  # [B, 1, T, S]
+
+
+__all__ = ["KEY_CHUNK", "KVCache", "LayerKV", "StepKV", "StepPlan", "slot_mask"]

@@ -135,6 +135,7 @@ def _load(args: argparse.Namespace) -> Any:
             progress=progress,
             tensor_parallel=args.tensor_parallel,
             pipeline_parallel=args.pipeline_parallel,
+            compile=args.compile,
         )
     finally:
         close()
@@ -278,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="split the layers into this many stages of processes (run under torchrun; >= 1)",
         )
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="compile the generation step with torch.compile (resident models; default: off)",
+        )
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
     g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal", epilog=EXIT_CODES)

@@ -1,9 +1,15 @@
 """Generation as free functions: prefill, one-token decode steps, sampling.
 
-`generate_steps` drives any `DecoderLM` (resident or streamed): it left-pads a
-batch of token-id prompts, prefills them into a preallocated `KVCache`, then
-decodes one token per step and yields the new tokens of every row until each row
-has stopped (EOS id, stop string, or ``max_new_tokens``).
+`generate_steps` drives any `DecoderLM` (resident or streamed) through `infer.step`:
+it right-pads a batch of token-id prompts, prefills them into a preallocated
+`KVCache`, then decodes one token per step and yields the new tokens of every row
+until each row has stopped (EOS id, stop string, or ``max_new_tokens``). Each step is
+one `model_step` call (eager or compiled, see `Stepper`); the host reads the sampled
+tokens once per step (the step also returns a per-row flag of non-finite logits).
+
+Right padding keeps a prompt's tokens at the same cache slots alone and in any batch,
+so (with the row-invariant products of `infer.rows` and the chunked attention of
+`infer.models.common.attend`) a prompt's tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -11,13 +17,17 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from infer.cache import KVCache
 from infer.models.base import DecoderLM
+from infer.step import Sampling, SamplingValues, StepOutput, Stepper, gumbel_noise, head_and_sample
+from infer.step import sample as sample_tokens
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
 
@@ -84,24 +94,28 @@ class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits (non-finite weights, or overflow in float16/bfloat16)."""
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row from ``logits [B, V]`` -> ``[B]``."""
+def sampling_inputs(params: SamplingParams, device: torch.device) -> tuple[Sampling, SamplingValues | None]:
+    """The static sampling mode (it selects the compiled graph) and the tensor values."""
     if params.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        k = min(params.top_k, logits.shape[-1])
-        kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return Sampling(greedy=True), None
+    mode = Sampling(greedy=False, filtered=params.top_k > 0 or params.top_p < 1.0)
+    values = SamplingValues(
+        temperature=torch.tensor(params.temperature, dtype=torch.float32, device=device),
+        top_k=torch.tensor(params.top_k, dtype=torch.long, device=device),
+        top_p=torch.tensor(params.top_p, dtype=torch.float32, device=device),
+    )
+    return mode, values
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row from ``logits [B, V]`` -> ``[B]`` (what a step does after the head)."""
+    mode, values = sampling_inputs(params, logits.device)
+    noise = None
+    if not mode.greedy:
+        if generator is None:
+            generator = torch.Generator(device=logits.device).manual_seed(torch.seed())
+        noise = gumbel_noise(logits.shape[0], logits.shape[1], generator, logits.device)
+    return sample_tokens(logits.float(), mode, values, noise)
 
 
 def sample_checked(
@@ -115,7 +129,7 @@ def sample_checked(
     first (always a valid id) is what the model is fed.
     """
     ok = logits.amax(dim=-1).isfinite()  # [B]
-    if not params.greedy:  # multinomial refuses NaN probabilities: sample bad rows from zeros
+    if not params.greedy:  # bad rows sample from zeros (a valid id; the caller raises anyway)
         logits = torch.where(ok[:, None], logits, 0.0)
     tokens = sample(logits, params, generator)
     return tokens, torch.where(ok, tokens, -1)
@@ -142,6 +156,14 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, pad
 
 
+def right_pad(prompts: list[list[int]], pad_id: int, length: int) -> torch.Tensor:
+    """``input_ids [B, length]``: each prompt from slot 0, then ``pad_id``."""
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return ids
+
+
 def context_limits(model: DecoderLM, batch: int) -> tuple[int, int | None]:
     """``(context, prefill chunk)`` for a batch: the model's context, capped by what the executor planned for.
 
@@ -150,7 +172,7 @@ def context_limits(model: DecoderLM, batch: int) -> tuple[int, int | None]:
     trade with length); a resident model has no such limits (chunk None).
     """
     context = model.config.max_position_embeddings
-    limits = model.executor.limits
+    limits = getattr(model.executor, "limits", None)
     if limits is None:
         return context, None
     slots = limits.max_batch_size * limits.max_context
@@ -171,55 +193,51 @@ def generate_steps(
     pad_id: int = 0,
     stop_check: StopCheck | None = None,
     timings: dict[str, float] | None = None,
+    stepper: Stepper | None = None,
 ) -> Iterator[list[RowState]]:
     """Yield the rows' states after every generated token (prefill included).
 
     Each row stops at one of ``eos_ids`` (kept as its last token), when
     ``stop_check`` says so, or after ``max_new_tokens``; stopped rows keep computing
-    in the batch but their outputs are ignored.
+    in the batch but their outputs are ignored. ``stepper`` runs the steps (default:
+    eagerly); a streaming model always runs eagerly.
     """
-    import time
-
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     if not prompts or not all(prompts):
         raise ValueError("every prompt needs at least one token")
-    context, chunk = context_limits(model, len(prompts))
+    context, _ = context_limits(model, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest + 1 > context:
         raise ValueError(f"prompt has {longest} tokens; the model's context is {context} tokens")
     max_new_tokens = min(max_new_tokens, context - longest)
     rows = [RowState(len(p)) for p in prompts]
-    device = model.device
-    ids, pad = left_pad(prompts, pad_id)
-    ids, pad = ids.to(device), pad.to(device)
-    cache = model.make_cache(len(prompts), longest + max_new_tokens, pad=pad)
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+    if max_new_tokens <= 0:
+        for r in rows:
+            r.finish_reason = "length"
+        return
     eos = set(eos_ids)
-
+    outputs = step_outputs(
+        model, prompts, max_new_tokens=max_new_tokens, params=params, pad_id=pad_id, stepper=stepper
+    )
     t0 = time.perf_counter()
-    step = chunk or ids.shape[1]
-    for start in range(0, ids.shape[1], step):  # chunked prefill when the executor asks for it
-        h = model.forward_hidden(ids[:, start : start + step], cache)
-    logits = model.head(h[:, -1:])[:, -1]  # [B, V]: only the last position is needed
-    next_tokens, checked = sample_checked(logits, params, generator)
-    if timings is not None:
-        timings["prefill_s"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    for step in range(max_new_tokens):
-        chosen = checked.tolist()
+    t1 = t0
+    for step, out in enumerate(outputs):
+        chosen: list[int] = out.tokens.tolist()  # the step's one host read (out.nonfinite comes with it)
+        if out.nonfinite.any():
+            b = int(out.nonfinite.nonzero()[0, 0])
+            where = "prefill" if step == 0 else f"decode step {step}"
+            raise NonFiniteLogitsError(
+                f"non-finite logits (NaN or inf) at {where} (generated token {step + 1}), batch row {b}: "
+                "the weights hold NaN/inf or the activations overflowed (try dtype=torch.float32)"
+            )
+        if step == 0:
+            t1 = time.perf_counter()
+            if timings is not None:
+                timings["prefill_s"] = t1 - t0
         for b, tok in enumerate(chosen):
             row = rows[b]
             if row.finish_reason is not None:
                 continue
-            if tok < 0:
-                where = "prefill" if step == 0 else f"decode step {step}"
-                raise NonFiniteLogitsError(
-                    f"non-finite logits (NaN or inf) at {where} (generated token {step + 1}), batch row {b}: "
-                    "the weights hold NaN/inf or the activations overflowed (try dtype=torch.float32)"
-                )
             row.tokens.append(tok)
             if tok in eos:
                 row.finish_reason = "eos"
@@ -228,13 +246,79 @@ def generate_steps(
             elif len(row.tokens) >= max_new_tokens:
                 row.finish_reason = "length"
         yield rows
-        if all(r.finish_reason is not None for r in rows) or step == max_new_tokens - 1:
+        if all(r.finish_reason is not None for r in rows):
             break
-        h = model.forward_hidden(next_tokens[:, None], cache)  # [B, 1, D]
-        next_tokens, checked = sample_checked(model.head(h)[:, -1], params, generator)
+    outputs.close()
     if timings is not None:
         timings["decode_s"] = time.perf_counter() - t1
         timings["decode_steps"] = float(max(len(r.tokens) for r in rows) - 1)
+
+
+def step_outputs(
+    model: DecoderLM,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    params: SamplingParams,
+    pad_id: int = 0,
+    stepper: Stepper | None = None,
+) -> Generator[StepOutput, None, None]:
+    """The steps of a generation: the prefill's output, then one per decode step, ``max_new_tokens``
+    in all (each step feeds the previous one's tokens). Close it to stop early."""
+    B = len(prompts)
+    _, chunk = context_limits(model, B)
+    longest = max(len(p) for p in prompts)
+    if stepper is None or stepper.model is not model or chunk is not None:
+        stepper = Stepper(model)
+    device = model.device
+    T = stepper.prefill_length(longest) if chunk is None else max(2, longest)
+    ids = right_pad(prompts, pad_id, T).to(device)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    cache = stepper.cache(B, stepper.capacity(max(T, longest + max_new_tokens)))
+    mode, values = sampling_inputs(params, device)
+    generator = None
+    if not mode.greedy:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+    vocab = model.config.vocab_size
+
+    def noise() -> torch.Tensor | None:
+        return None if generator is None else gumbel_noise(B, vocab, generator, device)
+
+    if chunk is None:
+        out = stepper(cache, ids, lengths, lengths - 1, mode, values, noise())
+    else:  # a streamed model: prefill in the chunks its plan has memory for, the head once
+        out = StepOutput(*_chunked_prefill(model, cache, ids, lengths, chunk, mode, values, noise()))
+    cache.length = longest
+    yield out
+    ones = torch.ones(B, dtype=torch.long, device=device)
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
+    for _ in range(max_new_tokens - 1):
+        cache.check(1)
+        out = stepper(cache, out.tokens[:, None], ones, zeros, mode, values, noise())
+        cache.length += 1
+        yield out
+
+
+def _chunked_prefill(
+    model: DecoderLM,
+    cache: KVCache,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    chunk: int,
+    mode: Sampling,
+    values: SamplingValues | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = ids.shape[1]
+    last = torch.zeros(ids.shape[0], 1, model.config.hidden_size, dtype=model.dtype, device=ids.device)
+    for start in range(0, T, chunk):
+        stop = min(T, start + chunk)
+        h = model.hidden(ids[:, start:stop], cache, None, (lengths - start).clamp(0, stop - start))
+        index = (lengths - 1 - start).clamp(0, stop - start - 1)
+        here = ((lengths - 1 >= start) & (lengths - 1 < stop))[:, None, None]  # the row's last token is here
+        last = torch.where(here, h.gather(1, index[:, None, None].expand(-1, 1, h.shape[-1])), last)
+    return head_and_sample(model, last, mode, values, noise)
 
 
 def run_to_end(steps: Iterator[list[RowState]]) -> list[RowState]:

@@ -91,8 +91,12 @@ def test_cached_decode_and_padding(checkpoint: Path) -> None:
         left = model(padded, attention_mask=mask)[:, 4:]
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(left, full[:1], atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="past GPT-2's 1024 learned positions"):
+    with pytest.raises(ValueError, match="more than the model's 1024 positions"):
         model(torch.zeros(1, 1025, dtype=torch.long))
+    cache = model.make_cache(1, 1100)
+    model(torch.zeros(1, 1000, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="past the model's 1024 positions"):  # checked on the host
+        model(torch.zeros(1, 30, dtype=torch.long), cache=cache)
 
 
 def test_infer_load_generates(checkpoint: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,31 +46,39 @@ def test_logits_match_transformers_fp32(
 def test_logits_match_transformers_bf16(
     arch: str, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Callable[..., torch.nn.Module]
 ) -> None:
-    """bf16 against transformers' default (SDPA) attention: the same kernels, so the same rounding.
+    """bf16, measured against the float32 model: as close as transformers' own bf16 (SDPA) path.
 
-    Measured: identical logits (max error 0). Allowed: one bfloat16 step at the largest
-    logit, and the same top-1 token everywhere. (Transformers' eager attention rounds
-    differently in bf16 and disagrees with its own SDPA path on a few near-tied
-    positions of these tiny random models.)
+    Our attention reduces in float32 chunks, not with bf16 SDPA kernels, so the two bf16
+    paths round differently and flip different near-tied positions of these tiny random
+    models. What must hold: an error like transformers' bf16, and top-1 flips only where
+    the float32 top-2 margin is within the bf16 error.
     """
     from transformers import AutoModelForCausalLM
 
     path = tiny_ckpt_factory(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()  # type: ignore[no-untyped-call]
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     ours = our_model_factory(path, dtype=torch.bfloat16)
     ids = _random_ids(4, SEQ, seed=2)
     with torch.no_grad():
+        exact = hf32(ids).logits
         ref = hf(ids).logits.float()
         got = ours(ids).float()
-    err = (got - ref).abs()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    step = torch.finfo(torch.bfloat16).eps * 2 ** math.floor(math.log2(ref.abs().max().item()))
+
+    def agree(x: torch.Tensor) -> float:
+        return float((x.argmax(-1) == exact.argmax(-1)).float().mean().item())
+
+    err, ref_err = (got - exact).abs().max().item(), (ref - exact).abs().max().item()
+    top2 = exact.topk(2, dim=-1).values
+    flipped = got.argmax(-1) != exact.argmax(-1)
+    margins = (top2[..., 0] - top2[..., 1])[flipped]
     print(
-        f"\n{arch} bf16 full-model logit error max {err.max().item():.3e} mean {err.mean().item():.3e} "
-        f"(one bf16 step: {step:.3e}), top-1 agreement {agree:.2%} over {ids.numel()} positions"
+        f"\n{arch} bf16 vs float32 over {ids.numel()} positions: ours max error {err:.3e}, top-1 "
+        f"{agree(got):.2%} (flipped margins {[round(m, 3) for m in margins.tolist()]}); "
+        f"transformers bf16 {ref_err:.3e}, {agree(ref):.2%}"
     )
-    assert err.max().item() <= step
-    assert agree == 1.0
+    assert err <= 1.5 * ref_err
+    assert (margins <= 2 * err).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

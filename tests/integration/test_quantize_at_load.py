@@ -56,7 +56,7 @@ def float32_compute(model: nn.Module) -> nn.Module:
     for module in exact.modules():
         if isinstance(module, QuantizedLinear):
             module.compute_dtype = torch.float32
-            module.kernel_max_rows = 0
+            module.use_kernel = False
             module._buffers.pop("scale_zero_residual", None)
             for name, buf in list(module.named_buffers()):
                 if buf.is_floating_point():
@@ -111,7 +111,7 @@ def test_q4_0_keeps_float_where_in_features_is_not_a_multiple_of_32(tmp_path: Pa
     path = build_checkpoint(tmp_path / "qwen3-hd20", "qwen3", head_dim=20)  # o_proj: in = 4 * 20 = 80
     model = infer.load(path).model
     quantized = infer.load(path, quantize="q4_0").model
-    kept = sorted(n for n, m in quantized.named_modules() if type(m) is nn.Linear)
+    kept = sorted(n for n, m in quantized.named_modules() if isinstance(m, nn.Linear))
     layers = model.config.num_hidden_layers
     assert kept == [f"layers.{i}.self_attn.o_proj" for i in range(layers)]
     assert isinstance(quantized.get_submodule("layers.0.self_attn.q_proj"), QuantizedLinear)

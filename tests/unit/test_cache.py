@@ -1,4 +1,4 @@
-"""`KVCache`: full and ring buffers, slot bookkeeping, left-padding masks, sizes.
+"""`KVCache`: full and ring buffers, per-row slots, ring bookkeeping, padding masks, sizes.
 
 The end-to-end checks run our model on the tiny checkpoints: logits computed step by
 step through the cache must equal one no-cache forward over the whole sequence. The
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from infer.cache import KVCache, slot_mask
+from infer.cache import KEY_CHUNK, KVCache, StepPlan, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, config_from_dict
 from infer.testing import SLIDING_WINDOW
 
@@ -146,43 +146,74 @@ def test_cache_overflow_is_an_error(
 # --------------------------------------------------------------------------- slots and rings
 
 
+def step(cache: KVCache, T: int, n_new: list[int] | None = None) -> StepPlan:
+    plan = cache.make_plan(T, None if n_new is None else torch.tensor(n_new))
+    cache.plan = plan
+    return plan
+
+
 def test_key_slots_hand_checked() -> None:
     cache = KVCache(small_config(window=4), 1, 32, dtype=torch.float32)
-    # full layers attend to every slot so far
-    assert cache.key_slots(FULL_ATTENTION, 3).tolist() == [0, 1, 2]
-    cache.advance(2)
-    assert cache.key_slots(SLIDING_ATTENTION, 1).tolist() == [0, 1, 2]  # ring not yet full
-    cache.advance(4)  # length 6
-    # decode at slot 6: ring index s holds the newest slot = s (mod 4)
-    assert cache.key_slots(SLIDING_ATTENTION, 1).tolist() == [4, 5, 6, 3]
-    # 3-token step at slots 6..8: the old ring (slots 2..5), then the new tokens
-    assert cache.key_slots(SLIDING_ATTENTION, 3).tolist() == [4, 5, 2, 3, 6, 7, 8]
-    assert cache.key_slots(FULL_ATTENTION, 1).tolist() == list(range(7))
+    assert cache.capacity == KEY_CHUNK  # rounded up to whole attention chunks
+    plan = step(cache, 3)
+    assert cache.key_slots(FULL_ATTENTION, plan).tolist() == list(range(KEY_CHUNK))  # masked past the query
+    assert cache.key_slots(SLIDING_ATTENTION, plan).tolist() == [[0, 1, 2, -1, -1, -1, -1]]  # new, then ring
+    cache.advance(plan)
+    assert cache.ring_slots is not None and cache.ring_slots.tolist() == [[0, 1, 2, -1]]
+    cache.advance(step(cache, 3))  # slots 3..5
+    assert cache.ring_slots.tolist() == [[4, 5, 2, 3]]
+    plan = step(cache, 1)  # decode at slot 6 writes ring slot 6 % 4 first
+    assert cache.key_slots(SLIDING_ATTENTION, plan).tolist() == [[4, 5, 6, 3]]
+    cache.advance(plan)
+    plan = step(cache, 3)  # slots 7..9 over the old ring (slots 4, 5, 6, 3)
+    assert cache.key_slots(SLIDING_ATTENTION, plan).tolist() == [[7, 8, 9, 4, 5, 6, 3]]
+    cache.advance(plan)
+    assert cache.ring_slots.tolist() == [[8, 9, 6, 7]]
+    assert cache.slot.tolist() == [10]
+
+
+def test_rows_advance_by_their_own_token_counts() -> None:
+    """A right-padded step: each row writes its real tokens; the padding never enters a ring."""
+    cache = KVCache(small_config(window=4), 2, 32, dtype=torch.float32)
+    cache.advance(step(cache, 6, [2, 6]))
+    assert cache.slot.tolist() == [2, 6]
+    assert cache.ring_slots is not None and cache.ring_slots.tolist() == [[0, 1, -1, -1], [4, 5, 2, 3]]
+    plan = step(cache, 1)
+    assert plan.positions.tolist() == [[2], [6]]
+    cache.advance(plan)
+    assert cache.ring_slots.tolist() == [[0, 1, 2, -1], [4, 5, 6, 3]]
+    cache.advance(step(cache, 3, [0, 3]))  # a row with nothing to add keeps its ring
+    assert cache.slot.tolist() == [3, 10]
+    assert cache.ring_slots.tolist() == [[0, 1, 2, -1], [8, 9, 6, 7]]
 
 
 @pytest.mark.parametrize("window", [3, 4, 8])
 def test_ring_contents_match_key_slots(window: int) -> None:
-    """What `LayerKV.update` returns is exactly the keys `key_slots` describes, step after step."""
+    """What `LayerKV.update` returns holds, at every written key, the slot `key_slots` lists for it."""
     config = small_config(window=window)
     cache = KVCache(config, 2, 64, dtype=torch.float32)
     Hkv, D = config.num_key_value_heads, config.computed_head_dim
-    for T in [1, 2, 1, 5, 1, 1, 9, 1, 3, 1, 1, 1, 7]:
-        new_slots = torch.arange(cache.length, cache.length + T, dtype=torch.float32)
-        k = new_slots.view(1, 1, T, 1).expand(2, Hkv, T, D).clone()  # each key carries its slot number
+    counts = [([1, 2], 2), ([1, 1], 1), ([5, 3], 5), ([1, 1], 1), ([0, 9], 9), ([1, 1], 1), ([3, 2], 3)]
+    for n_new, T in counts * 2:
+        plan = step(cache, T, n_new)
+        k = plan.slots.float()[:, None, :, None].expand(2, Hkv, T, D).clone()  # each key carries its slot
         for i, lt in enumerate([SLIDING_ATTENTION, FULL_ATTENTION]):
-            expected = cache.key_slots(lt, T)
+            expected = cache.key_slots(lt, plan).expand(2, -1)  # [B, S]
             keys, values = cache.layers[i].update(k, -k)
-            assert keys.shape == (2, Hkv, len(expected), D)
-            assert keys[0, 0, :, 0].tolist() == expected.tolist(), (lt, cache.length, T)
+            assert keys.shape == (2, Hkv, expected.shape[1], D)
+            for b in range(2):
+                seen = plan.slots[b, -1]  # keys up to the newest query matter; later ones are masked
+                written = (expected[b] >= 0) & (expected[b] <= seen)
+                assert keys[b, 0, written, 0].tolist() == expected[b, written].float().tolist(), (lt, T)
             assert torch.equal(values, -keys)
             if lt == SLIDING_ATTENTION:
                 assert cache.layers[i].capacity == window and cache.layers[i].ring
-        cache.advance(T)
+        cache.advance(plan)
 
 
 def test_slot_mask_left_padding_hand_checked() -> None:
     pad = torch.tensor([2, 0])
-    mask = slot_mask(0, 4, torch.arange(4), pad, None)  # [B, 1, T, S]
+    mask = slot_mask(torch.arange(4), torch.arange(4), pad, None)  # [B, 1, T, S]
     assert mask.shape == (2, 1, 4, 4) and mask.dtype == torch.bool
     assert mask[0, 0].int().tolist() == [
         [1, 0, 0, 0],  # padding query: sees only itself
@@ -191,53 +222,46 @@ def test_slot_mask_left_padding_hand_checked() -> None:
         [0, 0, 1, 1],
     ]
     assert mask[1, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
-    windowed = slot_mask(0, 4, torch.arange(4), torch.tensor([0]), 2)
+    windowed = slot_mask(torch.arange(4), torch.arange(4), torch.tensor([0]), 2)
     assert windowed[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    empty = slot_mask(torch.tensor([[5]]), torch.tensor([[3, -1, 5, 4]]), torch.tensor([0]), None)
+    assert empty[0, 0].int().tolist() == [[1, 0, 1, 1]]  # -1: an empty ring slot
 
 
 @pytest.mark.parametrize("layer_type", [FULL_ATTENTION, SLIDING_ATTENTION])
 def test_padded_rows_never_see_pad_keys_and_no_row_is_empty(layer_type: str) -> None:
     pad = torch.tensor([0, 3, 7, 1])
     cache = KVCache(small_config(window=4), 4, 64, dtype=torch.float32, pad=pad)
-    assert cache.has_padding
     for T in [9, 1, 1, 4, 1, 6, 1]:
-        mask = cache.mask(layer_type, T)
-        assert mask is not None  # with padding, even decode steps need a mask
-        slots = cache.key_slots(layer_type, T)
-        q = torch.arange(cache.length, cache.length + T)
+        plan = step(cache, T)
+        mask = cache.mask(layer_type, plan)
+        slots = cache.key_slots(layer_type, plan).expand(4, -1)  # [B, S]
         assert mask.any(-1).all()  # no fully masked row (it would write NaN into the cache)
         for b in range(4):
-            real_query = q >= pad[b]  # [T]
-            sees_pad = (mask[b, 0] & (slots < pad[b])[None]).any(-1)  # [T]
+            q = plan.slots[b]  # [T]
+            real_query = q >= pad[b]
+            sees_pad = (mask[b, 0] & (slots[b] < pad[b])[None]).any(-1)  # [T]
             assert not (sees_pad & real_query).any()
+            assert not (mask[b, 0] & (slots[b][None] > q[:, None])).any()  # causal
             if layer_type == SLIDING_ATTENTION:
-                dist = q[:, None] - slots[None]
+                dist = q[:, None] - slots[b][None]
                 assert not (mask[b, 0] & (dist >= 4)).any()
-        assert torch.equal(cache.positions(T), (q[None] - pad[:, None]).clamp_min(0))
-        cache.advance(T)
-
-
-def test_decode_without_padding_needs_no_mask() -> None:
-    cache = KVCache(small_config(window=4), 2, 16, dtype=torch.float32)
-    assert not cache.has_padding
-    cache.advance(6)
-    assert cache.mask(SLIDING_ATTENTION, 1) is None
-    assert cache.mask(FULL_ATTENTION, 1) is None
-    prefill_mask = cache.mask(SLIDING_ATTENTION, 3)
-    assert prefill_mask is not None and prefill_mask.shape == (2, 1, 3, 4 + 3)
+        assert torch.equal(plan.positions, (plan.slots - pad[:, None]).clamp_min(0))
+        cache.advance(plan)
 
 
 def test_positions_start_at_zero_after_padding() -> None:
     cache = KVCache(small_config(), 2, 16, dtype=torch.float32, pad=torch.tensor([3, 0]))
-    assert cache.positions(5).tolist() == [[0, 0, 0, 0, 1], [0, 1, 2, 3, 4]]
-    cache.advance(5)
-    assert cache.positions(1).tolist() == [[2], [5]]
+    plan = step(cache, 5)
+    assert plan.positions.tolist() == [[0, 0, 0, 0, 1], [0, 1, 2, 3, 4]]
+    cache.advance(plan)
+    assert step(cache, 1).positions.tolist() == [[2], [5]]
 
 
 # --------------------------------------------------------------------------- sizes
 
 
-@pytest.mark.parametrize("max_len", [3, 8, 50])
+@pytest.mark.parametrize("max_len", [3, 8, 50, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bytes_needed_equals_allocation(max_len: int, dtype: torch.dtype, batch: int) -> None:
@@ -247,13 +271,10 @@ def test_bytes_needed_equals_allocation(max_len: int, dtype: torch.dtype, batch:
     cache = KVCache(config, batch, max_len, dtype=dtype)
     allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k, layer.v))
     assert cache.nbytes == allocated == KVCache.bytes_needed(config, batch, max_len, dtype)
+    capacity = -(-max_len // KEY_CHUNK) * KEY_CHUNK
     per_slot = 2 * batch * config.num_key_value_heads * config.computed_head_dim * dtype.itemsize
-    assert allocated == per_slot * (2 * min(SLIDING_WINDOW, max_len) + max_len)
-    assert [layer.capacity for layer in cache.layers] == [
-        min(SLIDING_WINDOW, max_len),
-        max_len,
-        min(8, max_len),
-    ]
+    assert allocated == per_slot * (2 * SLIDING_WINDOW + capacity)
+    assert [layer.capacity for layer in cache.layers] == [SLIDING_WINDOW, capacity, SLIDING_WINDOW]
 
 
 def test_bytes_needed_for_tiny_checkpoints(

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import infer
+from infer.cache import KVCache
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, plan_streamed
@@ -110,8 +111,9 @@ def test_kv_cache_and_workspace_are_budgeted(tiny_ckpt_factory: Any) -> None:
     path = tiny_ckpt_factory("llama")
     short = plan_for(path, memory_budget="1GB", max_context=32)
     long = plan_for(path, memory_budget="1GB", max_context=128)
-    assert long.kv_bytes == 4 * short.kv_bytes
     config = load_config(path)
+    assert short.kv_bytes == KVCache.bytes_needed(config, 1, 32, torch.float32)
+    assert long.kv_bytes == KVCache.bytes_needed(config, 1, 128, torch.float32) == 2 * short.kv_bytes
     assert workspace_bytes(config, torch.float32, 1, 64, 64) > workspace_bytes(
         config, torch.float32, 1, 8, 64
     )

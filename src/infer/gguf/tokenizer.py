@@ -5,9 +5,10 @@ that takes seconds (Gemma 3 rebuilds 515k BPE merges from its vocabulary). We bu
 with the tokenizer class transformers' `AutoTokenizer` would pick for the file's
 model type (skipping `AutoTokenizer`'s full GGUF config parse), save it under
 ``~/.cache/infer/tokenizers/<key>/``, and later load the saved ``tokenizer.json``
-directly with `TokenizersBackend`. The key is a hash of the file's header (all
-metadata and the tensor table) and the transformers version, so a copy of the file
-elsewhere hits the cache and an edited file misses it.
+with the `tokenizers` library alone (`FastTokenizer`: no transformers import). The
+key is a hash of the file's header (all metadata and the tensor table) and the
+transformers version, so a copy of the file elsewhere hits the cache and an edited
+file misses it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from infer.config import ModelConfig
 from infer.gguf.reader import GGUFFile
-from infer.loader.config import ModelConfig
-from infer.loader.tokenizer import Tokenizer
+from infer.loader.tokenizer import SPECIAL_TOKENS, FastTokenizer, Tokenizer
 
 CACHE_VERSION = 1
 _MARKER = "infer-tokenizer.json"
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
 
 TOKENS = "tokenizer.ggml.tokens"
 # Metadata keys holding one token id each (llama.cpp's names).
@@ -109,9 +109,9 @@ def cache_root() -> Path:
 
 
 def _cache_key(gguf: GGUFFile) -> str:
-    import transformers
+    from importlib.metadata import version  # the version without importing transformers (~1-2 s)
 
-    return f"{gguf.header_digest()[:32]}-tf{transformers.__version__}-v{CACHE_VERSION}"
+    return f"{gguf.header_digest()[:32]}-tf{version('transformers')}-v{CACHE_VERSION}"
 
 
 def build_hf_tokenizer(gguf: GGUFFile, model_type: str) -> Any:
@@ -137,7 +137,7 @@ def _save(hf_tok: Any, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         hf_tok.save_pretrained(str(tmp))
-        special = {name: getattr(hf_tok, name, None) for name in _SPECIAL}
+        special = {name: getattr(hf_tok, name, None) for name in SPECIAL_TOKENS}
         special = {k: v for k, v in special.items() if v is not None}
         marker = {"class": type(hf_tok).__name__, "special": special}
         (tmp / _MARKER).write_text(json.dumps(marker))
@@ -147,21 +147,17 @@ def _save(hf_tok: Any, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_cached(directory: Path) -> Any | None:
+def _load_cached(directory: Path) -> FastTokenizer | None:
     marker_file = directory / _MARKER
     tokenizer_file = directory / "tokenizer.json"
     if not marker_file.is_file() or not tokenizer_file.is_file():
         return None
-    from transformers import TokenizersBackend
-
     try:
         marker = json.loads(marker_file.read_text())
         template_file = directory / "chat_template.jinja"
-        kwargs: dict[str, Any] = dict(marker["special"])
-        if template_file.is_file():
-            kwargs["chat_template"] = template_file.read_text()
-        return TokenizersBackend(tokenizer_file=str(tokenizer_file), **kwargs)  # type: ignore[no-untyped-call]
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+        template = template_file.read_text() if template_file.is_file() else None
+        return FastTokenizer(tokenizer_file, dict(marker["special"]), template)
+    except Exception:  # OSError, bad JSON, or the tokenizers library's own (plain) Exception
         return None  # a damaged cache entry is rebuilt
 
 
@@ -173,7 +169,7 @@ def gguf_tokenizer(gguf: GGUFFile, config: ModelConfig, *, cache_dir: Path | Non
     check_tokenizer_metadata(gguf, config.vocab_size)
     root = cache_dir if cache_dir is not None else cache_root() / "tokenizers"
     directory = root / _cache_key(gguf)
-    hf_tok = _load_cached(directory)
+    hf_tok: Any = _load_cached(directory)
     if hf_tok is None:
         built = build_hf_tokenizer(gguf, config.model_type)
         with contextlib.suppress(OSError):  # a read-only cache only costs speed

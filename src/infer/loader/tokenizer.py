@@ -1,4 +1,9 @@
-"""`Tokenizer`: the one place that touches transformers' tokenizer classes."""
+"""`Tokenizer`: the one place that touches transformers' tokenizer classes.
+
+`FastTokenizer` serves a saved ``tokenizer.json`` with the `tokenizers` library alone
+(importing transformers costs ~1-2 s per process); transformers is imported only if a
+chat template is applied.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,56 @@ from infer.chat_template import (
     render_chat_template,
     split_marked,
 )
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
+
+
+class FastTokenizer:
+    """The part of a transformers fast tokenizer that infer uses, over ``tokenizer.json``.
+
+    Built from what `transformers.TokenizersBackend(tokenizer_file=..., **special,
+    chat_template=...)` is built from, and tested equal to it (encode, decode, special
+    ids, length, chat template) on both real GGUF tokenizers. `transformers` builds that
+    object on first use (`apply_chat_template`).
+    """
+
+    def __init__(self, tokenizer_file: Path, special: dict[str, str], chat_template: str | None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._file = tokenizer_file
+        self._special = dict(special)
+        self._tk = RustTokenizer.from_file(str(tokenizer_file))
+        self.chat_template = chat_template
+        self._hf: Any = None
+        for name in SPECIAL_TOKENS:
+            token = special.get(name)
+            setattr(self, name, token)
+            setattr(self, f"{name}_id", None if token is None else self._tk.token_to_id(token))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._tk.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def __len__(self) -> int:
+        return int(self._tk.get_vocab_size(with_added_tokens=True))
+
+    def transformers(self) -> Any:
+        """The equivalent transformers tokenizer (imports transformers on first use)."""
+        if self._hf is None:
+            from transformers import TokenizersBackend
+
+            kwargs: dict[str, Any] = dict(self._special)
+            if self.chat_template is not None:
+                kwargs["chat_template"] = self.chat_template
+            self._hf = TokenizersBackend(tokenizer_file=str(self._file), **kwargs)  # type: ignore[no-untyped-call]
+        return self._hf
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+        return self.transformers().apply_chat_template(messages, **kwargs)
 
 
 class Tokenizer:
@@ -57,7 +112,7 @@ class Tokenizer:
 
     @property
     def hf(self) -> Any:
-        """The wrapped transformers tokenizer (for chat templates and advanced use)."""
+        """The wrapped tokenizer: transformers' or a `FastTokenizer` (see its ``transformers()``)."""
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -17,18 +17,23 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from infer.cache import KVCache, slot_mask
+from infer.cache import KVCache, StepKV, slot_mask
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.common import make_rotary_embeddings
+from infer.models.common import Linear, make_rotary_embeddings
+from infer.quant.linear import QuantizedLinear
 
 
 @dataclass
 class StepInputs:
-    """Per-step inputs shared by the layers: the same for every layer of a type."""
+    """Per-step inputs shared by the layers: the same for every layer of a type.
+
+    All tensors, computed once per step by `DecoderLM.prepare`: a step reads nothing
+    from the host, so the same code runs eagerly or compiled whole (`infer.step`).
+    """
 
     positions: torch.Tensor  # [B, T]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, T, hd]
-    masks: dict[str, torch.Tensor | None]  # layer type -> [B, 1, T, S] bool, or None
+    masks: dict[str, torch.Tensor]  # layer type -> [B, 1, T, S] bool (True = attend)
     cache: KVCache | None
 
 
@@ -71,6 +76,34 @@ class SequentialExecutor:
         return x
 
 
+_NO_KV = (None, None, False, None, None, None, None)
+
+
+@torch.compiler.nested_compile_region
+def _run_block(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    ring: bool,
+    slots: torch.Tensor | None,
+    n_new: torch.Tensor | None,
+    ring_write: torch.Tensor | None,
+    ring_src: torch.Tensor | None,
+) -> torch.Tensor:
+    """One block, everything it reads passed in. Compiled, the blocks of a model form one
+    region, traced and code-generated once per kind of layer and stamped out per layer
+    (eagerly a plain call)."""
+    kv = None
+    if k is not None and v is not None and slots is not None and n_new is not None:
+        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src)
+    out: torch.Tensor = layer(x, cos, sin, mask, kv)
+    return out
+
+
 def pad_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Left-padding counts ``[B]`` from a ``[B, T]`` 0/1 mask; only left padding is supported."""
     mask = attention_mask.to(torch.long)
@@ -103,7 +136,7 @@ class DecoderLM(nn.Module):
         )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = nn.ModuleDict(make_rotary_embeddings(config))
@@ -138,12 +171,19 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        n_new: torch.Tensor | None = None,
     ) -> StepInputs:
+        """What every layer of a step shares. With a ``cache``, ``n_new [B]`` counts each row's
+        real tokens (a right-padded batch; default: all ``T``)."""
         B, T = input_ids.shape
         device = input_ids.device
+        masks: dict[str, torch.Tensor] = {}
         if cache is not None:
-            positions = cache.positions(T)
-            masks = {lt: cache.mask(lt, T) for lt in set(self.layer_types)}
+            plan = cache.make_plan(T, n_new)
+            cache.plan = plan
+            positions = plan.positions
+            for lt in set(self.layer_types):
+                masks[lt] = cache.mask(lt, plan)
         else:
             pad = (
                 pad_from_attention_mask(attention_mask)
@@ -152,23 +192,37 @@ class DecoderLM(nn.Module):
             )
             slots = torch.arange(T, device=device)
             positions = (slots[None] - pad[:, None]).clamp_min(0)
-            masks = {}
             for lt in set(self.layer_types):
                 window = self.config.sliding_window if lt == SLIDING_ATTENTION else None
-                masks[lt] = slot_mask(0, T, slots, pad, window)
+                masks[lt] = slot_mask(slots, slots, pad, window)
         rope = {lt: rot(positions, self.dtype) for lt, rot in self.rotary.items()}
         return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache)
 
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         lt = self.layer_types[index]
         cos, sin = step.rope[lt]
-        kv = step.cache.layers[index] if step.cache is not None else None
-        out: torch.Tensor = layer(x, cos, sin, step.masks[lt], kv)
+        cache = step.cache
+        if cache is None or cache.plan is None:
+            out: torch.Tensor = _run_block(layer, x, cos, sin, step.masks[lt], *_NO_KV)
+            return out
+        kv, plan = cache.layers[index], cache.plan
+        out = _run_block(
+            layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
+            plan.slots, plan.n_new, plan.ring_write, plan.ring_src,
+        )  # fmt: skip
         return out
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits."""
-        logits: torch.Tensor = self.lm_head(self.norm(h))
+    def head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits.
+
+        ``greedy``: only each row's argmax must be exact (`QuantizedLinear.greedy`: a
+        packed head may then scan fewer bytes); the other logits may be approximate.
+        """
+        x = self.norm(h)
+        lm_head = self.lm_head
+        logits: torch.Tensor = (
+            lm_head.greedy(x) if greedy and isinstance(lm_head, QuantizedLinear) else lm_head(x)
+        )
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -182,12 +236,38 @@ class DecoderLM(nn.Module):
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[B, T, D]`` after the last block (before the final norm)."""
-        step = self.prepare(input_ids, cache, attention_mask)
+        """Hidden states ``[B, T, D]`` after the last block (before the final norm).
+
+        With a ``cache`` every row continues its cached sequence with all ``T`` tokens.
+        Positions past ``max_position_embeddings`` are refused here, on the host.
+        """
+        T = input_ids.shape[1]
+        limit = self.config.max_position_embeddings
+        if cache is not None:
+            cache.check(T)
+            if cache.length + T > limit:
+                raise ValueError(f"position {cache.length + T - 1} is past the model's {limit} positions")
+        elif limit < T:
+            raise ValueError(f"{T} tokens are more than the model's {limit} positions")
+        x = self.hidden(input_ids, cache, attention_mask)
+        if cache is not None:
+            cache.length += T
+        return x
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        n_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The walk itself, tensors only (no host bounds checks: `forward_hidden` and
+        `infer.step` do them): prepare, embed, the executor's layers, advance the cache."""
+        step = self.prepare(input_ids, cache, attention_mask, n_new)
         x = self.embed(input_ids, step.positions)
         x = self.executor.run_layers(self, x, step)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+        if cache is not None and cache.plan is not None:
+            cache.advance(cache.plan)
         return x
 
     def forward(

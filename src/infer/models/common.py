@@ -20,7 +20,81 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from infer import rows
+from infer.cache import KEY_CHUNK
 from infer.config import FREQ_FACTORS, FULL_ATTENTION, ROPE_TYPES, SLIDING_ATTENTION, ModelConfig
+from infer.quant.linear import QuantizedLinear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose rows do not depend on the batch (`infer.rows`): decode rows one
+    by one, prefill as one product of whole row groups. Same parameters and names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rows.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One module computing ``parts`` (same input) side by side, their outputs concatenated;
+    the parts keep views of its weights. None when they cannot be fused."""
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return QuantizedLinear.concat(parts)  # type: ignore[arg-type]
+    if not all(type(p) is Linear for p in parts):
+        return None
+    linears: list[Linear] = parts  # type: ignore[assignment]
+    first = linears[0]
+    if any(p.in_features != first.in_features or (p.bias is None) != (first.bias is None) for p in linears):
+        return None
+    if any(p.weight.dtype != first.weight.dtype or p.weight.device != first.weight.device for p in linears):
+        return None
+    n = sum(p.out_features for p in linears)
+    fused = Linear(first.in_features, n, bias=first.bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in linears]), requires_grad=False)
+    if first.bias is not None:
+        biases = [p.bias.detach() for p in linears if p.bias is not None]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    start = 0
+    for p in linears:
+        stop = start + p.out_features
+        p.weight = nn.Parameter(fused.weight[start:stop], requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
+        start = stop
+    return fused
+
+
+class Fusable(nn.Module):
+    """A module whose sibling projections can run as one product (`fuse`). The fused module is
+    held outside the module tree (no second copy in ``state_dict``/``parameters``) and dropped
+    when the module is moved or cast, which falls back to the separate projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused: list[nn.Module] = []
+
+    def fuse(self) -> bool:
+        parts = self.fusable()
+        if len(parts) < 2:
+            return False
+        fused = fuse_linears(parts)
+        self._fused = [fused] if fused is not None else []
+        return fused is not None
+
+    def fusable(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self._fused = []
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up of every block of a resident model (fewer, larger kernel calls).
+
+    Not for layer streaming, which swaps each projection's weights on its own.
+    Returns how many groups were fused.
+    """
+    return sum(m.fuse() for m in model.modules() if isinstance(m, Fusable))
 
 
 class RMSNorm(nn.Module):
@@ -205,7 +279,7 @@ class KVStore(Protocol):
         ...
 
 
-class Attention(nn.Module):
+class Attention(Fusable):
     """Multi-head attention with GQA, decoupled ``head_dim``, optional QK-norm.
 
     Projections are named as in HF checkpoints (``q_proj``, ``k_proj``, ``v_proj``,
@@ -239,7 +313,7 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.softcap = softcap
         self.make_qkv(hidden_size, qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm:
@@ -247,17 +321,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
 
     def make_qkv(self, hidden_size: int, bias: bool) -> None:
-        self.q_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, T, Hkv, hd]``."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._fused:
+            q, k, v = self._fused[0](x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.reshape(B, T, H, hd), k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
+
+    def fusable(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
 
     def forward(
         self,
@@ -294,40 +373,94 @@ def attend(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
+    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``.
+
+    ``mask`` is boolean ``[B|1, 1, T, S]`` (True = attend), additive, or None. On the CPU, and for
+    decode steps everywhere, this is `attend_chunked` (whose result for a row does not
+    depend on the batch or on masked keys after the row's own); CUDA prefill uses
+    flash / memory-efficient SDPA.
+    """
+    if q.is_cuda and q.shape[2] > 1 and softcap is None:
+        return _attend_sdpa(q, k, v, mask, scale)
+    return attend_chunked(q, k, v, mask, scale, softcap)
+
+
+def _fold_gqa(
+    q: torch.Tensor, mask: torch.Tensor | None, Hkv: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fold the ``G = H / Hkv`` query heads of each KV head into the query axis: row ``g*T + t``."""
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
     G = H // Hkv
-    if softcap is not None:
-        return _attend_softcapped(q, k, v, mask, scale, softcap)
-    if G > 1:
-        # Fold the G query heads of each KV head into the query axis: row g*T + t.
-        q = q.reshape(B, Hkv, G * T, D)
-        if mask is not None and mask.shape[-2] != 1:
-            mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
-    if q.is_cuda:
-        # cuDNN's SDPA builds a new graph whenever the key length changes, i.e. every
-        # decode step: 1.35 ms of host time per call measured on an H100. Flash and
-        # memory-efficient attention have no such cost.
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
+    q = q.reshape(B, Hkv, G * T, D)
+    if G > 1 and mask is not None and mask.shape[-2] != 1:
+        mask = mask.repeat(1, 1, G, 1)  # [B|1, 1, G*T, S], row g*T + t = row t
+    return q, mask
 
 
-def _attend_softcapped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+def attend_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    G = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(G, dim=1)
-    v = v.repeat_interleave(G, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    """Attention computed in float32 with every sum over keys split into fixed chunks of
+    `KEY_CHUNK` keys aligned at key 0.
+
+    A row's result then depends only on its own keys and where they sit, not on how many
+    keys the buffer holds after them or on the other rows: the chunk sums have a fixed
+    length, and masked keys add exact zeros. (CPU SDPA changes its blocking with the
+    key count: measured, one more masked key changes float32 outputs.) GQA folds the
+    query heads of a KV head into the query axis instead of repeating K/V.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qf, mask = _fold_gqa(q, mask, Hkv)  # [B, Hkv, G*T, D]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask == 0  # additive (0 / -inf) -> boolean
+    if S % KEY_CHUNK:  # pad the keys with masked zeros to whole chunks
+        extra = KEY_CHUNK - S % KEY_CHUNK
+        k = F.pad(k, (0, 0, 0, extra))
+        v = F.pad(v, (0, 0, 0, extra))
+        if mask is None:
+            mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device=q.device)
+        mask = F.pad(mask, (0, extra), value=False)
+        S += extra
+    n = S // KEY_CHUNK
+    if T == 1:  # decode: tiny products, as broadcast-and-sum (compiled: fused loops, no BLAS calls)
+        scores = (qf.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(
+            -1
+        ) * scale  # [B, Hkv, G, S]
+    else:
+        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)  # exact whatever the order: the row's max over its keys
+    p = torch.exp(scores - top).view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
+    den = p.sum(-1).sum(-1, keepdim=True)  # [B, Hkv, G*T, 1]
+    vc = v.float().view(B, Hkv, n, KEY_CHUNK, D)
+    if T == 1:
+        parts = (p[..., None] * vc[:, :, None]).sum(-2)  # [B, Hkv, G, n, D]
+        out = parts.sum(-2) / den
+    else:
+        parts = torch.matmul(p.transpose(2, 3), vc)  # [B, Hkv, n, G*T, D]
+        out = parts.sum(2) / den  # [B, Hkv, G*T, D]
+    return out.to(q.dtype).reshape(B, H, T, D)
+
+
+def _attend_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    B, H, T, D = q.shape
+    qf, mask = _fold_gqa(q, mask, k.shape[1])
+    # cuDNN's SDPA builds a new graph whenever the key length changes: 1.35 ms of host time
+    # per call measured on an H100. Flash and memory-efficient attention have no such cost.
+    with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -358,20 +491,27 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(Fusable):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = activation(act)
 
+    def fusable(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self._fused:
+            gate, up = self._fused[0](x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(self.act_fn(gate) * up)
         return out
 
 

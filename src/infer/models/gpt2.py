@@ -19,10 +19,9 @@ from torch import nn
 from infer.config import FULL_ATTENTION, ModelConfig
 from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM, StepInputs
-from infer.models.common import KVStore, activation, attend
+from infer.models.common import KVStore, Linear, activation, attend
 
 if TYPE_CHECKING:
-    from infer.cache import KVCache
     from infer.gguf.config import GGUFMetadata
 
 
@@ -33,8 +32,8 @@ class GPT2Attention(nn.Module):
         self.head_dim = config.computed_head_dim
         self.scale = self.head_dim**-0.5
         width = self.num_heads * self.head_dim  # hidden_size, unless sharded
-        self.c_attn = nn.Linear(config.hidden_size, 3 * width)
-        self.c_proj = nn.Linear(width, config.hidden_size)
+        self.c_attn = Linear(config.hidden_size, 3 * width)
+        self.c_proj = Linear(width, config.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVStore | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -50,8 +49,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,21 +95,8 @@ class GPT2LMHeadModel(DecoderLM):
         self.embed_positions = nn.Embedding(n, d, _weight=torch.empty(n, d))  # skip normal_() (see base.py)
         self.rotary = nn.ModuleDict()  # absolute positions: no RoPE tables to compute per step
 
-    def prepare(
-        self,
-        input_ids: torch.Tensor,
-        cache: KVCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> StepInputs:
-        # Positions never exceed the step's last slot: checked from shapes, without a host sync.
-        end = input_ids.shape[1] + (cache.length if cache is not None else 0)
-        if end > self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {end - 1} is past GPT-2's {self.config.max_position_embeddings} learned positions"
-            )
-        return super().prepare(input_ids, cache, attention_mask)
-
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # positions < max_position_embeddings: checked on the host before the step (DecoderLM.forward_hidden)
         x: torch.Tensor = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [B, T, D]
         return x
 

@@ -10,7 +10,15 @@ from torch import nn
 
 from infer.config import ModelConfig
 from infer.models.arch import Architecture, GGUFRules, sliding_everywhere
-from infer.models.common import Attention, GatedMLP, RMSNorm, activation, attention_from_config
+from infer.models.common import (
+    Attention,
+    Fusable,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    activation,
+    attention_from_config,
+)
 from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
 
 if TYPE_CHECKING:
@@ -22,16 +30,19 @@ class Phi3Attention(Attention):
 
     def make_qkv(self, hidden_size: int, bias: bool) -> None:
         rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(hidden_size, rows, bias=bias)
+        self.qkv_proj = Linear(hidden_size, rows, bias=bias)
+
+    def fusable(self) -> list[nn.Module]:
+        return []  # already one product
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)
         return (
-            q.view(B, T, self.num_heads, self.head_dim),
-            k.view(B, T, self.num_kv_heads, self.head_dim),
-            v.view(B, T, self.num_kv_heads, self.head_dim),
+            q.reshape(B, T, self.num_heads, self.head_dim),
+            k.reshape(B, T, self.num_kv_heads, self.head_dim),
+            v.reshape(B, T, self.num_kv_heads, self.head_dim),
         )
 
 
@@ -41,10 +52,13 @@ class Phi3MLP(GatedMLP):
     def __init__(
         self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
     ) -> None:
-        nn.Module.__init__(self)
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        Fusable.__init__(self)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = activation(act)
+
+    def fusable(self) -> list[nn.Module]:
+        return []  # already one product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [B, T, I]

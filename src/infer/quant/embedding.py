@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import QType, check_supported, row_bytes
 from infer.quant.linear import QuantizedLinear
@@ -91,7 +90,7 @@ class QuantizedEmbedding(nn.Module):
             return lin.weight[flat].to(torch.float32)
         if lin.fmt == "int8":
             return lin.qweight[flat].to(torch.float32) * lin.scales[flat].to(torch.float32)[:, None]
-        nib = int4.gather_rows(lin.packed, flat).to(torch.float32)  # [R, P*D]
+        nib = lin.unpacked_rows(flat).to(torch.float32)  # [R, P*D]
         sz = lin.scale_zero[:, flat].to(torch.float32)  # [P*D/32, R, 2]
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*D/32, 1]
         r = flat.numel()

@@ -75,29 +75,28 @@ def unpack_transposed(
 ) -> torch.Tensor:
     """Rows ``start:stop`` of a packed ``[N, K/2]`` matrix, unpacked and transposed: ``[K, rows]``.
 
-    ``start`` must be a multiple of `BLOCK_N`. The values (0..15) are written straight
-    into the transposed layout (the order of the packed bytes) as ``dtype``, ready for
-    ``x @ w_t``.
+    ``start`` must be a multiple of `BLOCK_N`. The values (0..15) come out in the
+    transposed layout (the order of the packed bytes) as ``dtype``, ready for
+    ``x @ w_t``. Functional (no writes into views), so it compiles into one loop.
     """
     n, half_k = packed.shape
     k = half_k * 2
     if start % BLOCK_N:
         raise ValueError(f"unpack_transposed: start {start} is not a multiple of {BLOCK_N}")
-    out = torch.empty(k, stop - start, dtype=dtype, device=packed.device)
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)  # low nibble, high nibble
+    parts = []
     full_stop = min(stop, n - n % BLOCK_N)
     if full_stop > start:
         nb = (full_stop - start) // BLOCK_N
         byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
-        view = out[:, : full_stop - start].view(k, nb, 2, BLOCK_N // 2)
-        view[:, :, 0].copy_(byte & 0x0F)
-        view[:, :, 1].copy_(byte >> 4)
+        both = (byte[:, :, None, :] >> shifts[:, None]) & 0x0F  # [K, nb, 2, 32]: rows j, j + 32
+        parts.append(both.reshape(k, nb * BLOCK_N))
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
-        view = out[:, full_stop - start :].view(k, r // 2, 2)
-        view[..., 0].copy_(byte & 0x0F)
-        view[..., 1].copy_(byte >> 4)
-    return out
+        parts.append(((byte[:, :, None] >> shifts) & 0x0F).reshape(k, r))  # rows 2j, 2j + 1
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out.to(dtype)
 
 
 def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -149,7 +148,12 @@ _INT32_LIMIT = 2**31  # the kernel indexes with 32-bit ints
 
 
 def cpu_kernel_accepts(
-    x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    group_size: int,
+    scale_zero: torch.Tensor,
+    *,
+    usable_checked: bool = False,
 ) -> bool:
     """Whether ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` correctly for these operands.
 
@@ -161,7 +165,8 @@ def cpu_kernel_accepts(
     (32-bit indexing). Checked there (an error, not a crash, but refused here too):
     the dtypes, 2-D contiguous ``x`` and ``packed``, ``packed`` of shape ``[N, K/2]``,
     ``group_size`` in 32/64/128/256 dividing K. Loads are unaligned, so alignment is
-    free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`).
+    free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`;
+    ``usable_checked``: the caller already knows, e.g. inside a compiled graph).
     """
     if x.dim() != 2 or packed.dim() != 2 or scale_zero.dim() != 3:
         return False
@@ -183,7 +188,7 @@ def cpu_kernel_accepts(
         and packed.is_contiguous()
         and scale_zero.is_contiguous()
         and max(m * k, n * k, m * n, 2 * n * (k // group_size)) < _INT32_LIMIT
-        and cpu_kernel_usable()
+        and (usable_checked or cpu_kernel_usable())
     )
 
 

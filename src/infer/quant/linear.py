@@ -9,34 +9,34 @@ Three storage formats, chosen per GGML type (numbers and reasons in docs/quantiz
 - ``dense``: a float copy in the compute dtype, for Q2_K, Q3_K, Q6_K (groups of 16, which
   the kernel cannot take) and float GGUF tensors.
 
-Per call: with at most ``kernel_max_rows`` rows of input (decode) on CPU, the packed
-kernel runs on bfloat16 activations (``_weight_int4pack_mm_for_cpu`` /
-``_weight_int8pack_mm``); with more rows (prefill), or on other devices, the weight is
-dequantized tile by tile into the compute dtype and multiplied with a dense matmul.
-Scales are held in the compute dtype (bfloat16 by default), so every path computes with
-the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
+Per call, keyed on the shape of the step and never on the batch (so a row's result does
+not depend on the other rows, `infer.rows`): a decode step (one token per sequence) on
+CPU with bfloat16 compute runs the packed kernel on bfloat16 activations
+(``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, which compute every row the
+same way whatever the row count); a prefill step (several tokens per sequence), float32
+compute, or another device dequantizes the weight tile by tile into the compute dtype
+and multiplies with a dense matmul (rows one by one for decode steps). Scales are held
+in the compute dtype (bfloat16 by default), so every path computes with the same
+effective weights up to bfloat16 rounding: `effective_weight` returns them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from infer import rows as row_rules
 from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
 from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes, to_planes
 from infer.quant.quantize import quantize_int8_per_channel
 
-# Decode/prefill switch per format, for bfloat16 compute: rows of input up to which the
-# packed kernel beats dequantize + matmul (the kernel's cost grows linearly with the rows;
-# the dequantization is paid once per call). With float32 compute the kernels are 10-30x
-# slower and dequantize + matmul wins from one row on. Measured with
-# benchmarks/quant_kernels.py (docs/quantization.md).
-KERNEL_MAX_ROWS = {"int4": 64, "int8": 16, "dense": 0}
 # Outputs re-scored exactly per row by an output head that kept float32 scales (see `rescore`).
 RESCORE_TOP_K = 16
+# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`):
+# over 1024 positions of real text the exact winner ranked at worst 51st (SmolLM2), 24th (Gemma 3).
+GREEDY_CANDIDATES = 128
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
@@ -48,7 +48,9 @@ def _round_up(n: int, m: int) -> int:
 _INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def int8_kernel_accepts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+def int8_kernel_accepts(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, pointers_checked: bool = False
+) -> bool:
     """Whether ``aten._weight_int8pack_mm`` computes ``(x @ qweight.T) * scales`` correctly on CPU.
 
     torch checks the dtypes of ``x`` and ``qweight``, the shapes, and that ``x``'s last
@@ -57,6 +59,8 @@ def int8_kernel_accepts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     1e33, and the second row's misaligned load segfaults), ``x`` 32-byte and ``qweight``
     16-byte aligned (aligned vector loads: a fault otherwise), dense rows, ``scales``
     contiguous in x's dtype, and ``M*K``, ``N*K``, ``M*N`` below 2^31 (32-bit indexing).
+    ``pointers_checked``: the caller vouches for the alignment (inside a compiled graph,
+    where pointers cannot be read).
     """
     if x.dim() != 2 or qweight.dim() != 2 or scales.dim() != 1:
         return False
@@ -75,8 +79,7 @@ def int8_kernel_accepts(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
         and x.is_contiguous()
         and qweight.is_contiguous()
         and scales.is_contiguous()
-        and x.data_ptr() % 32 == 0
-        and qweight.data_ptr() % 16 == 0
+        and (pointers_checked or (x.data_ptr() % 32 == 0 and qweight.data_ptr() % 16 == 0))
         and max(m * k, n * k, m * n) < 2**31
     )
 
@@ -98,6 +101,8 @@ class QuantizedLinear(nn.Module):
     scales: torch.Tensor
     weight: torch.Tensor
     scale_zero_residual: torch.Tensor  # int4 output heads only: float32 scales - scale_zero, for `rescore`
+    packed_hi: torch.Tensor  # Q8_0 output heads: the high plane on its own (``packed`` holds the low one)
+    scale_zero_fast: torch.Tensor  # ... and its scale/zero when it alone approximates the weight
 
     def __init__(
         self,
@@ -118,9 +123,13 @@ class QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.fmt = fmt
         self.planes = planes
+        self.split = "packed_hi" in tensors  # planes held as separate packed matrices
         self.source = source  # e.g. "Q4_1", "q4_0", "int8"
         self.compute_dtype = compute_dtype
-        self.kernel_max_rows = KERNEL_MAX_ROWS[fmt] if compute_dtype == torch.bfloat16 else 0
+        # The packed kernels are fast only on bfloat16 activations (10-30x slower in float32).
+        self.use_kernel = compute_dtype == torch.bfloat16 and (
+            fmt == "int8" or (fmt == "int4" and int4.cpu_kernel_usable())
+        )
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias: nn.Parameter | None = None
@@ -167,9 +176,13 @@ class QuantizedLinear(nn.Module):
         p = num_planes(qt)
         n_pad = _round_up(n, int4.ROW_MULTIPLE)
         kp = p * k
-        packed = torch.zeros(n_pad, kp // 2, dtype=torch.uint8, device=device)
-        scale_zero = torch.zeros(kp // GROUP, n_pad, 2, dtype=compute_dtype, device=device)
         exact = exact_rescoring and compute_dtype != torch.float32
+        # A Q8_0 head's high plane (q >> 4, 4 bits) alone is a fair approximation of the weight:
+        # it is held on its own, so greedy decoding scans half the bytes (`greedy`).
+        split = exact and qt == QType.Q8_0
+        widths = [k] * p if split else [kp]
+        packed = [torch.empty(n_pad, w // 2, dtype=torch.uint8, device=device) for w in widths]
+        scale_zero = torch.zeros(kp // GROUP, n_pad, 2, dtype=compute_dtype, device=device)
         scale_zero_f32 = (
             torch.zeros(kp // GROUP, n_pad, 2, dtype=torch.float32, device=device) if exact else None
         )
@@ -179,16 +192,23 @@ class QuantizedLinear(nn.Module):
             if stop == n and n_pad != n:  # pad the last rows to the kernel's multiple of 16
                 nib = torch.cat([nib, torch.full((n_pad - n, kp), 8, dtype=torch.uint8, device=device)])
                 stop = n_pad
-            packed[start:stop] = int4.pack(nib)
+            for i, target in enumerate(packed):
+                target[start:stop] = int4.pack(nib[:, i * k : i * k + target.shape[1] * 2])
             scale_zero[:, start : start + scale.shape[0], 0] = scale.T.to(compute_dtype)
             scale_zero[:, start : start + zero.shape[0], 1] = zero.T.to(compute_dtype)
             if scale_zero_f32 is not None:
                 scale_zero_f32[:, start : start + scale.shape[0], 0] = scale.T.to(torch.float32)
                 scale_zero_f32[:, start : start + zero.shape[0], 1] = zero.T.to(torch.float32)
-        tensors = {"packed": packed, "scale_zero": scale_zero}
+        tensors = {"packed": packed[0], "scale_zero": scale_zero}
         if scale_zero_f32 is not None:
             residual = scale_zero_f32 - scale_zero.to(torch.float32)
             tensors["scale_zero_residual"] = residual.to(torch.bfloat16)
+        if split:
+            # The low plane is ((q & 15) - 8) * d + 8d: on average 7.5d, folded into the high plane's zero.
+            lo_scale = scale_zero_f32[: k // GROUP, :, 0]  # type: ignore[index]
+            fast = scale_zero_f32[k // GROUP :].clone()  # type: ignore[index]
+            fast[..., 1] += 7.5 * lo_scale
+            tensors |= {"packed_hi": packed[1], "scale_zero_fast": fast.to(compute_dtype)}
         return cls(k, n, "int4", tensors, bias=bias, planes=p, source=qt.name, compute_dtype=compute_dtype)
 
     @classmethod
@@ -205,24 +225,93 @@ class QuantizedLinear(nn.Module):
         tensors = {"qweight": q, "scales": scale}
         return cls(k, n, "int8", tensors, bias=bias, source="int8", compute_dtype=compute_dtype)
 
+    @classmethod
+    def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+        """One module computing ``parts`` side by side (their outputs concatenated), or None
+        when they cannot share one packed matrix. The parts then hold views of its buffers
+        (no second copy). Used to run q/k/v and gate/up as one kernel call each."""
+        first = parts[0]
+        same = all(
+            p.fmt == first.fmt
+            and p.in_features == first.in_features
+            and p.planes == first.planes
+            and p.compute_dtype == first.compute_dtype
+            and not p.split
+            and not hasattr(p, "scale_zero_residual")
+            and (p.bias is None) == (first.bias is None)
+            for p in parts
+        )
+        if not same:
+            return None
+        if first.fmt == "int4":  # whole 64-row packing blocks, no padding rows in between
+            inner = any(p.out_features % int4.BLOCK_N for p in parts[:-1])
+            if inner or parts[-1].packed.shape[0] != parts[-1].out_features:
+                return None
+            names, dims = ["packed", "scale_zero"], [0, 1]
+        elif first.fmt == "int8":
+            names, dims = ["qweight", "scales"], [0, 0]
+        else:
+            names, dims = ["weight"], [0]
+        pairs = list(zip(names, dims, strict=True))
+        tensors = {name: torch.cat([getattr(p, name) for p in parts], dim=dim) for name, dim in pairs}
+        bias = torch.cat([p.bias for p in parts]) if first.bias is not None else None  # type: ignore[misc]
+        n = sum(p.out_features for p in parts)
+        source = "+".join(sorted({p.source for p in parts}))
+        fused = cls(
+            first.in_features, n, first.fmt, tensors, bias=bias, planes=first.planes, source=source,
+            compute_dtype=first.compute_dtype,
+        )  # fmt: skip
+        start = 0
+        for p in parts:
+            stop = start + p.out_features
+            for name, dim in pairs:
+                setattr(p, name, getattr(fused, name).narrow(dim, start, stop - start))
+            if p.bias is not None and fused.bias is not None:
+                p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
+            start = stop
+        return fused
+
     # ---- forward --------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        per_row = row_rules.one_token_per_row(x)
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
-        use_kernel = x2.shape[0] <= self.kernel_max_rows and x2.is_cpu
+        kernel = per_row and self.use_kernel and x2.is_cpu
         if self.fmt == "int4":
-            y = self._int4(x2, use_kernel)
+            y = self._int4(x2, kernel, per_row)
         elif self.fmt == "int8":
-            y = self._int8(x2, use_kernel)
+            y = self._int8(x2, kernel, per_row)
         else:
-            y = F.linear(x2, self.weight)
+            y = row_rules.matmul_rows(x2, self.weight.t(), per_row)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if hasattr(self, "scale_zero_residual"):
             y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """Outputs whose per-row argmax is exact arithmetic's: for a greedy step.
+
+        A Q8_0 head scans its high plane alone (half the bytes, logit errors up to ~7 on
+        the real models), then re-scores each row's top `GREEDY_CANDIDATES` exactly; the
+        other entries stay approximate. Every other module returns ``forward(x)``.
+        """
+        if not (self.split and self.use_kernel and x.is_cpu and row_rules.one_token_per_row(x)):
+            out: torch.Tensor = self(x)
+            return out
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        xk = x2.to(self.compute_dtype).contiguous()
+        if not int4.cpu_kernel_accepts(xk, self.packed_hi, GROUP, self.scale_zero_fast, usable_checked=True):
+            full: torch.Tensor = self(x)
+            return full
+        y = int4.cpu_matmul(xk, self.packed_hi, GROUP, self.scale_zero_fast)
+        y = y[:, : self.out_features].to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return self.rescore(x2, y, GREEDY_CANDIDATES).view(*lead, self.out_features)
 
     def rescore(self, x2: torch.Tensor, y: torch.Tensor, top_k: int = RESCORE_TOP_K) -> torch.Tensor:
         """``y [M, N]`` with each row's ``top_k`` largest outputs recomputed exactly in float32.
@@ -240,73 +329,89 @@ class QuantizedLinear(nn.Module):
             exact = exact + self.bias.float()[idx]
         return y.scatter(-1, idx, exact.to(y.dtype))
 
+    def _plane_matrices(self) -> list[torch.Tensor]:
+        """The packed matrices: one ``[N, P*K/2]`` (planes side by side), or one per plane when split."""
+        return [self.packed, self.packed_hi] if self.split else [self.packed]
+
+    def unpacked_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The 4-bit values of ``rows`` (``[R]`` int64): ``[R, P*K]`` uint8, planes side by side."""
+        parts = [int4.gather_rows(m, rows) for m in self._plane_matrices()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Weight rows ``[R, in_features]`` (float32) with the exact scales kept for rescoring."""
         n, k = rows.numel(), self.in_features
-        nib = int4.gather_rows(self.packed, rows).to(torch.float32)  # [R, P*K]
+        nib = self.unpacked_rows(rows).to(torch.float32)  # [R, P*K]
         sz = self.scale_zero[:, rows].float() + self.scale_zero_residual[:, rows].float()  # [P*K/32, R, 2]
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*K/32, 1]
         w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
-    def _int4(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    def _int4(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
         y: torch.Tensor | None = None
-        if use_kernel:
+        if kernel and self.split:  # one call per plane: [M, N] each, summed in float32
+            g = self.in_features // GROUP
+            xk = x2.contiguous()
+            lo, hi = self.scale_zero[:g], self.scale_zero[g:]
+            accepts = int4.cpu_kernel_accepts(xk, self.packed, GROUP, lo, usable_checked=True)
+            if accepts and int4.cpu_kernel_accepts(xk, self.packed_hi, GROUP, hi, usable_checked=True):
+                y_lo = int4.cpu_matmul(xk, self.packed, GROUP, lo)
+                y_hi = int4.cpu_matmul(xk, self.packed_hi, GROUP, hi)
+                y = (y_lo.float() + y_hi.float()).to(x2.dtype)
+        elif kernel:
             xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
-            if int4.cpu_kernel_accepts(xp, self.packed, GROUP, self.scale_zero):
+            if int4.cpu_kernel_accepts(xp, self.packed, GROUP, self.scale_zero, usable_checked=True):
                 y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
-        if y is None:
-            y = self._int4_dequant_matmul(x2)
+        if y is None:  # prefill, another device, or operands the kernel does not take
+            n_pad = self.packed.shape[0]
+            kp = self.planes * self.in_features
+            tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
+            parts = [
+                row_rules.matmul_rows(x2, self._dequant_tile_t(start, min(n_pad, start + tile)), per_row)
+                for start in range(0, n_pad, tile)
+            ]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
         return y
 
-    def _int4_dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        n_pad = self.packed.shape[0]
-        out = torch.empty(x2.shape[0], n_pad, dtype=x2.dtype, device=x2.device)
-        kp = self.planes * self.in_features
-        tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
-        for start in range(0, n_pad, tile):
-            stop = min(n_pad, start + tile)
-            torch.matmul(x2, self._dequant_tile_t(start, stop), out=out[:, start:stop])
-        return out
-
     def _dequant_tile_t(self, start: int, stop: int) -> torch.Tensor:
         """Effective weight rows ``start:stop``, transposed: ``[K, rows]`` in the compute dtype.
 
-        Unpacks straight to float32 (cheap), applies the scales in one ``addcmul`` without
-        dtype mixing (mixed or bfloat16 broadcasting is ~3x slower on CPU), sums the planes
-        and rounds to the compute dtype once.
+        Unpacks straight to float32, applies the scales in float32 (mixed or bfloat16
+        broadcasting is ~3x slower on CPU), sums the planes and rounds to the compute
+        dtype once. Compiled, the whole tile is one fused loop.
         """
         k, r = self.in_features, stop - start
         kp = self.planes * k
-        f = int4.unpack_transposed(self.packed, start, stop, torch.float32)  # [P*K, rows]
+        parts = [int4.unpack_transposed(m, start, stop, torch.float32) for m in self._plane_matrices()]
+        f = parts[0] if len(parts) == 1 else torch.cat(parts)  # [P*K, rows]
         sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
         scale = sz[..., 0]
         zero = sz[..., 1] - 8 * scale
-        f3 = f.view(kp // GROUP, GROUP, r)
-        torch.addcmul(zero[:, None], f3, scale[:, None], out=f3)
-        if self.planes == 1:
-            return f.to(self.compute_dtype)
-        w_t = torch.empty(k, r, dtype=self.compute_dtype, device=f.device)
-        torch.add(f[:k], f[k:], out=w_t)
-        return w_t
+        w = (f.view(kp // GROUP, GROUP, r) * scale[:, None] + zero[:, None]).view(kp, r)
+        if self.planes > 1:
+            w = w.view(self.planes, k, r).sum(0)
+        return w.to(self.compute_dtype)
 
-    def _int8(self, x2: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-        if use_kernel:
+    def _int8(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
+        if kernel:
             xk = x2.contiguous()
-            if xk.data_ptr() % 32:  # a view into a larger tensor: the kernel needs aligned rows
+            compiling = torch.compiler.is_compiling()
+            if compiling or xk.data_ptr() % 32:
+                # The kernel needs 32-byte aligned rows: a view into a larger tensor is copied. In
+                # a graph the pointer cannot be read: a fresh buffer (64-byte aligned) always is.
                 xk = xk.clone()
-            if int8_kernel_accepts(xk, self.qweight, self.scales):
+            if int8_kernel_accepts(xk, self.qweight, self.scales, pointers_checked=compiling):
                 return torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales)  # type: ignore[no-any-return]
         n = self.out_features
-        out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
         tile = max(64, _TILE_VALUES // self.in_features // 64 * 64)
-        for start in range(0, n, tile):
-            stop = min(n, start + tile)
-            w = self.qweight[start:stop].to(x2.dtype)  # exact: |q| <= 127 fits bfloat16's mantissa
-            torch.matmul(x2, w.T, out=out[:, start:stop])
-        return out * self.scales
+        parts = [
+            row_rules.matmul_rows(x2, self.qweight[start : min(n, start + tile)].to(x2.dtype).T, per_row)
+            for start in range(0, n, tile)
+        ]  # int8 -> compute dtype is exact: |q| <= 127 fits bfloat16's mantissa
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return y * self.scales
 
     # ---- introspection ----------------------------------------------------------
 
@@ -317,7 +422,8 @@ class QuantizedLinear(nn.Module):
             return self.weight.to(torch.float32)
         if self.fmt == "int8":
             return self.qweight.to(torch.float32) * self.scales.to(torch.float32)[:, None]
-        nib = int4.unpack(self.packed)[:n].to(torch.float32)  # [N, P*K]
+        parts = [int4.unpack(m)[:n] for m in self._plane_matrices()]
+        nib = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(torch.float32)  # [N, P*K]
         sz = self.scale_zero[:, :n].to(torch.float32)  # [P*K/32, N, 2]
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [N, P*K/32, 1]
         w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
@@ -335,4 +441,4 @@ class QuantizedLinear(nn.Module):
         )
 
 
-__all__ = ["KERNEL_MAX_ROWS", "QuantizedLinear", "int8_kernel_accepts"]
+__all__ = ["GREEDY_CANDIDATES", "RESCORE_TOP_K", "QuantizedLinear", "int8_kernel_accepts"]

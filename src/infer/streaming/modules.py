@@ -9,9 +9,9 @@ Both replace the model's modules from outside; the model's walk is unchanged.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from infer import rows
 from infer.streaming.layout import Unit
 from infer.streaming.pipeline import Pipeline
 from infer.streaming.store import TensorRef, WeightStore
@@ -54,7 +54,7 @@ class StreamedHead(nn.Module):
             try:
                 assert unit.rows is not None
                 weight = unit.slots[0].view(self.pipeline.transport.flat(buffer))  # [rows, D]
-                out[..., unit.rows[0] : unit.rows[1]] = F.linear(h, weight)
+                out[..., unit.rows[0] : unit.rows[1]] = rows.linear(h, weight)  # as the resident head
             except BaseException:
                 self.pipeline.abort()
                 raise
