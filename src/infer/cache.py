@@ -24,6 +24,9 @@ upper bound of the slots used, to refuse overflowing steps before they run.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,15 @@ class StepPlan:
     ring_after: torch.Tensor | None  # [B, R] ... and after it
     one_token: bool  # T == 1: write first, then attend over the buffers
 
+    def rows(self, rows: slice) -> StepPlan:
+        """The plan of rows ``rows`` alone (every tensor is row-first)."""
+        changes = {
+            f.name: getattr(self, f.name)[rows]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **changes)
+
 
 class LayerKV:
     """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers)."""
@@ -75,6 +87,12 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         return int(self.k.numel() * self.k.element_size() * 2)
+
+    def rows(self, cache: KVCache, rows: slice) -> LayerKV:
+        """Rows ``rows`` of this layer's buffers (views: writes land here), bound to ``cache``."""
+        view = copy.copy(self)
+        view.cache, view.k, view.v = cache, self.k[rows], self.v[rows]
+        return view
 
 
 class StepKV:
@@ -143,6 +161,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pad: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.max_len = max_len
@@ -159,22 +178,31 @@ class KVCache:
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
         self.ring_slots: torch.Tensor | None = None
+        held = set(range(config.num_hidden_layers) if layers is None else layers)
         for i in range(config.num_hidden_layers):
             ring = config.layer_type(i) == SLIDING_ATTENTION and self.ring_size is not None
             capacity = self.ring_size if ring and self.ring_size is not None else self.capacity
+            if i not in held:  # another process's layer (a pipeline stage): an empty placeholder
+                capacity = 0
             self.layers.append(LayerKV(self, capacity, ring, shape, dtype=dtype, device=self.device))
             if ring and self.ring_slots is None:
                 self.ring_slots = torch.full((batch_size, capacity), -1, dtype=torch.long, device=self.device)
         self.plan: StepPlan | None = None
 
     @staticmethod
-    def bytes_needed(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype) -> int:
-        """Bytes the K/V buffers will take, without allocating them."""
+    def bytes_needed(
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        layers: Sequence[int] | None = None,
+    ) -> int:
+        """Bytes the K/V buffers will take (of ``layers``; default all), without allocating them."""
         per_slot = 2 * batch_size * config.num_key_value_heads * config.computed_head_dim
         per_slot *= torch.empty((), dtype=dtype).element_size()
         capacity = round_up(max_len, KEY_CHUNK)
         total = 0
-        for i in range(config.num_hidden_layers):
+        for i in range(config.num_hidden_layers) if layers is None else layers:
             sliding = config.layer_type(i) == SLIDING_ATTENTION and config.sliding_window is not None
             slots = min(config.sliding_window, capacity) if sliding and config.sliding_window else capacity
             total += slots * per_slot
@@ -192,6 +220,19 @@ class KVCache:
         for layer in self.layers:
             out += [layer.k, layer.v]
         return out
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows ``[start, stop)`` during a step (a pipeline micro-batch): the same buffers, sliced,
+        so writes through the view land in this cache, and this step's plan, sliced."""
+        view = copy.copy(self)
+        rows = slice(start, stop)
+        view.batch_size = stop - start
+        view.pad, view.slot = self.pad[rows], self.slot[rows]
+        if self.ring_slots is not None:
+            view.ring_slots = self.ring_slots[rows]
+        view.layers = [layer.rows(view, rows) for layer in self.layers]
+        view.plan = self.plan.rows(rows) if self.plan is not None else None
+        return view
 
     def reset(self) -> None:
         """Empty the cache for a new batch of the same shape (the buffers are reused)."""

@@ -165,8 +165,8 @@ def test_non_finite_logits_name_the_decode_step_and_row(
     head = llm.model.head
     calls = []
 
-    def spoiled_head(h: torch.Tensor) -> torch.Tensor:
-        logits = head(h)
+    def spoiled_head(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        logits = head(h, greedy=greedy)
         calls.append(1)
         if len(calls) == 3:  # prefill, decode step 1, decode step 2 <- here
             logits = logits.clone()

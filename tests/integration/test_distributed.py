@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 SRC = Path(__file__).resolve().parents[2] / "src"
 IDS = [[5, 17, 42, 99, 3, 250, 7, 64, 12, 180, 33, 9], [8, 1, 77, 150, 2, 4, 6, 8, 10, 12, 14, 16]]
 PROMPT = [5, 17, 42, 99, 3]
+PROMPT2 = [9, 8, 7, 6, 5, 4, 3, 2]
 NEW_TOKENS = 8
 PARITY = 1e-5  # absolute, plus RELATIVE x max |logit| for tensor parallelism's reordered sums
 RELATIVE = 1e-6
@@ -59,6 +60,9 @@ try:
         logits = llm.model(torch.tensor(args["ids"]))
     out["logits"] = logits.tolist()
     out["tokens"] = llm.generate(args["prompt"], max_new_tokens=args["new"]).token_ids
+    batch = llm.generate([args["prompt"], args["prompt2"]], max_new_tokens=args["new"])
+    out["batch"] = [r.token_ids for r in batch]  # pipeline stages: two micro-batches of one row
+    out["kv_bytes"] = llm.model.make_cache(2, 64).nbytes
     if args.get("sample"):
         sampled = llm.generate(args["prompt"], max_new_tokens=args["new"], temperature=1.0, top_k=20)
         out["sampled"] = sampled.token_ids
@@ -118,7 +122,13 @@ def reference(path: Path, dtype: str | None = "float32") -> dict[str, Any]:
     with torch.inference_mode():
         logits = llm.model(torch.tensor(IDS))
     tokens = llm.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids
-    return {"logits": logits, "tokens": tokens}
+    batch = [r.token_ids for r in llm.generate([PROMPT, PROMPT2], max_new_tokens=NEW_TOKENS)]
+    return {
+        "logits": logits,
+        "tokens": tokens,
+        "batch": batch,
+        "kv_bytes": llm.model.make_cache(2, 64).nbytes,
+    }
 
 
 def check(results: list[dict[str, Any]], ref: dict[str, Any], label: str, exact: bool = False) -> None:
@@ -132,11 +142,12 @@ def check(results: list[dict[str, Any]], ref: dict[str, Any], label: str, exact:
         )
         assert err <= (0.0 if exact else PARITY + RELATIVE * scale), label
         assert r["tokens"] == ref["tokens"], label
+        assert r["batch"] == ref["batch"], label
 
 
 def args_for(path: Path, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
-    return {"path": str(path), "tp": tp, "pp": pp, "ids": IDS, "prompt": PROMPT, "new": NEW_TOKENS,
-            "dtype": "float32", **extra}  # fmt: skip
+    return {"path": str(path), "tp": tp, "pp": pp, "ids": IDS, "prompt": PROMPT, "prompt2": PROMPT2,
+            "new": NEW_TOKENS, "dtype": "float32", **extra}  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["tp2", "pp2"])
@@ -145,8 +156,13 @@ def test_two_ranks_match_one_process(tiny_ckpt_factory: Callable[..., Path], arc
     path = tiny_ckpt_factory(arch)
     tp, pp = (2, 1) if mode == "tp2" else (1, 2)
     results = run_ranks(2, args_for(path, tp, pp, sample=True))
-    check(results, reference(path), f"{arch} {mode}", exact=mode == "pp2")
+    ref = reference(path)
+    check(results, ref, f"{arch} {mode}", exact=mode == "pp2")
     assert results[0]["sampled"] == results[1]["sampled"]  # every rank draws the same tokens
+    # Each rank's KV cache holds its share: its stage's layers, or its KV heads.
+    kv = [r["kv_bytes"] for r in results]
+    print(f"{arch} {mode}: KV cache bytes per rank {kv}, one process {ref['kv_bytes']}")
+    assert sum(kv) == ref["kv_bytes"] and max(kv) < ref["kv_bytes"]
 
 
 def test_kv_heads_replicated(tmp_path: Path) -> None:

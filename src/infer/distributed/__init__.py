@@ -83,6 +83,7 @@ def parallelize(
         model.lm_head = PipelineHead(head, parallel, config.vocab_size, dtype)  # type: ignore[assignment]
         streamed = None if isinstance(model.executor, SequentialExecutor) else model.executor
         model.executor = PipelineExecutor(parallel, partition.layers, streamed)
+        model.kv_layers = partition.layers  # the K/V cache holds this stage's layers only
     return model
 
 

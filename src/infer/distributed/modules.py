@@ -121,32 +121,62 @@ class PipelineExecutor:
 
     Every rank of every stage calls it with the same shapes (generation runs in lockstep);
     the first stage starts from the embedding, the others from what the previous stage
-    sends; the last stage's result goes to the head. ``inner`` runs the stage's layers
-    when they stream (a `StreamingExecutor` planned for those layers alone).
+    sends; the last stage's result goes to the head. A batch runs as ``micro_batches``
+    slices of its rows, each sent on (without waiting) as soon as it is done, so while a
+    stage computes slice ``m`` the next stage computes slice ``m - 1``. A row's result does
+    not depend on the rows computed beside it (`infer.rows`), so the slicing changes
+    nothing in the outputs. ``inner`` runs the stage's layers when they stream (a
+    `StreamingExecutor` planned for those layers alone); streaming reads every weight
+    once per slice, so a streamed stage runs its batch whole.
     """
 
-    def __init__(self, parallel: Parallel, layers: range, inner: LayerExecutor | None = None) -> None:
+    def __init__(
+        self,
+        parallel: Parallel,
+        layers: range,
+        inner: LayerExecutor | None = None,
+        micro_batches: int | None = None,
+    ) -> None:
         self.parallel = parallel
         self.layers = layers
         self.inner = inner
+        # Default: as many slices as stages, the fewest that keep every stage busy in the middle.
+        self.micro_batches = parallel.pipeline_parallel if micro_batches is None else micro_batches
 
     @property
     def limits(self) -> ExecutorLimits | None:
         return self.inner.limits if self.inner is not None else None
 
+    def row_slices(self, batch: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each micro-batch: ``min(batch, micro_batches)`` near-equal slices."""
+        m = 1 if self.inner is not None else max(1, min(batch, self.micro_batches))
+        bounds = [batch * j // m for j in range(m + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         p = self.parallel
-        x = x.contiguous()
-        if not p.first_stage:
-            dist.recv(x, src=p.stage_rank(p.stage - 1))  # [B, T, D] from the previous stage
-        if self.inner is not None:
-            x = self.inner.run_layers(model, x, step)
-        else:
-            for i in self.layers:
-                x = model.run_layer(i, model.layers[i], x, step)
-        if not p.last_stage:
-            dist.send(x.contiguous(), dst=p.stage_rank(p.stage + 1))
-        return x
+        slices = self.row_slices(x.shape[0])
+        outputs: list[torch.Tensor] = []
+        sends: list[dist.Work] = []
+        for start, stop in slices:
+            h = x[start:stop].contiguous()  # [b, T, D]
+            if not p.first_stage:
+                dist.recv(h, src=p.stage_rank(p.stage - 1))
+            rows = step if len(slices) == 1 else step.rows(start, stop)
+            if self.inner is not None:
+                h = self.inner.run_layers(model, h, rows)
+            else:
+                for i in self.layers:
+                    h = model.run_layer(i, model.layers[i], h, rows)
+            h = h.contiguous()
+            if not p.last_stage:
+                work = dist.isend(h, dst=p.stage_rank(p.stage + 1))
+                if work is not None:
+                    sends.append(work)
+            outputs.append(h)
+        for work in sends:  # the buffers must outlive their sends
+            work.wait()
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [B, T, D]
 
 
 __all__ = [

@@ -36,6 +36,16 @@ class StepInputs:
     masks: dict[str, torch.Tensor]  # layer type -> [B, 1, T, S] bool (True = attend)
     cache: KVCache | None
 
+    def rows(self, start: int, stop: int) -> StepInputs:
+        """The inputs of rows ``[start, stop)`` alone (a pipeline micro-batch; the cache as a view)."""
+        rows = slice(start, stop)
+        return StepInputs(
+            positions=self.positions[rows],
+            rope={lt: (cos[rows], sin[rows]) for lt, (cos, sin) in self.rope.items()},
+            masks={lt: m if m.shape[0] == 1 else m[rows] for lt, m in self.masks.items()},
+            cache=self.cache.rows(start, stop) if self.cache is not None else None,
+        )
+
 
 @dataclass(frozen=True)
 class ExecutorLimits:
@@ -142,6 +152,7 @@ class DecoderLM(nn.Module):
         self.rotary = nn.ModuleDict(make_rotary_embeddings(config))
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
         self.executor: LayerExecutor = SequentialExecutor()
+        self.kv_layers: range | None = None  # the layers whose K/V this process keeps (None: all)
 
     # ---- pieces of the walk -------------------------------------------------
 
@@ -284,7 +295,15 @@ class DecoderLM(nn.Module):
         return self.head(self.forward_hidden(input_ids, cache, attention_mask))
 
     def make_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
-        return KVCache(self.config, batch_size, max_len, dtype=self.dtype, device=self.device, pad=pad)
+        return KVCache(
+            self.config,
+            batch_size,
+            max_len,
+            dtype=self.dtype,
+            device=self.device,
+            pad=pad,
+            layers=self.kv_layers,
+        )
 
 
 __all__ = [

@@ -206,7 +206,9 @@ def _candidate(
         units.extend(head_units(len(units), pi.head, rows))
     buffer = max((u.nbytes for u in units), default=0)
     num_buffers = (2 if prefetch else 1) if units else 0
-    kv = KVCache.bytes_needed(pi.config, limits.max_batch_size, limits.max_context, pi.dtype)
+    kv = KVCache.bytes_needed(
+        pi.config, limits.max_batch_size, limits.max_context, pi.dtype, layers=pi.layer_indices
+    )
     ws = workspace_bytes(
         pi.config, pi.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
     )
