@@ -17,6 +17,8 @@ executor from outside.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -151,7 +153,7 @@ class PipelineExecutor:
         """``[start, stop)`` of each micro-batch: ``min(batch, micro_batches)`` near-equal slices."""
         m = 1 if self.inner is not None else max(1, min(batch, self.micro_batches))
         bounds = [batch * j // m for j in range(m + 1)]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        return list(itertools.pairwise(bounds))
 
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         p = self.parallel
