@@ -66,16 +66,18 @@ llm = infer.load(
     args["path"], device=device, dtype="float32", tensor_parallel=args["tp"], pipeline_parallel=args["pp"]
 )
 load_s = time.perf_counter() - t0
-prompt = [(7 * i + 3) % 32000 for i in range(args["prompt"])]
-llm.generate(prompt, max_new_tokens=2)  # warm-up
-g = llm.generate(prompt, max_new_tokens=args["new"])
+if args["micro"] is not None:
+    llm.model.executor.micro_batches = args["micro"]
+prompts = [[(7 * i + 3 + 11 * b) % 32000 for i in range(args["prompt"])] for b in range(args["batch"])]
+llm.generate(prompts, max_new_tokens=2)  # warm-up
+g = llm.generate(prompts, max_new_tokens=args["new"])[0]
 stop = True
 mem = torch.cuda.max_memory_allocated() if device == "cuda" else peak[0] - base
 rank = int(os.environ.get("RANK", 0))
 print("RESULT " + json.dumps({
     "rank": rank, "load_s": load_s, "peak_bytes": mem,
-    "prefill_tok_s": args["prompt"] / g.prefill_seconds,
-    "decode_tok_s": (len(g.token_ids) - 1) / g.decode_seconds,
+    "prefill_tok_s": args["batch"] * args["prompt"] / g.prefill_seconds,
+    "decode_tok_s": args["batch"] * (len(g.token_ids) - 1) / g.decode_seconds,
     "tokens": g.token_ids,
 }))
 """
@@ -98,7 +100,15 @@ def _port() -> int:
 
 
 def run(
-    path: Path, tp: int, pp: int, threads: int, device: str, new: int, prompt: int
+    path: Path,
+    tp: int,
+    pp: int,
+    threads: int,
+    device: str,
+    new: int,
+    prompt: int,
+    batch: int = 1,
+    micro: int | None = None,
 ) -> list[dict[str, Any]]:
     world = tp * pp
     port = _port()
@@ -110,6 +120,8 @@ def run(
         "device": device,
         "new": new,
         "prompt": prompt,
+        "batch": batch,
+        "micro": micro,
     }
     procs = []
     for rank in range(world):
@@ -154,6 +166,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores for the 1-rank run")
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="prompts per generate call (pipeline micro-batches: > 1)"
+    )
     args = parser.parse_args()
     path = checkpoint()
     cpu = platform.processor() or "?"
@@ -161,17 +176,21 @@ def main() -> None:
         cpu = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), cpu)
     print(
         f"checkpoint {path.name}: {json.dumps(SHAPE)}; device {args.device}; CPU {cpu}; "
-        f"{args.threads} thread(s) in all; prompt {args.prompt}, {args.new} new tokens"
+        f"{args.threads} thread(s) in all; {args.batch} prompt(s) of {args.prompt} tokens, "
+        f"{args.new} new tokens; tokens/s count every row of the batch"
     )
     rows = []
-    configs = [
-        ("1 process", 1, 1, args.threads),
-        ("tensor_parallel=2", 2, 1, max(1, args.threads // 2)),
-        ("pipeline_parallel=2", 1, 2, max(1, args.threads // 2)),
+    half = max(1, args.threads // 2)
+    configs: list[tuple[str, int, int, int, int | None]] = [
+        ("1 process", 1, 1, args.threads, None),
+        ("tensor_parallel=2", 2, 1, half, None),
+        ("pipeline_parallel=2", 1, 2, half, None),
     ]
+    if args.batch > 1:  # the default splits the batch into 2 micro-batches; here, without
+        configs.append(("pp=2, 1 micro-batch", 1, 2, half, 1))
     single: dict[str, Any] | None = None
-    for label, tp, pp, threads in configs:
-        results = run(path, tp, pp, threads, args.device, args.new, args.prompt)
+    for label, tp, pp, threads, micro in configs:
+        results = run(path, tp, pp, threads, args.device, args.new, args.prompt, args.batch, micro)
         if single is None:
             single = results[0]
         same = all(r["tokens"] == single["tokens"] for r in results)

@@ -1,6 +1,6 @@
 """Feed mutated checkpoints to the public entry points; count what happens.
 
-Each input is derived from ``(--seed, index)`` by `infer.fuzzing` (structured mutations
+Each input is derived from ``(--seed, index)`` by `infer.testing.fuzzing` (structured mutations
 of a tiny GGUF file, a safetensors header, an index json and config.json) and run by a
 worker process: `GGUFFile` or `load_config`, `inspect_checkpoint`, `infer.load` (10% of
 them streaming), and a two-token `generate`. Workers run one input at a time under a
@@ -63,7 +63,7 @@ def _warm_up(mutator: Any, seeds: Any) -> None:
     import transformers
 
     import infer
-    from infer.fuzzing import Case, run_case
+    from infer.testing.fuzzing import Case, run_case
 
     for model_type in ("llama", "qwen3", "gemma3_text", "gemma3", "gpt2", "mistral"):
         transformers.AutoConfig.for_model(model_type)
@@ -85,7 +85,7 @@ def _warm_up(mutator: Any, seeds: Any) -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from infer.fuzzing import Mutator, Seeds, run_case
+    from infer.testing.fuzzing import Mutator, Seeds, run_case
 
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -161,7 +161,7 @@ class Worker:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from infer.fuzzing import build_seeds
+    from infer.testing.fuzzing import build_seeds
 
     out = Path(args.out).parent
     out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _describe_lost(args: argparse.Namespace, raw: dict[str, Any]) -> None:
     """Crashed / hung inputs come back without a description: derive it again."""
-    from infer.fuzzing import Mutator, Seeds
+    from infer.testing.fuzzing import Mutator, Seeds
 
     lost = [r for r in raw["results"] if "kind" not in r]
     if not lost:
@@ -348,7 +348,7 @@ def reproduce(args: argparse.Namespace) -> None:
     """Write input ``--only`` of run ``--seed`` to ``--save`` and run it here, with its traceback."""
     import traceback
 
-    from infer.fuzzing import Mutator, build_seeds, run_case
+    from infer.testing.fuzzing import Mutator, build_seeds, run_case
 
     seeds = build_seeds(Path(args.out).parent / "seeds")
     target = Path(args.save)

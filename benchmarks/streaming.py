@@ -399,7 +399,7 @@ def main() -> None:
     import torch
 
     from infer.streaming import parse_bytes
-    from infer.streaming.synthetic import spec_for_size, write_synthetic_checkpoint
+    from infer.testing.synthetic import spec_for_size, write_synthetic_checkpoint
 
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)

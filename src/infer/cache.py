@@ -136,7 +136,7 @@ class StepKV:
             self.v[rows, heads, slot] = torch.where(keep, self.v[rows, heads, slot], v)
             return self.k, self.v
         assert self.ring_src is not None
-        keys = torch.cat((k, self.k), dim=2)  # [B, Hkv, T + R, hd]: new first (aligned at key 0)
+        keys = torch.cat((k, self.k), dim=2)  # [B, Hkv, T + R, hd]: new first (starting at key 0)
         values = torch.cat((v, self.v), dim=2)
         src = self.ring_src[:, None, :]  # [B, 1, R]
         self.k.copy_(keys[rows, heads, src])
@@ -182,11 +182,11 @@ class KVCache:
         for i in range(config.num_hidden_layers):
             ring = config.layer_type(i) == SLIDING_ATTENTION and self.ring_size is not None
             capacity = self.ring_size if ring and self.ring_size is not None else self.capacity
+            if ring and self.ring_slots is None:  # the rings' slot bookkeeping, shared by every ring
+                self.ring_slots = torch.full((batch_size, capacity), -1, dtype=torch.long, device=self.device)
             if i not in held:  # another process's layer (a pipeline stage): an empty placeholder
                 capacity = 0
             self.layers.append(LayerKV(self, capacity, ring, shape, dtype=dtype, device=self.device))
-            if ring and self.ring_slots is None:
-                self.ring_slots = torch.full((batch_size, capacity), -1, dtype=torch.long, device=self.device)
         self.plan: StepPlan | None = None
 
     @staticmethod

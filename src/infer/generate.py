@@ -280,7 +280,7 @@ def step_outputs(
     if not mode.greedy:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-    vocab = model.config.vocab_size
+    vocab = model.vocab_size
 
     def noise() -> torch.Tensor | None:
         return None if generator is None else gumbel_noise(B, vocab, generator, device)

@@ -26,7 +26,7 @@ from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed
 from infer.streaming.stats import TimelineEntry
-from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 
 def build_streaming_model(

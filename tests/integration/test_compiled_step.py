@@ -2,7 +2,9 @@
 
 One code path: `model_step` runs eagerly (the reference) or through
 ``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the
-compiled step must give the same greedy tokens and logits within 1e-5, the same
+compiled step must give the same greedy tokens and logits within 1e-5 + 1e-6 x max
+|logit| (inductor reorders float32 reductions: measured 1.8e-5 on the tiny Gemma 3,
+whose logits reach 25, i.e. 7e-7 of them; 3.8e-6 on the packed Llama), the same
 seeded samples, and reuse its graph and cache for a second request of the same
 bucket. This is the CPU build of what runs on CUDA with CUDA graphs on top
 (``mode="reduce-overhead"``); no GPU runs here.
@@ -44,10 +46,13 @@ def compare(model: DecoderLM, label: str, params: SamplingParams, atol: float) -
     tokens, logits = run(model, compiled, params)
     err = (logits - eager_logits).abs().max().item()
     rows = f"{STEPS} steps x {len(PROMPTS)} rows"
-    print(f"\n{label}: compiled vs eager over {rows}: max |logit diff| {err:.2e}")
+    scale = eager_logits.abs().max().item()
+    print(f"\n{label}: compiled vs eager over {rows}: max |logit diff| {err:.2e} (logits up to {scale:.1f})")
     print(f"compile {compiled.compile_seconds:.1f} s")
     assert torch.equal(tokens, eager_tokens), label
-    assert err <= atol, label
+    # Inductor fuses the float32 reductions (norms, softmax, attention sums) in its own order:
+    # allowed, 1e-5 plus float32 rounding at the logits' scale (as tensor parallelism's sums).
+    assert err <= atol + 1e-6 * scale, label
     return compiled
 
 

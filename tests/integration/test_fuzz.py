@@ -1,6 +1,6 @@
 """Mutated checkpoints through the public entry points: each loads or is refused cleanly (issue 10).
 
-A bounded, seeded run of `infer.fuzzing` (``benchmarks/fuzz.py`` runs 100,000 inputs in
+A bounded, seeded run of `infer.testing.fuzzing` (``benchmarks/fuzz.py`` runs 100,000 inputs in
 worker processes): structured mutations of a tiny GGUF file, a safetensors header, an
 index json and config.json, fed to `GGUFFile` / `load_config`, `inspect_checkpoint`,
 `infer.load` and a two-token `generate`. Every input must load or raise a documented
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from infer.fuzzing import Case, Mutator, Outcome, Seeds, run_case
+from infer.testing.fuzzing import Case, Mutator, Outcome, Seeds, run_case
 from infer.gguf.writer import write_gguf
 from infer.testing import build_tokenizer, tiny_hf_model
 

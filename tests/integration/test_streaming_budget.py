@@ -22,7 +22,7 @@ import torch
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, StreamingExecutor, build_streamed
-from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=24, vocab_size=8192)
 BUDGET = 80 * 10**6

@@ -23,7 +23,7 @@ from infer.loader.source import StoredTensor, WeightSource
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed
-from infer.streaming.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=8, vocab_size=1024)
 TOKENS = 512

@@ -57,6 +57,7 @@ def parallelize(
 ) -> DecoderLM:
     """Swap in the modules that make this rank's part of ``model`` compute the whole model."""
     tp = partition.tensor_parallel
+    model.vocab_size = config.vocab_size  # the whole vocabulary: the head gathers every slice
     if tp is not None:
         for i in partition.layers:
             layer = model.layers[i]

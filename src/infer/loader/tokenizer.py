@@ -46,9 +46,39 @@ class FastTokenizer:
             setattr(self, name, token)
             setattr(self, f"{name}_id", None if token is None else self._tk.token_to_id(token))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
+    ) -> list[int]:
+        """``split_special_tokens``: special-token spellings in ``text`` are encoded as text
+        (what transformers' fast tokenizers do with the same flag)."""
+        self._tk.encode_special_tokens = split_special_tokens
+        try:
+            ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._tk.encode_special_tokens = False
         return ids
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return {name: token for name in SPECIAL_TOKENS if (token := self._special.get(name)) is not None}
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        """Id -> ``tokenizers.AddedToken`` (``.content``, ``.special``), as transformers lists them."""
+        decoder: dict[int, Any] = self._tk.get_added_tokens_decoder()
+        return decoder
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> Any:
+        """An id (None if unknown) for a token, a list of them for a list."""
+        if isinstance(tokens, str):
+            return self._tk.token_to_id(tokens)
+        return [self._tk.token_to_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> Any:
+        """A token (None if out of range) for an id, a list of them for a list."""
+        if isinstance(ids, int):
+            return self._tk.id_to_token(ids)
+        return [self._tk.id_to_token(i) for i in ids]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tk.decode(token_ids, skip_special_tokens=skip_special_tokens)

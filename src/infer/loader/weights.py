@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* `load_weights` returns the whole raw HF-named state dict (the Phase 1a API);
+* `load_weights` returns the whole raw HF-named state dict (the original loader API, kept for compatibility);
 * `SafetensorsSource` lists every tensor (name, shape, dtype, file) without reading
   data and reads tensors (or rows of them) one at a time with ``pread``: the
   `infer.loader.source.WeightSource` of a safetensors checkpoint, so the model
@@ -176,7 +176,7 @@ class SafetensorsSource:
         with self._lock:
             self._finalizer()
 
-    # The Phase 1a reading helpers -------------------------------------------------
+    # The original API's reading helpers----------------------------------------------
 
     def keys(self) -> list[str]:
         return list(self._tensors)

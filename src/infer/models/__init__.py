@@ -2,7 +2,7 @@
 
 `ARCHITECTURES` is the registry: one `Architecture` record per ``model_type``, each
 declared in its model file. Everything that depends on an architecture (the config
-reader, the safetensors and GGUF loaders, the GGUF writer, the Phase 1a weight maps)
+reader, the safetensors and GGUF loaders, the GGUF writer, the original weight-map API)
 looks it up here.
 """
 

@@ -4,7 +4,7 @@ Each model file (``models/<arch>.py``) declares one record beside its classes: h
 ``config.json`` differs from the common fields, how checkpoint tensor names map to the
 model's module names (safetensors and GGUF), what llama.cpp's converter changed in the
 stored tensors and how GGUF metadata becomes a config. `infer.models.ARCHITECTURES`
-lists the records; the config reader, the loaders, the GGUF writer and the Phase 1a
+lists the records; the config reader, the loaders, the GGUF writer and the original
 weight maps are all derived from them. Adding an architecture is its file plus one
 line in that registry (see docs/architecture.md).
 """

@@ -153,6 +153,9 @@ class DecoderLM(nn.Module):
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
         self.executor: LayerExecutor = SequentialExecutor()
         self.kv_layers: range | None = None  # the layers whose K/V this process keeps (None: all)
+        self.vocab_size = (
+            config.vocab_size
+        )  # the logits' width (a tensor-parallel shard's config has its slice)
 
     # ---- pieces of the walk -------------------------------------------------
 

@@ -406,7 +406,7 @@ def attend_chunked(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention computed in float32 with every sum over keys split into fixed chunks of
-    `KEY_CHUNK` keys aligned at key 0.
+    `KEY_CHUNK` keys starting at key 0.
 
     A row's result then depends only on its own keys and where they sit, not on how many
     keys the buffer holds after them or on the other rows: the chunk sums have a fixed
