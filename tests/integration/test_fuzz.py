@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from infer.testing.fuzzing import Case, Mutator, Outcome, Seeds, run_case
 from infer.gguf.writer import write_gguf
 from infer.testing import build_tokenizer, tiny_hf_model
+from infer.testing.fuzzing import Case, Mutator, Outcome, Seeds, run_case
 
 SEED = 0
 CASES = {"gguf": 100, "safetensors": 70, "index": 30, "config": 70}

@@ -1,4 +1,4 @@
-"""`ModelConfig` and its reader (kept importable here for the original loader API; the code lives in `infer.config`)."""
+"""`ModelConfig` and its reader, importable here for the original loader API (the code: `infer.config`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""HF checkpoint tensor names -> our module names, per architecture (the original loader API, kept for compatibility).
+"""HF checkpoint tensor names -> our module names, per architecture (the original loader API).
+
 
 Our modules are named after the checkpoint (``layers.3.self_attn.q_proj``), so for most
 architectures a map is the identity less the ``model.`` prefix. The maps are derived
