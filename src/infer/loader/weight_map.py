@@ -1,6 +1,5 @@
 """HF checkpoint tensor names -> our module names, per architecture (the original loader API).
 
-
 Our modules are named after the checkpoint (``layers.3.self_attn.q_proj``), so for most
 architectures a map is the identity less the ``model.`` prefix. The maps are derived
 from the architecture records (`infer.models.arch.Architecture.to_hf`) and the model's
