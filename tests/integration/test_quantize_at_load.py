@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import infer
+from infer.models.common import unfuse_projections
 from infer.quant import QuantizedLinear, module_nbytes
 from infer.testing import build_checkpoint
 
@@ -32,6 +33,7 @@ IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 def float_with_effective_weights(model: nn.Module, quantized: nn.Module) -> nn.Module:
     """``model`` with each quantized linear's weight replaced by what the packed module computes with."""
     ref = copy.deepcopy(model)
+    unfuse_projections(ref)  # the fused q/k/v and gate/up would keep the old weights
     for name, module in quantized.named_modules():
         if isinstance(module, QuantizedLinear):
             linear = ref.get_submodule(name)
@@ -53,6 +55,7 @@ def float32_compute(model: nn.Module) -> nn.Module:
     ``effective_weight`` (the bfloat16 ones) does not.
     """
     exact = copy.deepcopy(model)
+    unfuse_projections(exact)  # the fused products would keep bfloat16 compute
     for module in exact.modules():
         if isinstance(module, QuantizedLinear):
             module.compute_dtype = torch.float32

@@ -6,7 +6,9 @@ run and kept in pytest's cache directory, keyed by the file's header digest, the
 transformers version and the prompt, so a local re-run skips the slow transformers load.
 
 Logit parity runs at ``dtype=float32``: every packed matrix then computes in float32
-and our logits must match transformers' to float32 rounding. The default (float32
+and our logits must match transformers' to float32 rounding: as close to the float64
+logits of the same weights as transformers' own float32 logits are (measured: SmolLM2
+4.4e-5 from transformers', Gemma 3 2.7e-5; the attention sums keys in another order). The default (float32
 activations, packed products in bfloat16 for torch's fast kernels: several times
 faster decode) is what the generation tests use; its agreement is printed.
 """
@@ -51,11 +53,11 @@ def _reference(cache: Any, path: Path) -> dict[str, torch.Tensor]:
         return _REFERENCES[path]
     import transformers
 
-    facts = f"{GGUFFile(path).header_digest()}|{transformers.__version__}|{TEXT}|{GREEDY_TOKENS}|v1"
+    facts = f"{GGUFFile(path).header_digest()}|{transformers.__version__}|{TEXT}|{GREEDY_TOKENS}|v2"
     key = hashlib.sha256(facts.encode())
     file = Path(cache.mkdir("infer-gguf-reference")) / f"{path.stem}-{key.hexdigest()[:16]}.pt"
     if file.is_file():
-        return dict(torch.load(file))
+        return dict(torch.load(file, weights_only=True))
     ref = _compute_reference(path)
     torch.save(ref, file)
     return ref
@@ -73,7 +75,8 @@ def _compute_reference(path: Path) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         logits = model(ids).logits[0]
         greedy = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)[0, prompt.shape[1] :]  # type: ignore[misc]
-    return {"ids": ids, "logits": logits, "prompt": prompt, "greedy": greedy}
+        truth = model.double()(ids).logits[0]  # the same weights in float64: what float32 rounds
+    return {"ids": ids, "logits": logits, "prompt": prompt, "greedy": greedy, "float64": truth}
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -97,8 +100,14 @@ def test_logits_match_transformers(real: dict[str, Any]) -> None:
         f"mean abs {err.mean().item():.2e}, top-1 agreement {agree:.4f} "
         f"(logits up to {expected.abs().max():.1f})"
     )
+    # Float32 rounding: ours and transformers' sum attention in different blocks (ours in fixed
+    # chunks, so a row's result never depends on its batch), so both are measured against the
+    # float64 logits of the same weights; ours must be as close as transformers' own.
+    ours64 = (got.double() - ref["float64"]).abs().max().item()
+    theirs64 = (expected.double() - ref["float64"]).abs().max().item()
+    print(f"vs float64: ours {ours64:.2e}, transformers' float32 {theirs64:.2e}")
     assert agree == 1.0
-    assert err.max().item() <= 2e-5  # measured 0.0: the same float32 arithmetic; about 5 float32 steps at 32
+    assert ours64 <= max(2e-5, 1.25 * theirs64)
 
 
 def test_cached_decode_matches_transformers(real: dict[str, Any]) -> None:

@@ -88,6 +88,14 @@ class Fusable(nn.Module):
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
 
 
+def unfuse_projections(model: nn.Module) -> None:
+    """Drop the fused products: each projection runs on its own again (after its weights were
+    replaced, say; the fused copy would not see new Parameters)."""
+    for m in model.modules():
+        if isinstance(m, Fusable):
+            m._fused = []
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse q/k/v and gate/up of every block of a resident model (fewer, larger kernel calls).
 
