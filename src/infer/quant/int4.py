@@ -88,9 +88,9 @@ def unpack_transposed(
     full_stop = min(stop, n - n % BLOCK_N)
     if full_stop > start:
         nb = (full_stop - start) // BLOCK_N
-        byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
-        both = (byte[:, :, None, :] >> shifts[:, None]) & 0x0F  # [K, nb, 2, 32]: rows j, j + 32
-        parts.append(both.reshape(k, nb * BLOCK_N))
+        byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2)  # contiguous: fast shifts
+        both = torch.stack((byte & 0x0F, byte >> 4), dim=2)  # [nb, K, 2, 32]: rows j, j + 32
+        parts.append(both.permute(1, 0, 2, 3).reshape(k, nb * BLOCK_N))  # [K, nb * 64]
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]

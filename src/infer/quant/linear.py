@@ -389,10 +389,19 @@ class QuantizedLinear(nn.Module):
         sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
         scale = sz[..., 0]
         zero = sz[..., 1] - 8 * scale
-        w = (f.view(kp // GROUP, GROUP, r) * scale[:, None] + zero[:, None]).view(kp, r)
-        if self.planes > 1:
-            w = w.view(self.planes, k, r).sum(0)
-        return w.to(self.compute_dtype)
+        if torch.compiler.is_compiling():  # one fused loop
+            w = (f.view(kp // GROUP, GROUP, r) * scale[:, None] + zero[:, None]).view(kp, r)
+            if self.planes > 1:
+                w = w.view(self.planes, k, r).sum(0)
+            return w.to(self.compute_dtype)
+        # Eagerly: in place, no temporaries (the tile is ~1M values; each pass over it costs).
+        f3 = f.view(kp // GROUP, GROUP, r)
+        torch.addcmul(zero[:, None], f3, scale[:, None], out=f3)
+        if self.planes == 1:
+            return f.to(self.compute_dtype)
+        w_t = torch.empty(k, r, dtype=self.compute_dtype, device=f.device)
+        torch.add(f[:k], f[k:], out=w_t)
+        return w_t
 
     def _int8(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
         if kernel:
