@@ -337,6 +337,9 @@ def _fail(source: str, key: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"{source}: '{key}' = {value!r}, expected {expected}")
 
 
+SIZE_LIMIT = 2**31  # sizes index tensors with 32-bit ints in torch's kernels; no real model comes near
+
+
 def validate_config(config: ModelConfig, source: str) -> None:
     """Check every field's type and range, and the relations between them; raise `ValueError` naming them.
 
@@ -348,12 +351,13 @@ def validate_config(config: ModelConfig, source: str) -> None:
     c = config
     for key in _INT_FIELDS:
         value = getattr(c, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise _fail(source, key, value, "a positive integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < SIZE_LIMIT:
+            raise _fail(source, key, value, "a positive integer below 2^31")
     for key in _OPTIONAL_INT_FIELDS:
         value = getattr(c, key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise _fail(source, key, value, "a positive integer or null")
+        bad = isinstance(value, bool) or not isinstance(value, int) or not 0 < value < SIZE_LIMIT
+        if value is not None and bad:
+            raise _fail(source, key, value, "a positive integer below 2^31, or null")
     for key in _FLOAT_FIELDS:
         value = getattr(c, key)
         if value is None:

@@ -111,7 +111,12 @@ def inspect_checkpoint(
     for i in sorted(per_layer):
         layer_rows = per_layer[i]
         total = sum(r.nbytes for r in layer_rows)
-        lines.append(f"layer {i} ({config.layer_type(i)}, {len(layer_rows)} tensors, {_gib(total)})")
+        kind = (
+            config.layer_type(i)
+            if i < config.num_hidden_layers
+            else f"past the config's {config.num_hidden_layers} layers: a load refuses it"
+        )
+        lines.append(f"layer {i} ({kind}, {len(layer_rows)} tensors, {_gib(total)})")
         for r in layer_rows:
             lines.append(f"  {r.name:<{width}}  {r.kind:>5}  {list(r.shape)}  {_gib(r.nbytes)}")
     return "\n".join(lines)

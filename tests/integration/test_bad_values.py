@@ -65,8 +65,16 @@ def _config_copy(src: Path, dst: Path, **changes: Any) -> Path:
         ({"layer_types": "full"}, "'layer_types' = 'full', expected a list of num_hidden_layers=3"),
         ({"rope_parameters": [1]}, "'rope_parameters' = [1], expected an object"),
         ({"torch_dtype": "float99"}, "'torch_dtype' = 'float99' is not a dtype models compute in"),
-        # Checked against the weights before any buffer sized by it exists (was an 8 GiB RoPE table).
-        ({"head_dim": 2**31}, "has shape [64, 64], expected [8589934592, 64]"),
+        # Sizes past what torch's kernels index (was an 8 GiB RoPE table, then a raw TypeError from
+        # torch.empty for 10**30: found by benchmarks/fuzz.py).
+        ({"head_dim": 2**31}, "'head_dim' = 2147483648, expected a positive integer below 2^31, or null"),
+        ({"head_dim": 10**30}, "expected a positive integer below 2^31, or null"),
+        (
+            {"intermediate_size": 2**40},
+            "'intermediate_size' = 1099511627776, expected a positive integer below 2^31",
+        ),
+        # Checked against the weights before any buffer sized by it exists.
+        ({"head_dim": 2**20}, "has shape [64, 64], expected [4194304, 64]"),
     ],
 )
 def test_config_values(
@@ -91,6 +99,24 @@ def test_unreadable_config_json(tiny_ckpt_factory: Callable[..., Path], tmp_path
     with pytest.raises(ValueError, match="not valid JSON") as info:
         infer.load(path)
     assert str(path / "config.json") in str(info.value)
+
+
+def test_inspect_names_a_layer_past_the_config(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A stored layer the config does not have: `inspect` reports it (was an `IndexError`), a load refuses it."""
+    path = tmp_path / "extra"
+    shutil.copytree(tiny_ckpt_factory("llama"), path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.7.input_layernorm.weight"] = tensors[
+        "model.layers.0.input_layernorm.weight"
+    ].clone()
+    save_file(tensors, path / "model.safetensors")
+    report = inspect_checkpoint(path)
+    print(report.splitlines()[-2])
+    assert "layer 7 (past the config's 3 layers: a load refuses it" in report
+    with pytest.raises(ValueError, match="unexpected"):
+        infer.load(path)
 
 
 def test_integer_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:

@@ -588,6 +588,10 @@ def classify(exc: BaseException, names: tuple[str, ...], stage: str = "") -> tup
         isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
     ):
         return "memory-capped", origin
+    from infer.generate import NonFiniteLogitsError
+
+    if isinstance(exc, NonFiniteLogitsError):  # documented: weights whose activations overflow
+        return "rejected", origin
     if isinstance(exc, DOCUMENTED):
         # After loading, a refused call (prompt longer than the context...) is about the call, not the file.
         named = stage == "generate" or any(name in text for name in names)
