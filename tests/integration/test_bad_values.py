@@ -104,7 +104,7 @@ def test_unreadable_config_json(tiny_ckpt_factory: Callable[..., Path], tmp_path
 def test_inspect_names_a_layer_past_the_config(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """A stored layer the config does not have: `inspect` reports it (was an `IndexError`), a load refuses it."""
+    """A stored layer the config lacks: `inspect` reports it (was an `IndexError`); a load refuses it."""
     path = tmp_path / "extra"
     shutil.copytree(tiny_ckpt_factory("llama"), path)
     tensors = load_file(path / "model.safetensors")
