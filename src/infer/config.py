@@ -162,6 +162,7 @@ _FLOAT_FIELDS = (
     "final_logit_softcapping",
     "attn_logit_softcapping",
 )
+_REQUIRED_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")  # no null
 _BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings")
 
 
@@ -215,6 +216,9 @@ def _apply_rope_parameters(raw: dict[str, Any], source: str) -> None:
     if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
         full = params.get(FULL_ATTENTION)
         sliding = params.get(SLIDING_ATTENTION)
+        for name, entry in ((FULL_ATTENTION, full), (SLIDING_ATTENTION, sliding)):
+            if entry is not None and not isinstance(entry, dict):
+                raise ValueError(f"{source}: 'rope_parameters.{name}' = {entry!r}, expected an object")
         if full is not None:
             if "rope_theta" in full:
                 raw["rope_theta"] = full["rope_theta"]
@@ -360,6 +364,8 @@ def validate_config(config: ModelConfig, source: str) -> None:
             raise _fail(source, key, value, "a positive integer below 2^31, or null")
     for key in _FLOAT_FIELDS:
         value = getattr(c, key)
+        if value is None and key in _REQUIRED_FLOATS:
+            raise _fail(source, key, value, "a finite number")
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

@@ -64,6 +64,15 @@ def _config_copy(src: Path, dst: Path, **changes: Any) -> Path:
         ({"hidden_act": ""}, "'hidden_act' = '', expected one of ['gelu', 'gelu_new'"),
         ({"layer_types": "full"}, "'layer_types' = 'full', expected a list of num_hidden_layers=3"),
         ({"rope_parameters": [1]}, "'rope_parameters' = [1], expected an object"),
+        # found by benchmarks/fuzz.py: a null theta was a raw TypeError when RoPE was computed
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+            "'rope_theta' = None, expected a finite number",
+        ),
+        (
+            {"rope_parameters": {"full_attention": 3}},
+            "'rope_parameters.full_attention' = 3, expected an object",
+        ),
         ({"torch_dtype": "float99"}, "'torch_dtype' = 'float99' is not a dtype models compute in"),
         # Sizes past what torch's kernels index (was an 8 GiB RoPE table, then a raw TypeError from
         # torch.empty for 10**30: found by benchmarks/fuzz.py).
