@@ -2,9 +2,10 @@
 
 One code path: `model_step` runs eagerly (the reference) or through
 ``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the
-compiled step must give the same greedy tokens and logits within 1e-5 + 1e-6 x max
-|logit| (inductor reorders float32 reductions: measured 1.8e-5 on the tiny Gemma 3,
-whose logits reach 25, i.e. 7e-7 of them; 3.8e-6 on the packed Llama), the same
+compiled step must give the same greedy tokens and logits within 1e-5 (measured: 0.0 on
+the tiny Gemma 3 at float32 — the reductions and exp / cos / tanh run in float64, see
+`infer.models.common`; 7.6e-6 on the packed Llama, whose bfloat16 products round
+intermediate values the compiled loops keep in float32), the same
 seeded samples, and reuse its graph and cache for a second request of the same
 bucket. This is the CPU build of what runs on CUDA with CUDA graphs on top
 (``mode="reduce-overhead"``); no GPU runs here.
@@ -50,9 +51,7 @@ def compare(model: DecoderLM, label: str, params: SamplingParams, atol: float) -
     print(f"\n{label}: compiled vs eager over {rows}: max |logit diff| {err:.2e} (logits up to {scale:.1f})")
     print(f"compile {compiled.compile_seconds:.1f} s")
     assert torch.equal(tokens, eager_tokens), label
-    # Inductor fuses the float32 reductions (norms, softmax, attention sums) in its own order:
-    # allowed, 1e-5 plus float32 rounding at the logits' scale (as tensor parallelism's sums).
-    assert err <= atol + 1e-6 * scale, label
+    assert err <= atol, label
     return compiled
 
 
@@ -86,7 +85,9 @@ def test_packed_gguf_default_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path = write_gguf(tmp_path / "llama-q8.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype="Q8_0")
     llm = infer.load(path)
     assert getattr(llm.model.lm_head, "split", False)  # the greedy scan reads the high plane alone
-    compare(llm.model, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams(), atol=1e-5)
+    # bfloat16 products: inductor keeps a fused loop's intermediates in float32 where eager rounds
+    # them to bfloat16 (measured 7.6e-6 at logits up to 41); the float32 path above is exact.
+    compare(llm.model, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams(), atol=5e-5)
 
 
 def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path]) -> None:

@@ -224,8 +224,16 @@ def test_single_layer_parity(
     table_cos, table_sin = rope_tables(s.config, SEQ_LEN)[s.layer_type]  # [T, hd] float32
     if dtype == torch.float32:
         assert max(errors(table_cos, cos[0])[0], errors(table_sin, sin[0])[0]) <= 1e-6
+    # Ours rounds float64 cos / sin once (so eager and compiled steps compute the same bits);
+    # transformers' float32 cos / sin are within one unit in the last place of those.
     rot_cos, rot_sin = RotaryEmbedding(*rope_args(s.config, s.layer_type))(s.positions, dtype)
-    assert torch.equal(rot_cos, cos) and torch.equal(rot_sin, sin)
+    rope_err = max(
+        (rot_cos.float() - cos.float()).abs().max().item(), (rot_sin.float() - sin.float()).abs().max().item()
+    )
+    print(
+        f"RoPE module vs transformers: max {rope_err:.1e} (one {dtype} ulp at 1: {torch.finfo(dtype).eps:.1e})"
+    )
+    assert rope_err <= torch.finfo(dtype).eps
     # Masks: ours (additive -inf) and transformers' (additive finfo.min) mask the same keys.
     assert torch.equal(s.mask == 0, s.hf_mask == 0)
 

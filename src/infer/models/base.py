@@ -239,7 +239,7 @@ class DecoderLM(nn.Module):
         )
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh((logits / cap).double()).to(logits.dtype) * cap  # float64: see common.py
         return logits
 
     # ---- the walk -----------------------------------------------------------

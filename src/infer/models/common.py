@@ -105,6 +105,15 @@ def fuse_projections(model: nn.Module) -> int:
     return sum(m.fuse() for m in model.modules() if isinstance(m, Fusable))
 
 
+# Float64 inside: the reductions (norm means, attention sums) and transcendental functions
+# (exp, cos / sin, tanh) below run in float64 and round once to float32. Eager aten kernels and
+# inductor's generated code sum in different orders and implement exp / cos / tanh to within a
+# few ulp of each other, not identically; in float64 those differences vanish in the final
+# rounding, so the compiled step gives eager's float32 values (measured: tiny Gemma 3 logits
+# 1.8e-5 apart before, 1e-6 after) and both sit closer to exact arithmetic. The tensors are
+# small (per-token statistics, attention rows), so it costs little next to the weight products.
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32.
 
@@ -122,7 +131,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True).float() + self.eps)
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
@@ -193,7 +202,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2], float32 like transformers
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+        emb = torch.cat((freqs, freqs), dim=-1).double()  # [B, T, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -437,25 +446,25 @@ def attend_chunked(
         S += extra
     n = S // KEY_CHUNK
     if T == 1:  # decode: tiny products, as broadcast-and-sum (compiled: fused loops, no BLAS calls)
-        scores = (qf.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(
+        scores = (qf.double()[:, :, :, None, :] * k.double()[:, :, None, :, :]).sum(
             -1
-        ) * scale  # [B, Hkv, G, S]
+        ).float() * scale  # [B, Hkv, G, S]
     else:
         scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh((scores / softcap).double()).float() * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True)  # exact whatever the order: the row's max over its keys
-    p = torch.exp(scores - top).view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
-    den = p.sum(-1).sum(-1, keepdim=True)  # [B, Hkv, G*T, 1]
+    p = torch.exp((scores - top).double()).float().view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
+    den = p.double().sum(-1).sum(-1, keepdim=True).float()  # [B, Hkv, G*T, 1]
     vc = v.float().view(B, Hkv, n, KEY_CHUNK, D)
     if T == 1:
-        parts = (p[..., None] * vc[:, :, None]).sum(-2)  # [B, Hkv, G, n, D]
-        out = parts.sum(-2) / den
+        parts = (p.double()[..., None] * vc.double()[:, :, None]).sum(-2)  # [B, Hkv, G, n, D]
+        out = parts.sum(-2).float() / den
     else:
         parts = torch.matmul(p.transpose(2, 3), vc)  # [B, Hkv, n, G*T, D]
-        out = parts.sum(2) / den  # [B, Hkv, G*T, D]
+        out = parts.double().sum(2).float() / den  # [B, Hkv, G*T, D]
     return out.to(q.dtype).reshape(B, H, T, D)
 
 
@@ -486,7 +495,7 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x.double(), approximate="tanh").to(x.dtype),
     "gelu_new": gelu_new,
     "gelu": F.gelu,
 }
