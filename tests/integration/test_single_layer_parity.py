@@ -231,7 +231,7 @@ def test_single_layer_parity(
         (rot_cos.float() - cos.float()).abs().max().item(), (rot_sin.float() - sin.float()).abs().max().item()
     )
     print(
-        f"RoPE module vs transformers: max {rope_err:.1e} (one {dtype} ulp at 1: {torch.finfo(dtype).eps:.1e})"
+        f"RoPE module vs transformers: max {rope_err:.1e} (one {dtype} step at 1: {torch.finfo(dtype).eps:.1e})"
     )
     assert rope_err <= torch.finfo(dtype).eps
     # Masks: ours (additive -inf) and transformers' (additive finfo.min) mask the same keys.
