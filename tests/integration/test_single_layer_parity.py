@@ -230,10 +230,9 @@ def test_single_layer_parity(
     rope_err = max(
         (rot_cos.float() - cos.float()).abs().max().item(), (rot_sin.float() - sin.float()).abs().max().item()
     )
-    print(
-        f"RoPE module vs transformers: max {rope_err:.1e} (one {dtype} step at 1: {torch.finfo(dtype).eps:.1e})"
-    )
-    assert rope_err <= torch.finfo(dtype).eps
+    step = torch.finfo(dtype).eps  # one unit in the last place at 1
+    print(f"RoPE module vs transformers: max {rope_err:.1e} (one {dtype} step at 1: {step:.1e})")
+    assert rope_err <= step
     # Masks: ours (additive -inf) and transformers' (additive finfo.min) mask the same keys.
     assert torch.equal(s.mask == 0, s.hf_mask == 0)
 
