@@ -115,7 +115,7 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32.
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32 (the mean in float64, see above).
 
     ``unit_offset=True`` is Gemma's variant: the stored weight is a delta and the
     scale is ``(1 + weight)``, applied before casting back (transformers does the
@@ -422,8 +422,8 @@ def attend_chunked(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention computed in float32 with every sum over keys split into fixed chunks of
-    `KEY_CHUNK` keys starting at key 0.
+    """Attention computed in float32 (its sums and ``exp`` in float64, see above) with every sum
+    over keys split into fixed chunks of `KEY_CHUNK` keys starting at key 0.
 
     A row's result then depends only on its own keys and where they sit, not on how many
     keys the buffer holds after them or on the other rows: the chunk sums have a fixed
