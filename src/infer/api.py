@@ -17,7 +17,7 @@ from infer.generate import RowState, SamplingParams, check_max_new_tokens, gener
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
-from infer.models.common import fuse_projections
+from infer.models.common import fuse_projections, is_deterministic, set_deterministic
 from infer.step import Stepper
 
 if TYPE_CHECKING:
@@ -183,6 +183,11 @@ class LLM:
     def compiled(self) -> bool:
         """Whether generation runs the compiled step (`infer.step.Stepper`)."""
         return self.stepper.compiled
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the model runs in the deterministic mode (docs/numerics.md)."""
+        return is_deterministic(self.model)
 
     def __repr__(self) -> str:
         m = self.model
@@ -437,6 +442,7 @@ def _load_parallel(
     progress: ProgressFn | None,
     tensor_parallel: int,
     pipeline_parallel: int,
+    deterministic: bool,
 ) -> LLM:
     from infer.distributed import load_parallel
     from infer.loader.build import Partition
@@ -461,6 +467,8 @@ def _load_parallel(
         raise
     if streaming is None:
         source.close()
+    if deterministic:
+        set_deterministic(model)
     llm = LLM(config, tokenizer, model, path)
     llm.parallel = parallel
     return llm
@@ -484,6 +492,7 @@ def load(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     compile: bool | None = None,
+    deterministic: bool = False,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -510,7 +519,15 @@ def load(
     compiles it (cached on disk under the user's cache directory, so later processes
     load it). ``None`` means `compile_by_default` (off: a short generation does not win
     back even a warm compile).
+
+    ``deterministic`` runs every matrix product on fixed tiles of rows and attention on
+    fixed tiles of queries and keys, so a prompt's logits are bitwise the same whatever
+    else is in its batch, however its prompt is chunked, and whether its layers are
+    resident or streamed — on any CPU. It costs speed at small batches (a batch of one
+    computes a tile of 16 rows); docs/numerics.md has the contract and the figures.
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     device = torch.device(device)
     parallel = tensor_parallel != 1 or pipeline_parallel != 1
     if compile and streaming is not None:
@@ -551,6 +568,7 @@ def load(
             path, source, config, tokenizer, device, torch_dtype, compute_dtype,
             quantize=quantize, streaming=streaming, validate=validate, progress=progress,
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            deterministic=deterministic,
         )  # fmt: skip
     try:
         if streaming is not None:
@@ -583,7 +601,9 @@ def load(
     except BaseException:
         source.close()
         raise
-    if streaming is None:
+    if deterministic:
+        set_deterministic(model)
+    elif streaming is None:
         fuse_projections(model)  # q/k/v and gate/up as one product each
     return LLM(config, tokenizer, model, path, compile=use_compile)
 

@@ -81,7 +81,10 @@ class LayerKV:
         plan = self.cache.plan
         if plan is None:
             raise RuntimeError("KVCache: update outside a step (no plan; see KVCache.make_plan)")
-        bound = StepKV(self.k, self.v, self.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src)
+        limit = None if torch.compiler.is_compiling() else self.cache.length
+        bound = StepKV(
+            self.k, self.v, self.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src, limit
+        )
         return bound.update(k, v)
 
     @property
@@ -111,9 +114,13 @@ class StepKV:
         n_new: torch.Tensor,
         ring_write: torch.Tensor | None,
         ring_src: torch.Tensor | None,
+        key_limit: int | None = None,
     ) -> None:
         self.k, self.v, self.ring = k, v, ring
         self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
+        # Slots in use before the step (host int, an upper bound for every row; None: unknown):
+        # a query ``t`` of the step sees no key at or past ``key_limit + t + 1``.
+        self.key_limit = None if ring else key_limit
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
@@ -162,6 +169,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         pad: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
+        rings: bool = True,
     ) -> None:
         self.config = config
         self.max_len = max_len
@@ -174,7 +182,11 @@ class KVCache:
         self.pad = pad.to(device=self.device, dtype=torch.long)
         self.slot = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.window = config.sliding_window
-        self.ring_size = min(self.window, self.capacity) if self.window is not None else None
+        # ``rings=False`` (the deterministic mode): sliding-window layers keep every slot, in slot
+        # order like the full-attention layers, and mask by the window; more memory, but a key's
+        # place in the buffer no longer depends on how the prompt was fed.
+        ring = rings and self.window is not None
+        self.ring_size = min(self.window, self.capacity) if ring and self.window is not None else None
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
         self.ring_slots: torch.Tensor | None = None
@@ -196,6 +208,7 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         layers: Sequence[int] | None = None,
+        rings: bool = True,
     ) -> int:
         """Bytes the K/V buffers will take (of ``layers``; default all), without allocating them."""
         per_slot = 2 * batch_size * config.num_key_value_heads * config.computed_head_dim
@@ -204,7 +217,8 @@ class KVCache:
         total = 0
         for i in range(config.num_hidden_layers) if layers is None else layers:
             sliding = config.layer_type(i) == SLIDING_ATTENTION and config.sliding_window is not None
-            slots = min(config.sliding_window, capacity) if sliding and config.sliding_window else capacity
+            ring = rings and sliding and config.sliding_window
+            slots = min(config.sliding_window, capacity) if ring and config.sliding_window else capacity
             total += slots * per_slot
         return total
 

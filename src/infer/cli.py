@@ -136,6 +136,7 @@ def _load(args: argparse.Namespace) -> Any:
             tensor_parallel=args.tensor_parallel,
             pipeline_parallel=args.pipeline_parallel,
             compile=args.compile,
+            deterministic=args.deterministic,
         )
     finally:
         close()
@@ -284,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
             action=argparse.BooleanOptionalAction,
             default=None,
             help="compile the generation step with torch.compile (resident models; default: off)",
+        )
+        p.add_argument(
+            "--deterministic",
+            action="store_true",
+            help="fixed-shape products: output bitwise the same in any batch (slower at batch 1)",
         )
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 

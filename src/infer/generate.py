@@ -314,6 +314,7 @@ def _chunked_prefill(
     last = torch.zeros(ids.shape[0], 1, model.config.hidden_size, dtype=model.dtype, device=ids.device)
     for start in range(0, T, chunk):
         stop = min(T, start + chunk)
+        cache.length = start  # the slots in use before this chunk (an upper bound for every row)
         h = model.hidden(ids[:, start:stop], cache, None, (lengths - start).clamp(0, stop - start))
         index = (lengths - 1 - start).clamp(0, stop - start - 1)
         here = ((lengths - 1 >= start) & (lengths - 1 < stop))[:, None, None]  # the row's last token is here

@@ -1,53 +1,73 @@
-"""Matrix products whose per-row arithmetic does not depend on how many rows there are.
+"""Matrix products: free shapes by default, fixed row tiles in the deterministic mode.
 
-A prompt's tokens must not depend on what else is in its batch. CPU BLAS picks its
-kernels by row count, and with them the summation order. Measured with torch 2.15
-(MKL sgemm, 2 threads; float32 differences ~1e-6 relative): a product of 1 row, one of
-2-3 rows and one of 4 or more rows round differently, and with fewer than 12 rows the
-rows of a last, partial group of 4 round differently again; products whose row count is
-a multiple of 4 give every row the value it has in a 2048-row product. torch's packed
-int4/int8 CPU kernels compute every row the same way whatever the row count.
+By default a product is one call of whatever shape the step has (``x [M, K] @ w_t``):
+the library picks its fastest kernel for ``M``, and a row's float32 rounding may depend
+on ``M`` (measured on CPU: MKL and oneDNN change kernels, and with them the order of
+summation, with the row count, differently on an AMD EPYC and an Intel Xeon with AMX).
 
-So the rule, keyed on the shape of the step, never on the batch:
-
-* one token per sequence (``x [..., 1, K]``, a decode step): each row is its own
-  1-row product (`matmul_rows` with ``per_row``);
-* several tokens per sequence (prefill): one product over all rows, padded with zero
-  rows to a multiple of `ROW_GROUP`.
+In the deterministic mode (``infer.load(..., deterministic=True)``, docs/numerics.md;
+`infer.models.common.set_deterministic`)
+every product runs on tiles of exactly `TILE_ROWS` rows, zero-padded: a row's product
+is then always the same call — the same shape, hence the same kernel, blocking and
+order of summation — whatever else is in the batch, however its prompt was chunked,
+and whether its layers are resident or streamed. What this rests on is that a product
+of a fixed shape computes each output row from its own input row, the same way at every
+row of the tile (`tests/unit/test_rows.py` checks it for every kernel we call). A
+batch of up to `TILE_ROWS` rows reads each weight once per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-ROW_GROUP = 16  # prefill products run on a multiple of this many rows (a multiple of 4 suffices here)
+TILE_ROWS = 16  # rows per product in the deterministic mode (an AMX tile; 4 x torch's int4 row block)
+# The output head's columns (vocabulary rows) per product in the deterministic mode, from column 0:
+# a head streamed in chunks of a multiple of this computes every logit as the resident head does.
+COLUMN_TILE = 256
 
 
-def one_token_per_row(x: torch.Tensor) -> bool:
-    """Whether ``x [..., T, K]`` is a decode step (``T == 1``): rows are then computed one by one."""
-    return x.dim() < 2 or x.shape[-2] == 1
+def matmul(x: torch.Tensor, w_t: torch.Tensor, tile: int = 0) -> torch.Tensor:
+    """``x [M, K] @ w_t [K, N] -> [M, N]``; ``tile > 0``: as products of exactly ``tile`` rows."""
+    if not tile:
+        return x @ w_t
+    return tiled(x, lambda t: t @ w_t, tile)
 
 
-def matmul_rows(x: torch.Tensor, w_t: torch.Tensor, per_row: bool) -> torch.Tensor:
-    """``x [M, K] @ w_t [K, N] -> [M, N]`` with row results independent of ``M`` (see the module doc)."""
+def tiled(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], tile: int) -> torch.Tensor:
+    """``fn`` applied to ``x [M, K]`` in tiles of exactly ``tile`` rows (the last zero-padded),
+    the results concatenated: ``[M, N]``."""
     m = x.shape[0]
-    if per_row:
-        if m == 1:
-            return x @ w_t
-        return torch.cat([x[i : i + 1] @ w_t for i in range(m)])
-    if m % ROW_GROUP:
-        padded = torch.cat((x, x.new_zeros(ROW_GROUP - m % ROW_GROUP, x.shape[1])))
-        return (padded @ w_t)[:m]
-    return x @ w_t
+    padded = -(-m // tile) * tile
+    if padded != m:
+        x = torch.cat((x, x.new_zeros(padded - m, x.shape[1])))  # [padded, K]
+    if padded == tile:
+        return fn(x)[:m]
+    return torch.cat([fn(x[i : i + tile]) for i in range(0, padded, tile)])[:m]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``, row-invariant."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: int = 0,
+    columns: int = 0,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]``, ``weight [N, K]``; ``tile`` as in `matmul`;
+    ``columns > 0``: the output columns in products of ``columns`` weight rows each, from row 0."""
+    if not tile:
+        return torch.nn.functional.linear(x, weight, bias)
     lead = x.shape[:-1]
-    y = matmul_rows(x.reshape(-1, x.shape[-1]), weight.t(), one_token_per_row(x))
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    n = weight.shape[0]
+    if columns and n > columns:
+        y = torch.cat([matmul(x2, weight[j : j + columns].t(), tile) for j in range(0, n, columns)], dim=1)
+    else:
+        y = matmul(x2, weight.t(), tile)  # [M, N]
     if bias is not None:
         y = y + bias
-    return y.view(*lead, weight.shape[0])
+    return y.view(*lead, n)
 
 
-__all__ = ["ROW_GROUP", "linear", "matmul_rows", "one_token_per_row"]
+__all__ = ["COLUMN_TILE", "TILE_ROWS", "linear", "matmul", "tiled"]

@@ -30,7 +30,6 @@ import torch
 
 from infer.cache import KVCache, round_up
 from infer.models.base import DecoderLM
-from infer.rows import ROW_GROUP
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
@@ -193,12 +192,10 @@ class Stepper:
         return max(needed, min(bucket, round_up(self.model.config.max_position_embeddings, 64)))
 
     def prefill_length(self, longest: int) -> int:
-        """Tokens per row of the prefill step (prompts are right-padded to it): a multiple of
-        `infer.rows.ROW_GROUP`, so a prefill is never decode-shaped and its products (the
-        attention's too: ``heads/kv_heads x T`` rows) have whole row groups whatever the
-        batch's longest prompt; a power of two from `MIN_PREFILL` when compiled."""
+        """Tokens per row of the prefill step (prompts are right-padded to it): the longest
+        prompt when eager, a power of two from `MIN_PREFILL` when compiled."""
         if not self.compiled:
-            return round_up(longest, ROW_GROUP)
+            return longest
         return max(MIN_PREFILL, 1 << (longest - 1).bit_length())
 
     def cache(self, batch: int, capacity: int) -> KVCache:

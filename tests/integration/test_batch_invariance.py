@@ -1,13 +1,13 @@
-"""A prompt's outputs do not depend on what else is in its batch, on every load path.
+"""In the deterministic mode a prompt's outputs do not depend on what else is in its batch
+or on how its prompt is chunked, on every load path.
 
 Each prompt is generated alone and inside batches of different sizes and orders (so
-with a different batch size, longest prompt, prefill length and cache capacity); the
-logits of every step must be *bitwise* equal, which the greedy tokens then are too.
-This holds because generation right-pads (a prompt's keys sit at the same cache slots
-in any batch), attention sums keys in fixed chunks (`infer.models.common.attend`) and
-every product picks its kernel by step shape, never by row count (`infer.rows`).
-Before, the GGUF Q4 path switched kernels at 64 rows and SmolLM2's greedy tokens
-differed at token 23 between a prompt alone and in a batch.
+with a different batch size, longest prompt, prefill length and cache capacity), and
+prefilled in chunks; the logits of every step must be *bitwise* equal, which the greedy
+tokens then are too. This holds by construction (docs/numerics.md): generation
+right-pads (a prompt's keys sit at the same cache slots in any batch), and every
+product — weights and attention alike — is a tile of one fixed shape
+(`infer.rows`, `infer.models.common.attend_tiled`), whatever the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import infer
 from infer.generate import SamplingParams, step_outputs
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
+from infer.models.common import set_deterministic
 from infer.realmodels import smollm2_path
 from infer.testing import build_tokenizer, tiny_hf_model
 
@@ -53,10 +54,28 @@ def assert_batch_invariant(model: DecoderLM, label: str) -> None:
             assert torch.equal(together[row], alone[i]), (
                 f"{label}: prompt {i} in batch {name!r} differs by {diff}"
             )
+    for i, p in enumerate(ps):  # the same prompt prefilled in chunks: the logits of its next token
+        whole = prefill_logits(model, p, len(p))
+        for chunk in (1, 3, 16):
+            part = prefill_logits(model, p, chunk)
+            diff = (part - whole).abs().max().item()
+            assert torch.equal(part, whole), f"{label}: prompt {i} prefilled in chunks of {chunk} differs by {diff}"
     tokens = [a.argmax(-1).tolist() for a in alone]
     print(
-        f"{label}: {len(ps)} prompts x {STEPS} steps bitwise equal alone and in 3 batches; tokens {tokens[0]}"
+        f"{label}: {len(ps)} prompts x {STEPS} steps bitwise equal alone, in 3 batches and prefilled in "
+        f"chunks of 1, 3, 16; tokens {tokens[0]}"
     )
+
+
+@torch.inference_mode()
+def prefill_logits(model: DecoderLM, prompt: list[int], chunk: int) -> torch.Tensor:
+    """The logits after ``prompt``, fed to a fresh cache ``chunk`` tokens at a time: ``[V]``."""
+    cache = model.make_cache(1, len(prompt) + 8)
+    ids = torch.tensor([prompt])
+    h = torch.empty(0)
+    for start in range(0, len(prompt), chunk):
+        h = model.forward_hidden(ids[:, start : start + chunk], cache)
+    return model.head(h[:, -1:])[0, 0].float()
 
 
 @pytest.mark.parametrize(
@@ -71,14 +90,18 @@ def assert_batch_invariant(model: DecoderLM, label: str) -> None:
 def test_safetensors_float(
     arch: str, dtype: torch.dtype, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Any
 ) -> None:
-    model = our_model_factory(tiny_ckpt_factory(arch), dtype=dtype)
-    assert_batch_invariant(model, f"{arch} {dtype}")
+    model = our_model_factory(tiny_ckpt_factory(arch), dtype=dtype)  # shared with other tests: switched back
+    set_deterministic(model)
+    try:
+        assert_batch_invariant(model, f"{arch} {dtype}")
+    finally:
+        set_deterministic(model, False)
 
 
 @pytest.mark.parametrize("quantize", ["q4_0", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_quantize_at_load(arch: str, quantize: str, tiny_ckpt_factory: Callable[..., Path]) -> None:
-    llm = infer.load(tiny_ckpt_factory(arch), quantize=quantize)
+    llm = infer.load(tiny_ckpt_factory(arch), quantize=quantize, deterministic=True)
     assert_batch_invariant(llm.model, f"{arch} quantize={quantize}")
 
 
@@ -88,14 +111,14 @@ def test_gguf_packed(qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     hf = tiny_hf_model("gemma3", query_pre_attn_scalar=32, final_logit_softcapping=None)
     path = write_gguf(tmp_path / f"gemma3-{qtype}.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype=qtype)
-    llm = infer.load(path)
+    llm = infer.load(path, deterministic=True)
     assert_batch_invariant(llm.model, f"gemma3 GGUF {qtype}")
 
 
 @pytest.mark.realmodel
 def test_smollm2_real() -> None:
     """The real SmolLM2-135M Q4_1 at its default dtype (before: token 23 differed in a batch)."""
-    llm = infer.load(smollm2_path())
+    llm = infer.load(smollm2_path(), deterministic=True)
     ps = [
         llm.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time, in a small village")
     ]

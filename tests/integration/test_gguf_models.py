@@ -134,10 +134,11 @@ def test_cache_and_padding_with_packed_weights(
 def test_infer_load_generates(
     hf_models: dict[str, Any], tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`infer.load` on a .gguf: tokenizer from the metadata, batched greedy generation."""
+    """`infer.load` on a .gguf: tokenizer from the metadata, batched greedy generation (deterministic
+    mode: batched tokens equal the prompts' alone by construction)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "qwen3.gguf", hf_models["qwen3"], tokenizer, qtype="Q4_0")
-    llm = infer.load(path, dtype="float32")
+    llm = infer.load(path, dtype="float32", deterministic=True)
     assert llm.tokenizer.encode("hello") == tokenizer.encode("hello")
     assert llm.tokenizer.hf.chat_template == tokenizer.chat_template
     results = llm.generate(["hello", "a longer prompt here"], max_new_tokens=6)

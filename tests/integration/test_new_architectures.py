@@ -66,9 +66,11 @@ def test_greedy_generation_matches_transformers(
         )[0, len(prompt) :].tolist()
     print(f"{arch}: {len(set(ours.token_ids))} distinct tokens of {len(ours.token_ids)}")
     assert ours.token_ids == theirs
-    batch = llm.generate(["The quick brown fox", "hi"], max_new_tokens=8)
-    assert batch[0].token_ids == llm.generate("The quick brown fox", max_new_tokens=8).token_ids
-    assert batch[1].token_ids == llm.generate("hi", max_new_tokens=8).token_ids
+    det = infer.load(path, deterministic=True)  # batch == alone holds by construction there
+    assert det.generate(prompt, max_new_tokens=24, stop=None).token_ids == theirs
+    batch = det.generate(["The quick brown fox", "hi"], max_new_tokens=8)
+    assert batch[0].token_ids == det.generate("The quick brown fox", max_new_tokens=8).token_ids
+    assert batch[1].token_ids == det.generate("hi", max_new_tokens=8).token_ids
 
 
 @pytest.mark.parametrize("arch", NEW)

@@ -1,5 +1,10 @@
 """Streamed models give the resident model's logits and tokens, bit for bit (T-004, IT-001..003).
 
+Bitwise in the deterministic mode (docs/numerics.md), where it holds by construction: the
+resident and the streamed layer run the same modules on the same fixed tiles (no fused
+projections), and a head streamed in chunks of whole column tiles computes every logit
+in the tile the resident head uses.
+
 For the three tiny architectures (Llama untied; Qwen 3 and Gemma 3 tied), group sizes
 1, 2 and one that does not divide the layer count, prefetch on and off: prefill and
 KV-cached greedy decoding of a left-padded batch of two prompts, every step's logits
@@ -21,6 +26,7 @@ from infer.loader.build import load_model
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
+from infer.models.common import set_deterministic
 from infer.streaming import StreamingConfig, build_streamed
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64, 12, 180, 33], [8, 1, 77, 150]]  # longer than the sliding window (8)
@@ -28,7 +34,9 @@ STEPS = 6
 
 
 def load_resident(path: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    return load_model(SafetensorsSource(path), load_config(path), dtype=dtype)
+    model = load_model(SafetensorsSource(path), load_config(path), dtype=dtype)
+    set_deterministic(model)
+    return model
 
 
 def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> DecoderLM:
@@ -37,9 +45,11 @@ def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> 
         memory_budget="256MB", max_resident_layers=0, max_batch_size=2, max_context=64
     )
     settings.update(kw)
-    return build_streamed(
+    model = build_streamed(
         SafetensorsSource(path), config, device="cpu", dtype=dtype, streaming=StreamingConfig(**settings)
     )
+    set_deterministic(model)
+    return model
 
 
 @torch.inference_mode()
@@ -160,8 +170,9 @@ def test_public_api_generate(tiny_ckpt_factory: Any, arch: str) -> None:
         max_batch_size=2,
         on_progress=events.append,
     )
-    resident = infer.load(path, dtype="float32")
-    streamed = infer.load(path, dtype="float32", streaming=config)
+    resident = infer.load(path, dtype="float32", deterministic=True)
+    streamed = infer.load(path, dtype="float32", streaming=config, deterministic=True)
+    assert_identical(resident.model, streamed.model, f"{arch} infer.load deterministic")
     prompts = ["The quick brown fox", "hi"]
     want = resident.generate(prompts, max_new_tokens=8)
     got = streamed.generate(prompts, max_new_tokens=8)

@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from infer import rows
+from infer.models.common import set_deterministic
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize, int4, quantize_linear, quantize_q4_0
 from infer.quant.quantize import quantize_int8_per_channel
 
@@ -305,10 +306,12 @@ def _linears() -> dict[str, nn.Module]:
 
 
 @pytest.mark.parametrize("name", list(_linears()))
-def test_a_row_does_not_depend_on_the_other_rows(name: str) -> None:
-    """Row 0's output is bitwise the same alone and beside 1..6 other rows, for decode steps
-    ([B, 1, K], any B) and for prefill steps ([B, T, K], T > 1): no path switches with the row count."""
+def test_deterministic_rows_do_not_depend_on_the_other_rows(name: str) -> None:
+    """In the deterministic mode, row 0's output is bitwise the same alone and beside 1..6 other
+    rows, for decode steps ([B, 1, K]) and prefill steps ([B, T, K]), and whatever follows it
+    in its step: every product is a tile of `TILE_ROWS` rows, one shape for every call."""
     lin = _linears()[name]
+    set_deterministic(lin)
     k = 512 if name.startswith("Q6_K") else 576  # in_features, as _linears builds them
     dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
     gen = torch.Generator().manual_seed(9)
@@ -320,3 +323,28 @@ def test_a_row_does_not_depend_on_the_other_rows(name: str) -> None:
                 assert torch.equal(lin(x[:B, :T])[:1], alone), (name, T, B)
             if T > 1:  # a prefill's rows also do not depend on later tokens of the step
                 assert torch.equal(lin(x[:1, : T + 5])[:, :T], alone), (name, T)
+
+
+@pytest.mark.parametrize("name", list(_linears()))
+def test_a_tile_computes_each_row_on_its_own(name: str) -> None:
+    """What the deterministic mode rests on (`infer.rows`): a product of the fixed tile shape
+    gives a row the same bits at every position of the tile, whatever the other rows hold."""
+    lin = _linears()[name]
+    k = 512 if name.startswith("Q6_K") else 576
+    dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
+    gen = torch.Generator().manual_seed(11)
+    row = torch.randn(1, k, generator=gen).to(dtype)
+    results = []
+    with torch.no_grad():
+        for pos in range(rows.TILE_ROWS):
+            for neighbours in ("zeros", "random"):
+                tile = torch.zeros(rows.TILE_ROWS, k, dtype=dtype)
+                if neighbours == "random":
+                    tile = torch.randn(rows.TILE_ROWS, k, generator=gen).to(dtype)
+                tile[pos] = row[0]
+                results.append(lin(tile)[pos])
+    same = sum(torch.equal(r, results[0]) for r in results)
+    print(f"{name}: {same} of {len(results)} placements give the same bits")
+    assert same == len(results)
+
+

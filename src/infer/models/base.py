@@ -86,7 +86,7 @@ class SequentialExecutor:
         return x
 
 
-_NO_KV = (None, None, False, None, None, None, None)
+_NO_KV = (None, None, False, None, None, None, None, None)
 
 
 @torch.compiler.nested_compile_region
@@ -103,13 +103,14 @@ def _run_block(
     n_new: torch.Tensor | None,
     ring_write: torch.Tensor | None,
     ring_src: torch.Tensor | None,
+    key_limit: int | None,
 ) -> torch.Tensor:
     """One block, everything it reads passed in. Compiled, the blocks of a model form one
     region, traced and code-generated once per kind of layer and stamped out per layer
     (eagerly a plain call)."""
     kv = None
     if k is not None and v is not None and slots is not None and n_new is not None:
-        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src)
+        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit)
     out: torch.Tensor = layer(x, cos, sin, mask, kv)
     return out
 
@@ -133,6 +134,7 @@ class DecoderLM(nn.Module):
 
     block_class: type[nn.Module]  # the architecture's transformer block, built from a config
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
+    deterministic: bool = False  # `infer.models.common.set_deterministic`: caches without rings
 
     def __init__(self, config: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:
         super().__init__()
@@ -220,9 +222,12 @@ class DecoderLM(nn.Module):
             out: torch.Tensor = _run_block(layer, x, cos, sin, step.masks[lt], *_NO_KV)
             return out
         kv, plan = cache.layers[index], cache.plan
+        # Keys past the slots in use are masked for every query: attention may skip them
+        # (eagerly: a host int; compiled, shapes stay static).
+        key_limit = None if kv.ring or torch.compiler.is_compiling() else cache.length
         out = _run_block(
             layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
-            plan.slots, plan.n_new, plan.ring_write, plan.ring_src,
+            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit,
         )  # fmt: skip
         return out
 
@@ -239,7 +244,7 @@ class DecoderLM(nn.Module):
         )
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh((logits / cap).double()).to(logits.dtype) * cap  # float64: see common.py
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     # ---- the walk -----------------------------------------------------------
@@ -306,6 +311,7 @@ class DecoderLM(nn.Module):
             device=self.device,
             pad=pad,
             layers=self.kv_layers,
+            rings=not self.deterministic,
         )
 
 

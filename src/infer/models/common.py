@@ -21,17 +21,19 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer import rows
-from infer.cache import KEY_CHUNK
 from infer.config import FREQ_FACTORS, FULL_ATTENTION, ROPE_TYPES, SLIDING_ATTENTION, ModelConfig
 from infer.quant.linear import QuantizedLinear
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose rows do not depend on the batch (`infer.rows`): decode rows one
-    by one, prefill as one product of whole row groups. Same parameters and names."""
+    """``nn.Linear`` with the deterministic mode's fixed row tiles (`infer.rows`) when
+    ``tile_rows`` is set (`set_deterministic`). Same parameters and names."""
+
+    tile_rows: int = 0
+    column_tile: int = 0  # the output head's column tiles in the deterministic mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rows.linear(x, self.weight, self.bias)
+        return rows.linear(x, self.weight, self.bias, self.tile_rows, self.column_tile)
 
 
 def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
@@ -96,26 +98,44 @@ def unfuse_projections(model: nn.Module) -> None:
             m._fused = []
 
 
+def set_deterministic(model: nn.Module, on: bool = True) -> None:
+    """Switch every product and attention of ``model`` to the deterministic mode's fixed
+    tiles (``on``; `infer.rows`, `attend_tiled`) or back to free shapes.
+
+    Modules opt in with a ``tile_rows`` attribute (products) or a ``deterministic`` one
+    (attention). Fused projections are dropped when ``on``: a fused q/k/v product has
+    another shape than the separate products a streamed layer runs.
+    """
+    for m in model.modules():
+        if hasattr(m, "tile_rows"):
+            setattr(m, "tile_rows", rows.TILE_ROWS if on else 0)  # noqa: B010
+        if hasattr(m, "deterministic"):
+            setattr(m, "deterministic", on)  # noqa: B010
+        if on and isinstance(m, Fusable):
+            m._fused = []
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "column_tile"):  # a streamed head computes it in chunks
+        setattr(head, "column_tile", rows.COLUMN_TILE if on else 0)  # noqa: B010
+
+
+def is_deterministic(model: nn.Module) -> bool:
+    """Whether `set_deterministic` switched ``model`` on."""
+    return any(getattr(m, "tile_rows", 0) for m in model.modules())
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse q/k/v and gate/up of every block of a resident model (fewer, larger kernel calls).
 
-    Not for layer streaming, which swaps each projection's weights on its own.
-    Returns how many groups were fused.
+    Not for layer streaming, which swaps each projection's weights on its own, nor in the
+    deterministic mode (`set_deterministic`). Returns how many groups were fused.
     """
+    if is_deterministic(model):
+        return 0
     return sum(m.fuse() for m in model.modules() if isinstance(m, Fusable))
 
 
-# Float64 inside: the reductions (norm means, attention sums) and transcendental functions
-# (exp, cos / sin, tanh) below run in float64 and round once to float32. Eager aten kernels and
-# inductor's generated code sum in different orders and implement exp / cos / tanh to within a
-# few ulp of each other, not identically; in float64 those differences vanish in the final
-# rounding, so the compiled step gives eager's float32 values (measured: tiny Gemma 3 logits
-# 1.8e-5 apart before, 1e-6 after) and both sit closer to exact arithmetic. The tensors are
-# small (per-token statistics, attention rows), so it costs little next to the weight products.
-
-
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32 (the mean in float64, see above).
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in float32 (as transformers does).
 
     ``unit_offset=True`` is Gemma's variant: the stored weight is a delta and the
     scale is ``(1 + weight)``, applied before casting back (transformers does the
@@ -131,7 +151,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True).float() + self.eps)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
@@ -202,7 +222,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2], float32 like transformers
-        emb = torch.cat((freqs, freqs), dim=-1).double()  # [B, T, hd]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -291,6 +311,8 @@ def sliding_window_causal_mask(
 class KVStore(Protocol):
     """What attention needs from a per-layer KV cache (see `infer.cache`)."""
 
+    key_limit: int | None  # keys at or past ``key_limit + T`` are masked for every query (None: unknown)
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``."""
         ...
@@ -301,10 +323,11 @@ class Attention(Fusable):
 
     Projections are named as in HF checkpoints (``q_proj``, ``k_proj``, ``v_proj``,
     ``o_proj``, ``q_norm``, ``k_norm``); a subclass with fused projections overrides
-    `project_qkv` (Phi-3's ``qkv_proj``). GQA does not materialize repeated K/V: the
-    ``G = H / Hkv`` query heads that share a KV head are folded into the query-length
-    axis, which computes exactly the dot products ``repeat_interleave`` would.
+    `project_qkv` (Phi-3's ``qkv_proj``). ``deterministic`` (`set_deterministic`) selects
+    `attend_tiled`; otherwise `attend` runs scaled-dot-product attention.
     """
+
+    deterministic: bool = False
 
     def __init__(
         self,
@@ -371,15 +394,21 @@ class Attention(Fusable):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
         v = v.transpose(1, 2)  # [B, Hkv, T, hd]
+        key_limit = None
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, hd]
-        out = attend(q, k, v, mask, self.scale, self.softcap)  # [B, H, T, hd]
+            key_limit = cache.key_limit
+        # [B, H, T, hd]
+        out = attend_any(q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*hd]
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+QUERY_BLOCK = 512  # queries per attention call of a long prompt: its scores never exist whole
+KEY_TILE = 256  # the deterministic mode's keys per product (`attend_tiled`)
+QUERY_TILES_PER_BLOCK = 4  # ... and query tiles per call (bounds its temporaries)
 
 
 def attend(
@@ -389,17 +418,70 @@ def attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    key_limit: int | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``.
+    """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]`` -> ``[B, H, T, hd]``.
 
-    ``mask`` is boolean ``[B|1, 1, T, S]`` (True = attend), additive, or None. On the CPU, and for
-    decode steps everywhere, this is `attend_chunked` (whose result for a row does not
-    depend on the batch or on masked keys after the row's own); CUDA prefill uses
-    flash / memory-efficient SDPA.
+    ``mask`` is boolean ``[B|1, 1, T|1, S]`` (True = attend), additive, or None. Queries go in
+    blocks of `QUERY_BLOCK` through PyTorch's fused SDPA kernel (flash attention on CPU:
+    an online softmax over key blocks, float32 sums for bfloat16 inputs), so no block's
+    score matrix is materialized; ``key_limit`` (keys at or past ``key_limit + t + 1``
+    are masked for query ``t``: a cache's slots in use before the step) trims the keys
+    each block reads, so a causal prefill does about half the work of a full square.
+    The reduction order is the kernel's: for bitwise batch invariance use `attend_tiled`.
     """
-    if q.is_cuda and q.shape[2] > 1 and softcap is None:
-        return _attend_sdpa(q, k, v, mask, scale)
-    return attend_chunked(q, k, v, mask, scale, softcap)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask == 0  # additive (0 / -inf) -> boolean
+    gqa = q.shape[1] != k.shape[1]
+
+    def block(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mb: torch.Tensor | None) -> torch.Tensor:
+        if softcap is not None:
+            return _attend_math(qb, kb, vb, mb, scale, softcap)
+        if qb.is_cuda:
+            return _attend_sdpa_cuda(qb, kb, vb, mb, scale)
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale, enable_gqa=gqa)
+
+    return _blocks(q, k, v, mask, key_limit, block)
+
+
+BlockFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    key_limit: int | None,
+    fn: BlockFn,
+) -> torch.Tensor:
+    """``fn`` over blocks of `QUERY_BLOCK` queries, each on the keys it can see (``key_limit``)."""
+    T, S = q.shape[2], k.shape[2]
+    outs = []
+    for start in range(0, T, QUERY_BLOCK):
+        stop = min(T, start + QUERY_BLOCK)
+        s = S if key_limit is None else min(S, key_limit + stop)
+        mb = None
+        if mask is not None:
+            mb = mask[..., :s] if mask.shape[-2] == 1 else mask[..., start:stop, :s]
+        kb, vb = (k, v) if s == S else (k[:, :, :s], v[:, :, :s])
+        outs.append(fn(q[:, :, start:stop], kb, vb, mb))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def attend_any(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    key_limit: int | None,
+    deterministic: bool,
+) -> torch.Tensor:
+    """`attend_tiled` in the deterministic mode, else `attend`."""
+    fn = attend_tiled if deterministic else attend
+    return fn(q, k, v, mask, scale, softcap, key_limit)
 
 
 def _fold_gqa(
@@ -414,61 +496,21 @@ def _fold_gqa(
     return q, mask
 
 
-def attend_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None = None,
+def _attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
 ) -> torch.Tensor:
-    """Attention computed in float32 (its sums and ``exp`` in float64, see above) with every sum
-    over keys split into fixed chunks of `KEY_CHUNK` keys starting at key 0.
-
-    A row's result then depends only on its own keys and where they sit, not on how many
-    keys the buffer holds after them or on the other rows: the chunk sums have a fixed
-    length, and masked keys add exact zeros. (CPU SDPA changes its blocking with the
-    key count: measured, one more masked key changes float32 outputs.) GQA folds the
-    query heads of a KV head into the query axis instead of repeating K/V.
-    """
+    """Attention with soft-capped scores (``softcap * tanh(s / softcap)``), in float32."""
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    qf, mask = _fold_gqa(q, mask, Hkv)  # [B, Hkv, G*T, D]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask == 0  # additive (0 / -inf) -> boolean
-    if S % KEY_CHUNK:  # pad the keys with masked zeros to whole chunks
-        extra = KEY_CHUNK - S % KEY_CHUNK
-        k = F.pad(k, (0, 0, 0, extra))
-        v = F.pad(v, (0, 0, 0, extra))
-        if mask is None:
-            mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device=q.device)
-        mask = F.pad(mask, (0, extra), value=False)
-        S += extra
-    n = S // KEY_CHUNK
-    if T == 1:  # decode: tiny products, as broadcast-and-sum (compiled: fused loops, no BLAS calls)
-        scores = (qf.double()[:, :, :, None, :] * k.double()[:, :, None, :, :]).sum(
-            -1
-        ).float() * scale  # [B, Hkv, G, S]
-    else:
-        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
-    if softcap is not None:
-        scores = torch.tanh((scores / softcap).double()).float() * softcap
+    qf, mask = _fold_gqa(q, mask, k.shape[1])  # [B, Hkv, G*T, D]
+    scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    top = scores.amax(-1, keepdim=True)  # exact whatever the order: the row's max over its keys
-    p = torch.exp((scores - top).double()).float().view(B, Hkv, -1, n, KEY_CHUNK)  # [B, Hkv, G*T, n, C]
-    den = p.double().sum(-1).sum(-1, keepdim=True).float()  # [B, Hkv, G*T, 1]
-    vc = v.float().view(B, Hkv, n, KEY_CHUNK, D)
-    if T == 1:
-        parts = (p.double()[..., None] * vc.double()[:, :, None]).sum(-2)  # [B, Hkv, G, n, D]
-        out = parts.sum(-2).float() / den
-    else:
-        parts = torch.matmul(p.transpose(2, 3), vc)  # [B, Hkv, n, G*T, D]
-        out = parts.double().sum(2).float() / den  # [B, Hkv, G*T, D]
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, G*T, D]
     return out.to(q.dtype).reshape(B, H, T, D)
 
 
-def _attend_sdpa(
+def _attend_sdpa_cuda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     B, H, T, D = q.shape
@@ -478,6 +520,78 @@ def _attend_sdpa(
     with sdpa_kernel(_CUDA_SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)
+
+
+def attend_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    key_limit: int | None = None,
+) -> torch.Tensor:
+    """`attend` in the deterministic mode: every product has one fixed shape, so a query's
+    result depends only on its own keys, never on the batch, the step's length or the
+    buffer's size.
+
+    In float32. The ``G`` query heads of a KV head are folded into the query rows
+    (``[B, Hkv, G*T, hd]``), cut into tiles of `infer.rows.TILE_ROWS` rows (zero-padded);
+    keys into tiles of `KEY_TILE` starting at key 0 (masked zeros pad the last). Scores
+    are ``[16, hd] @ [hd, 256]`` products, probabilities times values ``[16, 256] @ [256,
+    hd]`` products, and the per-tile partial sums are added in key order, one tile after
+    the other: tiles past a query's last visible key add exact zeros, so trimming them
+    (``key_limit``) or a longer buffer changes no bit. The row maximum is exact in any order.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qf, mask = _fold_gqa(q, mask, Hkv)  # [B, Hkv, M, D], M = G*T
+    M = qf.shape[2]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask == 0
+    if key_limit is not None and key_limit + T < S:  # whole tiles only: the sums keep their order
+        S = min(S, -(-(key_limit + T) // KEY_TILE) * KEY_TILE)
+        k, v = k[:, :, :S], v[:, :, :S]
+        if mask is not None:
+            mask = mask[..., :S]
+    if mask is None:
+        mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device=q.device)
+    extra = -S % KEY_TILE
+    if extra:  # pad the keys with masked zeros to whole tiles
+        k = F.pad(k, (0, 0, 0, extra))
+        v = F.pad(v, (0, 0, 0, extra))
+        mask = F.pad(mask, (0, extra), value=False)
+        S += extra
+    n = S // KEY_TILE
+    R = rows.TILE_ROWS
+    Mp = -(-M // R) * R
+    mask = mask.expand(mask.shape[0], 1, M, S)
+    qf = qf.float()
+    if Mp != M:  # padding rows attend to every key (finite, discarded)
+        qf = F.pad(qf, (0, 0, 0, Mp - M))
+        mask = F.pad(mask, (0, 0, 0, Mp - M), value=True)
+    kt = k.float().reshape(B, Hkv, 1, n, KEY_TILE, D).transpose(-1, -2)  # [B, Hkv, 1, n, D, C]
+    vt = v.float().reshape(B, Hkv, 1, n, KEY_TILE, D)  # [B, Hkv, 1, n, C, D]
+    qt = qf.reshape(B, Hkv, Mp // R, 1, R, D)  # [B, Hkv, tiles, 1, R, D]
+    mt = mask.reshape(mask.shape[0], 1, Mp // R, R, n, KEY_TILE).transpose(3, 4)  # [B|1, 1, tiles, n, R, C]
+    outs = []
+    for start in range(0, Mp // R, QUERY_TILES_PER_BLOCK):
+        stop = min(Mp // R, start + QUERY_TILES_PER_BLOCK)
+        scores = torch.matmul(qt[:, :, start:stop], kt) * scale  # [B, Hkv, b, n, R, C]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mt[:, :, start:stop], float("-inf"))
+        top = scores.amax(dim=(3, 5), keepdim=True)  # [B, Hkv, b, 1, R, 1]
+        p = torch.exp(scores - top)
+        den = p.sum(-1)  # [B, Hkv, b, n, R]: fixed-length sums
+        pv = torch.matmul(p, vt)  # [B, Hkv, b, n, R, D]
+        acc, total = pv[:, :, :, 0], den[:, :, :, 0]
+        for j in range(1, n):  # in key order, one tile after the other
+            acc = acc + pv[:, :, :, j]
+            total = total + den[:, :, :, j]
+        outs.append(acc / total[..., None])  # [B, Hkv, b, R, D]
+    out = torch.cat(outs, dim=2).reshape(B, Hkv, Mp, D)[:, :, :M]
+    return out.to(q.dtype).reshape(B, H, T, D)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -495,7 +609,7 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x.double(), approximate="tanh").to(x.dtype),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": gelu_new,
     "gelu": F.gelu,
 }

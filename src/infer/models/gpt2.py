@@ -19,13 +19,15 @@ from torch import nn
 from infer.config import FULL_ATTENTION, ModelConfig
 from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM, StepInputs
-from infer.models.common import KVStore, Linear, activation, attend
+from infer.models.common import KVStore, Linear, activation, attend_any
 
 if TYPE_CHECKING:
     from infer.gguf.config import GGUFMetadata
 
 
 class GPT2Attention(nn.Module):
+    deterministic: bool = False  # `infer.models.common.set_deterministic`
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads  # a tensor-parallel shard's heads
@@ -39,9 +41,11 @@ class GPT2Attention(nn.Module):
         B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, H, T, hd]
+        key_limit = None
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H, S, hd]
-        out = attend(q, k, v, mask, self.scale)  # [B, H, T, hd]
+            key_limit = cache.key_limit
+        out = attend_any(q, k, v, mask, self.scale, None, key_limit, self.deterministic)  # [B, H, T, hd]
         y: torch.Tensor = self.c_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         return y
 

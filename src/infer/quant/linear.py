@@ -9,15 +9,15 @@ Three storage formats, chosen per GGML type (numbers and reasons in docs/quantiz
 - ``dense``: a float copy in the compute dtype, for Q2_K, Q3_K, Q6_K (groups of 16, which
   the kernel cannot take) and float GGUF tensors.
 
-Per call, keyed on the shape of the step and never on the batch (so a row's result does
-not depend on the other rows, `infer.rows`): a decode step (one token per sequence) on
-CPU with bfloat16 compute runs the packed kernel on bfloat16 activations
-(``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, which compute every row the
-same way whatever the row count); a prefill step (several tokens per sequence), float32
-compute, or another device dequantizes the weight tile by tile into the compute dtype
-and multiplies with a dense matmul (rows one by one for decode steps). Scales are held
-in the compute dtype (bfloat16 by default), so every path computes with the same
-effective weights up to bfloat16 rounding: `effective_weight` returns them.
+Per call: with a bfloat16 compute dtype on CPU, products of up to `KERNEL_MAX_ROWS` rows
+(decode steps) run the packed kernel on bfloat16 activations
+(``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``); larger products (prefill),
+float32 compute and other devices dequantize the weight tile by tile into the compute
+dtype and multiply with a dense matmul. In the deterministic mode (``tile_rows``, see
+`infer.rows`) every product runs on tiles of exactly that many rows, always on the same
+path (the kernel when it is used at all), so a row's result never depends on the others.
+Scales are held in the compute dtype (bfloat16 by default), so every path computes with
+the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ RESCORE_TOP_K = 16
 # Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`):
 # over 1024 positions of real text the exact winner ranked at worst 51st (SmolLM2), 24th (Gemma 3).
 GREEDY_CANDIDATES = 128
+KERNEL_MAX_ROWS = 16  # rows up to which a product runs the packed kernel (beyond: dequantize + GEMM)
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
@@ -94,6 +95,7 @@ class QuantizedLinear(nn.Module):
 
     fmt: str
     planes: int
+    tile_rows: int = 0  # the deterministic mode's fixed row tiles (`infer.rows`); 0: free shapes
     # Buffers, present per format: int4 -> packed, scale_zero; int8 -> qweight, scales; dense -> weight.
     packed: torch.Tensor
     scale_zero: torch.Tensor
@@ -275,21 +277,29 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        per_row = row_rules.one_token_per_row(x)
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
-        kernel = per_row and self.use_kernel and x2.is_cpu
-        if self.fmt == "int4":
-            y = self._int4(x2, kernel, per_row)
-        elif self.fmt == "int8":
-            y = self._int8(x2, kernel, per_row)
+        kernel = self.use_kernel and x2.is_cpu
+        if not self.tile_rows:
+            y = self._product(x2, kernel and x2.shape[0] <= KERNEL_MAX_ROWS, 0)
+        elif kernel:  # the deterministic mode: every tile on the kernel
+            y = row_rules.tiled(x2, lambda t: self._product(t, True, 0), self.tile_rows)
         else:
-            y = row_rules.matmul_rows(x2, self.weight.t(), per_row)
+            y = self._product(x2, False, self.tile_rows)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if hasattr(self, "scale_zero_residual"):
             y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
+
+    def _product(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
+        """``x2 [M, K] @ W.T`` in the compute dtype: the packed kernel, or dense products
+        (in tiles of ``tile`` rows when ``tile``)."""
+        if self.fmt == "int4":
+            return self._int4(x2, kernel, tile)
+        if self.fmt == "int8":
+            return self._int8(x2, kernel, tile)
+        return row_rules.matmul(x2, self.weight.t(), tile)
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
         """Outputs whose per-row argmax is exact arithmetic's: for a greedy step.
@@ -298,7 +308,8 @@ class QuantizedLinear(nn.Module):
         the real models), then re-scores each row's top `GREEDY_CANDIDATES` exactly; the
         other entries stay approximate. Every other module returns ``forward(x)``.
         """
-        if not (self.split and self.use_kernel and x.is_cpu and row_rules.one_token_per_row(x)):
+        rows = x.reshape(-1, self.in_features).shape[0]
+        if self.tile_rows or not (self.split and self.use_kernel and x.is_cpu and rows <= KERNEL_MAX_ROWS):
             out: torch.Tensor = self(x)
             return out
         lead = x.shape[:-1]
@@ -347,7 +358,7 @@ class QuantizedLinear(nn.Module):
         w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
-    def _int4(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
+    def _int4(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
         y: torch.Tensor | None = None
         if kernel and self.split:  # one call per plane: [M, N] each, summed in float32
             g = self.in_features // GROUP
@@ -365,10 +376,10 @@ class QuantizedLinear(nn.Module):
         if y is None:  # prefill, another device, or operands the kernel does not take
             n_pad = self.packed.shape[0]
             kp = self.planes * self.in_features
-            tile = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
+            cols = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
             parts = [
-                row_rules.matmul_rows(x2, self._dequant_tile_t(start, min(n_pad, start + tile)), per_row)
-                for start in range(0, n_pad, tile)
+                row_rules.matmul(x2, self._dequant_tile_t(start, min(n_pad, start + cols)), tile)
+                for start in range(0, n_pad, cols)
             ]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
@@ -404,7 +415,7 @@ class QuantizedLinear(nn.Module):
         torch.add(f[:k], f[k:], out=w_t)
         return w_t
 
-    def _int8(self, x2: torch.Tensor, kernel: bool, per_row: bool) -> torch.Tensor:
+    def _int8(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
         if kernel:
             xk = x2.contiguous()
             compiling = torch.compiler.is_compiling()
@@ -415,10 +426,10 @@ class QuantizedLinear(nn.Module):
             if int8_kernel_accepts(xk, self.qweight, self.scales, pointers_checked=compiling):
                 return torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales)  # type: ignore[no-any-return]
         n = self.out_features
-        tile = max(64, _TILE_VALUES // self.in_features // 64 * 64)
+        cols = max(64, _TILE_VALUES // self.in_features // 64 * 64)
         parts = [
-            row_rules.matmul_rows(x2, self.qweight[start : min(n, start + tile)].to(x2.dtype).T, per_row)
-            for start in range(0, n, tile)
+            row_rules.matmul(x2, self.qweight[start : min(n, start + cols)].to(x2.dtype).T, tile)
+            for start in range(0, n, cols)
         ]  # int8 -> compute dtype is exact: |q| <= 127 fits bfloat16's mantissa
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return y * self.scales
@@ -451,4 +462,4 @@ class QuantizedLinear(nn.Module):
         )
 
 
-__all__ = ["GREEDY_CANDIDATES", "RESCORE_TOP_K", "QuantizedLinear", "int8_kernel_accepts"]
+__all__ = ["GREEDY_CANDIDATES", "KERNEL_MAX_ROWS", "RESCORE_TOP_K", "QuantizedLinear", "int8_kernel_accepts"]

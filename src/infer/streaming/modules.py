@@ -39,7 +39,14 @@ class StreamedEmbedding(nn.Module):
 
 
 class StreamedHead(nn.Module):
-    """``h [..., D] -> logits [..., V]``, one chunk of vocabulary rows at a time."""
+    """``h [..., D] -> logits [..., V]``, one chunk of vocabulary rows at a time.
+
+    In the deterministic mode (``tile_rows``) each chunk (a multiple of `infer.rows.COLUMN_TILE`
+    rows, from row 0) runs in the resident head's row and column tiles: the same logits, bit for bit.
+    """
+
+    tile_rows: int = 0
+    column_tile: int = 0
 
     def __init__(self, pipeline: Pipeline, units: list[Unit], vocab_size: int) -> None:
         super().__init__()
@@ -54,7 +61,9 @@ class StreamedHead(nn.Module):
             try:
                 assert unit.rows is not None
                 weight = unit.slots[0].view(self.pipeline.transport.flat(buffer))  # [rows, D]
-                out[..., unit.rows[0] : unit.rows[1]] = rows.linear(h, weight)  # as the resident head
+                out[..., unit.rows[0] : unit.rows[1]] = rows.linear(  # as the resident head
+                    h, weight, None, self.tile_rows, self.column_tile
+                )
             except BaseException:
                 self.pipeline.abort()
                 raise

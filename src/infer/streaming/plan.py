@@ -29,6 +29,7 @@ import torch
 from infer.cache import KVCache
 from infer.config import ModelConfig
 from infer.models.base import ExecutorLimits
+from infer.rows import COLUMN_TILE
 from infer.streaming.config import StreamingConfig, format_bytes
 from infer.streaming.layout import Unit, align_up, head_units, layer_bytes, layer_unit
 from infer.streaming.store import TensorRef
@@ -203,6 +204,8 @@ def _candidate(
         row = pi.head.row_bytes()
         target = max_group if max_group else max(layer_bytes(r) for r in pi.layer_refs)
         rows = max(1, min(pi.head.shape[0], target // max(row, 1)))
+        # Whole column tiles (`infer.rows.COLUMN_TILE`): a chunked head's logits are the resident head's.
+        rows = min(pi.head.shape[0], max(COLUMN_TILE, rows // COLUMN_TILE * COLUMN_TILE))
         units.extend(head_units(len(units), pi.head, rows))
     buffer = max((u.nbytes for u in units), default=0)
     num_buffers = (2 if prefetch else 1) if units else 0
