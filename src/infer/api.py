@@ -293,7 +293,7 @@ class LLM:
             # Every rank must draw the same tokens: one seed, chosen by rank 0.
             params = dataclasses.replace(params, seed=shared_seed(self.parallel))
         self._timings: dict[str, float] = {}
-        yield from generate_steps(
+        steps = generate_steps(
             self.model,
             prompts,
             max_new_tokens=max_new_tokens,
@@ -304,6 +304,13 @@ class LLM:
             timings=self._timings,
             stepper=self.stepper,
         )
+        if self.parallel is None:
+            yield from steps
+            return
+        from infer.distributed.runtime import peer_failures
+
+        with peer_failures(self.parallel):  # a rank that stops answering is named on the others
+            yield from steps
 
     def _result(self, row: RowState, stop: Sequence[str]) -> GenerationResult:
         text, _ = _cut_at_stop(self.tokenizer.decode(row.tokens), stop)

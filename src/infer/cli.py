@@ -366,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if program:
         signal.signal(signal.SIGINT, _on_interrupt)
         _interrupt["raise"] = True
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun ends the others when one rank fails
+            signal.signal(signal.SIGTERM, _on_terminate)
     try:
         return _run(argv)
     except KeyboardInterrupt:
@@ -397,6 +399,18 @@ def _on_interrupt(signum: int, frame: object) -> None:
         os._exit(130)
 
 
+def _on_terminate(signum: int, frame: object) -> None:
+    """SIGTERM from torchrun, which stops every rank once one has failed: one line saying which."""
+    if not _interrupt["told"]:
+        _interrupt["told"] = True
+        runtime = sys.modules.get("infer.distributed.runtime")
+        lost = runtime.lost_ranks() if runtime is not None else None
+        reason = lost or "another rank failed"
+        rank = os.environ.get("RANK", "?")
+        os.write(2, f"infer: rank {rank}: {reason}; torchrun stopped this rank\n".encode())
+    os._exit(128 + signal.SIGTERM)
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -407,7 +421,9 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.debug:
             raise
         if _primary() or _every_rank_tells(e):  # every rank of a parallel run raises the same error
-            print(f"infer: error: {_error_message(e)}", file=sys.stderr)
+            prefix = f"rank {os.environ.get('RANK')}: " if not _primary() else ""
+            print(f"infer: error: {prefix}{_error_message(e)}", file=sys.stderr)
+            _interrupt["told"] = True  # a SIGTERM from torchrun after this adds no line
         return 1
 
 
