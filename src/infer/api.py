@@ -99,9 +99,8 @@ def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
             raise FileNotFoundError(f"{path} has no config.json: not a HuggingFace checkpoint directory")
         return path
     hub_id = str(path_or_hub_id)
-    missing = f"{hub_id}: no such file or directory"
     if hub_id.count("/") != 1 or hub_id.startswith((".", "/", "~")):
-        raise FileNotFoundError(missing)
+        raise FileNotFoundError(f"no such file or directory: {hub_id}")
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -110,14 +109,14 @@ def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
     except Exception:  # not in the local cache: try the network below, if it can be a hub id
         pass
     if _looks_like_a_path(hub_id):
-        raise FileNotFoundError(f"{missing}; not a hub id in the local cache")
+        raise FileNotFoundError(f"{hub_id}: no such file or directory; not a hub id in the local cache")
     try:
         return Path(snapshot_download(hub_id, allow_patterns=patterns))
     except Exception as e:
         raise FileNotFoundError(
-            f"{missing}; model {hub_id!r} is not in the local hub cache and could not be downloaded "
-            f"({type(e).__name__}). On a machine with internet run `huggingface-cli download {hub_id}` "
-            f"(or pass a local directory with config.json + *.safetensors)."
+            f"model {hub_id!r} is not on disk and could not be downloaded ({type(e).__name__}). "
+            f"On a machine with internet run `huggingface-cli download {hub_id}` (or pass a local "
+            f"directory with config.json + *.safetensors)."
         ) from None
 
 
