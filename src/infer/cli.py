@@ -363,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     it, and on a second Ctrl-C.
     """
     program = argv is None and threading.current_thread() is threading.main_thread()
+    _interrupt["told"] = False
     if program:
         signal.signal(signal.SIGINT, _on_interrupt)
         _interrupt["raise"] = True
