@@ -7,9 +7,37 @@
 
 from __future__ import annotations
 
-from infer.api import LLM, GenerationResult, load
-from infer.generate import SamplingParams
-from infer.streaming.config import StreamingConfig
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from infer.api import LLM, GenerationResult, load
+    from infer.generate import SamplingParams
+    from infer.streaming.config import StreamingConfig
+
+# Imported on first use: `import infer` (and so `infer.cli`, whose first act is to take
+# Ctrl-C) is instant; torch is imported with the first of these names.
+_LAZY = {
+    "LLM": "infer.api",
+    "GenerationResult": "infer.api",
+    "load": "infer.api",
+    "SamplingParams": "infer.generate",
+    "StreamingConfig": "infer.streaming.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'infer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = ["LLM", "GenerationResult", "SamplingParams", "StreamingConfig", "load"]
 __version__ = "0.1.0"

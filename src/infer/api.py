@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from infer.chat_template import check_unicode
 from infer.config import ModelConfig, load_config
 from infer.generate import RowState, SamplingParams, check_max_new_tokens, generate_steps, run_to_end
 from infer.loader.source import WeightSource
@@ -105,8 +106,10 @@ def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     try:
         return Path(snapshot_download(hub_id, allow_patterns=patterns, local_files_only=True))
-    except Exception:  # not in the local cache: try the network below
+    except Exception:  # not in the local cache: try the network below, if it can be a hub id
         pass
+    if _looks_like_a_path(hub_id):
+        raise FileNotFoundError(f"{hub_id}: no such file or directory; not a hub id in the local cache")
     try:
         return Path(snapshot_download(hub_id, allow_patterns=patterns))
     except Exception as e:
@@ -115,6 +118,16 @@ def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
             f"On a machine with internet run `huggingface-cli download {hub_id}` (or pass a local "
             f"directory with config.json + *.safetensors)."
         ) from None
+
+
+# A name ending so is a file someone meant, never a hub repository worth asking the network about.
+_FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".bin", ".pt", ".pth", ".txt")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Whether a missing ``a/b`` names a local file rather than a hub id: a file suffix, or ``a`` exists."""
+    first = name.split("/", 1)[0]
+    return name.lower().endswith(_FILE_SUFFIXES) or Path(first).expanduser().exists()
 
 
 class TextStream:
@@ -128,16 +141,32 @@ class TextStream:
     def text(self) -> str:
         return self.tokenizer.decode(self.tokens)
 
-    def push(self, tokens: list[int], hold: int = 0) -> str:
-        """Replace the tokens and return the new safe text, keeping back the last ``hold`` characters."""
+    def push(self, tokens: list[int], stops: Sequence[str] = ()) -> str:
+        """Replace the tokens and return the new safe text.
+
+        The text's end is kept back while it could be the start of one of the ``stops``
+        strings: at most ``L - 1`` characters for a longest stop string of ``L``, and
+        only as long as they match a stop string's beginning.
+        """
         self.tokens = tokens
         full = self.text()
         if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
             full = full.rstrip("\ufffd")
-        safe = full[: max(len(self.emitted), len(full) - hold)]
+        safe = full[: max(len(self.emitted), len(full) - _stop_prefix(full, stops))]
         piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
         self.emitted += piece
         return piece
+
+
+def _stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (a proper prefix)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
@@ -208,6 +237,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{what} is empty (an empty string)")
+            check_unicode(what, prompt)
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError(f"{what} encodes to no tokens")
@@ -267,7 +297,7 @@ class LLM:
             # Every rank must draw the same tokens: one seed, chosen by rank 0.
             params = dataclasses.replace(params, seed=shared_seed(self.parallel))
         self._timings: dict[str, float] = {}
-        yield from generate_steps(
+        steps = generate_steps(
             self.model,
             prompts,
             max_new_tokens=max_new_tokens,
@@ -278,6 +308,13 @@ class LLM:
             timings=self._timings,
             stepper=self.stepper,
         )
+        if self.parallel is None:
+            yield from steps
+            return
+        from infer.distributed.runtime import peer_failures
+
+        with peer_failures(self.parallel):  # a rank that stops answering is named on the others
+            yield from steps
 
     def _result(self, row: RowState, stop: Sequence[str]) -> GenerationResult:
         text, _ = _cut_at_stop(self.tokenizer.decode(row.tokens), stop)
@@ -340,7 +377,7 @@ class LLM:
 
         Arguments are checked before anything runs: `TypeError` for a wrong type,
         `ValueError` for a value out of range (``temperature`` finite and >= 0,
-        ``top_k`` >= 0, ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
+        ``top_k`` in [0, 2**63 - 1], ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
         prompts and stop strings, token ids < vocab size). Non-finite logits raise
         `infer.generate.NonFiniteLogitsError` naming the step and the batch row.
         """
@@ -376,12 +413,11 @@ class LLM:
         self, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str]
     ) -> Iterator[str]:
         out = TextStream(self.tokenizer)
-        hold = max((len(s) for s in stops), default=1) - 1  # a stop string may be forming
         last: RowState | None = None
         for rows in self._run([ids], max_new_tokens, params, stops):
             last = rows[0]
             if last.finish_reason is None:
-                piece = out.push(last.tokens, hold)
+                piece = out.push(last.tokens, stops)  # a stop string may be forming
                 if piece:
                     yield piece
         if last is not None:

@@ -76,6 +76,17 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
+def check_unicode(what: str, text: str) -> None:
+    """`ValueError` when ``text`` holds a lone surrogate (``"\\ud800"``): not encodable as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what}: holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not valid "
+            "Unicode: text must be encodable as UTF-8 (decode bytes with errors='replace')"
+        ) from None
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """A fresh, plain copy of ``messages``: a non-empty list of dicts with string ``role`` and ``content``.
 
@@ -103,6 +114,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 raise TypeError(f"message {i}: {key!r} must be a string, got {type(m[key]).__name__}")
         if not m["role"]:
             raise ValueError(f"message {i}: 'role' is empty")
+        check_unicode(f"message {i}: 'content'", m["content"])
         plain = _plain(m, f"message {i}")
         out.append({k: v for k, v in plain.items() if v is not None})
     return out
@@ -568,6 +580,7 @@ __all__ = [
     "ChatTemplateError",
     "RenderLimits",
     "check_messages",
+    "check_unicode",
     "control_token_pattern",
     "mark_control_tokens",
     "render_chat_template",

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from infer.chat_history import fit_history, repair_utf8
 
 DEFAULT_MODEL_HELP = "checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, shipped)"
 EXIT_CODES = (
@@ -20,6 +24,7 @@ EXIT_CODES = (
     "2 usage error (bad option or value), 130 interrupted"
 )
 SEED_MAX = 2**64 - 1
+TOP_K_MAX = 2**63 - 1  # infer.generate.TOP_K_MAX (not imported here: that imports torch)
 
 
 def _int_option(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -56,6 +61,13 @@ def _float_option(
         return value
 
     return parse
+
+
+def _stop_option(text: str) -> str:
+    """An argparse type: a non-empty stop string."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a non-empty string (an empty one would stop at once)")
+    return text
 
 
 def _bytes_option(text: str) -> str:
@@ -155,7 +167,9 @@ def _read_line(llm: Any, prompt: str) -> str:
     if _primary():
         if prompt:
             _write(prompt)
-        line = sys.stdin.readline()
+        line, replaced = repair_utf8(sys.stdin.readline())
+        if replaced:
+            print("infer: input was not valid UTF-8: undecodable bytes replaced with U+FFFD", file=sys.stderr)
     if llm.parallel is not None:
         from infer.distributed.runtime import broadcast_object
 
@@ -186,7 +200,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
+        sys.stdin.reconfigure(errors="surrogateescape")
     llm = _load(args)
+    context = llm.config.max_position_embeddings
+    room = context - min(args.max_new_tokens, context // 2)  # prompt tokens that leave room to reply
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -204,6 +222,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": text})
+        kept, dropped = fit_history(messages, llm.chat_prompt, room)
+        if not kept or dropped:
+            what = "this message was not sent" if not kept else f"dropped its {dropped} oldest message(s)"
+            _notice(f"the conversation outgrew the model's {context}-token context: {what}")
+        if not kept:
+            messages.pop()
+            continue
+        messages = kept
         ids = llm.chat_prompt(messages)
         reply = []
         for piece in llm.stream(ids, args.max_new_tokens, **_sampling(args)):
@@ -212,6 +238,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
+
+
+def _notice(text: str) -> None:
+    if _primary():
+        print(f"infer: {text}", file=sys.stderr)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -255,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="0 is greedy (the default); finite, >= 0",
         )
         p.add_argument(
-            "--top-k", type=_int_option(0), default=0, help="keep the k most likely tokens (0: all)"
+            "--top-k",
+            type=_int_option(0, TOP_K_MAX),
+            default=0,
+            help="keep the k most likely tokens (0: all; at most 2**63-1)",
         )
         p.add_argument(
             "--top-p",
@@ -266,7 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--seed", type=_int_option(0, SEED_MAX), default=None, help="sampling seed, 0 to 2**64-1"
         )
-        p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+        p.add_argument(
+            "--stop",
+            type=_stop_option,
+            action="append",
+            default=[],
+            help="stop string (non-empty; repeatable)",
+        )
         p.add_argument(
             "--tensor-parallel",
             type=_int_option(1),
@@ -322,19 +362,81 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``infer ARGV``; the exit status. Ctrl-C at any moment exits 130 with one line.
+
+    As the program (``argv`` None, the main thread), SIGINT raises `KeyboardInterrupt`
+    while the command runs (so its cleanup runs) and exits 130 at once before and after
+    it, and on a second Ctrl-C.
+    """
+    program = argv is None and threading.current_thread() is threading.main_thread()
+    _interrupt["told"] = False
+    if program:
+        signal.signal(signal.SIGINT, _on_interrupt)
+        _interrupt["raise"] = True
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun ends the others when one rank fails
+            signal.signal(signal.SIGTERM, _on_terminate)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        _interrupt["raise"] = False
+        _say_interrupted()
+        return 130
+    finally:
+        _interrupt["raise"] = False  # from here until the process ends Ctrl-C exits 130 at once
+
+
+_interrupt = {"raise": False, "told": False}
+
+
+def _say_interrupted() -> None:
+    if not _interrupt["told"]:
+        _interrupt["told"] = True
+        os.write(2, b"infer: interrupted\n")
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    """SIGINT: a `KeyboardInterrupt` inside the command, else one line and exit 130 now."""
+    if _interrupt["raise"]:
+        _interrupt["raise"] = False  # a second Ctrl-C, during the cleanup, exits at once
+        raise KeyboardInterrupt
+    _say_interrupted()
+    try:
+        sys.stdout.flush()
+    finally:
+        os._exit(130)
+
+
+def _on_terminate(signum: int, frame: object) -> None:
+    """SIGTERM from torchrun, which stops every rank once one has failed: one line saying which."""
+    if not _interrupt["told"]:
+        _interrupt["told"] = True
+        runtime = sys.modules.get("infer.distributed.runtime")
+        lost = runtime.lost_ranks() if runtime is not None else None
+        reason = lost or "another rank failed"
+        rank = os.environ.get("RANK", "?")
+        os.write(2, f"infer: rank {rank}: {reason}; torchrun stopped this rank\n".encode())
+    os._exit(128 + signal.SIGTERM)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
         return code
-    except KeyboardInterrupt:
-        return 130
     except Exception as e:  # one clear line, unless --debug
         if args.debug:
             raise
-        if _primary():  # every rank of a parallel run raises the same error
-            print(f"infer: error: {_error_message(e)}", file=sys.stderr)
+        if _primary() or _every_rank_tells(e):  # every rank of a parallel run raises the same error
+            prefix = f"rank {os.environ.get('RANK')}: " if not _primary() else ""
+            print(f"infer: error: {prefix}{_error_message(e)}", file=sys.stderr)
+            _interrupt["told"] = True  # a SIGTERM from torchrun after this adds no line
         return 1
+
+
+def _every_rank_tells(e: Exception) -> bool:
+    """A peer that stopped answering is news on every rank (each says which rank it lost)."""
+    return type(e).__name__ == "RankFailedError"
 
 
 def _error_message(e: Exception) -> str:

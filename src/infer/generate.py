@@ -30,6 +30,7 @@ from infer.step import Sampling, SamplingValues, StepOutput, Stepper, gumbel_noi
 from infer.step import sample as sample_tokens
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+TOP_K_MAX = 2**63 - 1  # top_k travels as an int64 tensor; any k >= the vocabulary keeps every token
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
@@ -39,8 +40,16 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
     v = operator.index(value)
     if v < minimum or (maximum is not None and v > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an int {bound}, got {v}")
+        raise ValueError(f"{name} must be an int {bound}, got {_int_text(v)}")
     return v
+
+
+def _int_text(v: int) -> str:
+    """``v`` in an error message: a power of two as ``2**n`` (``2**63``), a huge number shortened."""
+    if v > 1 and v & (v - 1) == 0 and v >= 2**32:
+        return f"2**{v.bit_length() - 1}"
+    text = str(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
 
 
 def check_float(name: str, value: Any) -> float:
@@ -63,7 +72,7 @@ class SamplingParams:
     """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
 
     Values are checked (and normalized to int / float) on construction: ``temperature``
-    finite and >= 0, ``top_k`` an int >= 0, ``top_p`` finite in (0, 1], ``seed`` None or
+    finite and >= 0, ``top_k`` an int in [0, 2**63 - 1], ``top_p`` finite in (0, 1], ``seed`` None or
     an int in [0, 2**64 - 1].
     """
 
@@ -80,7 +89,7 @@ class SamplingParams:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         object.__setattr__(self, "temperature", temperature)
-        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, 0))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, 0, TOP_K_MAX))
         object.__setattr__(self, "top_p", top_p)
         if self.seed is not None:
             object.__setattr__(self, "seed", check_int("seed", self.seed, 0, SEED_MAX))

@@ -123,7 +123,7 @@ BAD_PARAMS = [
     ({"top_k": 1.5}, TypeError, "top_k must be an int"),
     ({"top_k": 2.0}, TypeError, "top_k must be an int"),
     ({"top_k": True}, TypeError, "top_k must be an int"),
-    ({"top_k": -1}, ValueError, "top_k must be an int >= 0"),
+    ({"top_k": -1}, ValueError, r"top_k must be an int in \[0, 9223372036854775807\], got -1"),
     ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\]"),
     ({"top_p": math.nan}, ValueError, "top_p must be finite"),

@@ -14,16 +14,21 @@ with a timeout, so a dead rank makes the others fail instead of waiting forever.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+HEARTBEAT_S = 0.5  # each rank bumps its counter in the rendezvous store this often
+SILENT_S = 1.5  # a rank whose counter has not moved for this long has stopped answering
 T = TypeVar("T")
 
 # Exception types that cross ranks as themselves (others arrive as RuntimeError).
@@ -48,6 +53,7 @@ class Parallel:
     tp_group: dist.ProcessGroup  # the ranks of this stage
     column_group: dist.ProcessGroup  # the ranks of every stage with this tensor-parallel rank
     device: torch.device
+    heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -106,20 +112,175 @@ def setup(
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
+    # Subgroups take gloo's / NCCL's own default (30 / 10 min) unless told: give them the
+    # default group's timeout (ours, or the one its creator chose).
+    timeout = datetime.timedelta(seconds=group_timeout(None) or timeout_s)
     tp_group: dist.ProcessGroup | None = None
     column_group: dist.ProcessGroup | None = None
     for stage in range(pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * tp, (stage + 1) * tp))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks and isinstance(group, dist.ProcessGroup):
             tp_group = group
     for t in range(tp):
         ranks = [stage * tp + t for stage in range(pp)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks and isinstance(group, dist.ProcessGroup):
             column_group = group
     assert tp_group is not None and column_group is not None
-    return Parallel(tp, pp, rank, world, tp_group, column_group, device)
+    heartbeat = Heartbeat.start(rank, world) if world > 1 else None
+    return Parallel(tp, pp, rank, world, tp_group, column_group, device, heartbeat)
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """The collective timeout of ``group`` (None: the default group) in seconds; None if unknown."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+            timeout = backend.options._timeout
+        except Exception:  # no backend for this device, or no options to read
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout.total_seconds()
+    return None
+
+
+class RankFailedError(RuntimeError):
+    """A collective failed because another rank stopped answering (it died, was stopped or hangs)."""
+
+
+class Heartbeat:
+    """Each rank's sign of life in the rendezvous store, so a failed collective can name the lost rank.
+
+    A daemon thread adds 1 to ``infer/alive/<rank>`` every `HEARTBEAT_S` and reads every
+    other rank's counter through its own store connection (a short timeout: a stopped
+    store must not stop it). A rank whose counter has not moved for `SILENT_S` has
+    stopped answering; so has the store's host when the store itself stops answering.
+    """
+
+    def __init__(self, rank: int, world: int, store: Any, store_host: str) -> None:
+        self.rank, self.world = rank, world
+        self.store = store
+        self.store_host = store_host
+        now = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in range(world) if r != rank}
+        self.store_ok = now  # when the store last answered
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="infer-heartbeat", daemon=True)
+
+    @classmethod
+    def start(cls, rank: int, world: int) -> Heartbeat | None:
+        """A running heartbeat, or None where there is no TCP store to meet at (MASTER_ADDR/PORT)."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            return None
+        try:
+            from torch._C._distributed_c10d import TCPStore
+
+            store = TCPStore(
+                addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=2 * SILENT_S)
+            )
+        except Exception:  # no store to reach: failures will name the group instead
+            return None
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        beat = cls(rank, world, store, "torchrun's agent" if agent else "rank 0")
+        atexit.register(beat.stop.set)
+        beat.thread.start()
+        global _LATEST
+        _LATEST = beat
+        return beat
+
+    def _run(self) -> None:
+        keys = {r: f"infer/alive/{r}" for r in self.seen}
+        while not self.stop.is_set():
+            try:
+                self.store.add(f"infer/alive/{self.rank}", 1)
+                counts = {r: int(self.store.add(key, 0)) for r, key in keys.items()}
+            except Exception:  # the store stopped answering: its host is gone or stopped
+                time.sleep(HEARTBEAT_S)
+                continue
+            now = time.monotonic()
+            with self.lock:
+                self.store_ok = now
+                for r, count in counts.items():
+                    if count != self.seen[r][0]:
+                        self.seen[r] = (count, now)
+            self.stop.wait(HEARTBEAT_S)
+
+    def silent(self) -> tuple[list[int], float, bool]:
+        """``(ranks silent for SILENT_S, the longest silence, whether the store is silent)``.
+
+        Waits until `SILENT_S` has passed since the call, so a rank that died just now
+        has had time to miss its beats.
+        """
+        time.sleep(SILENT_S + HEARTBEAT_S)
+        now = time.monotonic()
+        with self.lock:
+            if now - self.store_ok > SILENT_S:
+                return [], now - self.store_ok, True
+            quiet = {r: now - t for r, (_, t) in self.seen.items() if now - t > SILENT_S}
+        return sorted(quiet), max(quiet.values(), default=0.0), False
+
+
+_LATEST: Heartbeat | None = None  # this process's heartbeat (one parallel run per process)
+
+
+def lost_ranks() -> str | None:
+    """Who stopped answering, as the last `Heartbeat` of this process sees it (None: nobody known)."""
+    if _LATEST is None:
+        return None
+    ranks, silence, store = _LATEST.silent()
+    if store:
+        return f"{_LATEST.store_host} stopped answering (the rendezvous store silent for {silence:.1f} s)"
+    if ranks:
+        who = "rank" if len(ranks) == 1 else "ranks"
+        return f"{who} {', '.join(map(str, ranks))} stopped answering (no sign of life for {silence:.1f} s)"
+    return None
+
+
+def describe_failure(parallel: Parallel, error: BaseException) -> str:
+    """Which rank stopped answering, for the collective that failed with ``error``."""
+    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    beat = parallel.heartbeat
+    if beat is not None:
+        ranks, silence, store = beat.silent()
+        if store:
+            return (
+                f"{beat.store_host} stopped answering (the rendezvous store it holds has been silent "
+                f"for {silence:.1f} s); the collective failed: {cause}"
+            )
+        if ranks:
+            who = "rank" if len(ranks) == 1 else "ranks"
+            return (
+                f"{who} {', '.join(map(str, ranks))} stopped answering (no sign of life for {silence:.1f} s; "
+                f"killed, stopped or hung); the collective failed: {cause}"
+            )
+    others = [r for r in range(parallel.world) if r != parallel.rank]
+    return f"one of ranks {others} stopped answering; the collective failed: {cause}"
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    """Gloo / NCCL errors of a peer that is gone or silent (``RuntimeError`` or `dist.DistError`)."""
+    if isinstance(error, RankFailedError) or not isinstance(error, RuntimeError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    signs = ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out")
+    return any(k in text for k in signs)
+
+
+@contextlib.contextmanager
+def peer_failures(parallel: Parallel | None) -> Iterator[None]:
+    """Turn a collective's failure into a `RankFailedError` naming the rank that stopped answering."""
+    try:
+        yield
+    except RuntimeError as e:
+        if parallel is None or not _is_peer_failure(e):
+            raise
+        raise RankFailedError(describe_failure(parallel, e)) from e
 
 
 def _shutdown() -> None:
@@ -157,16 +318,31 @@ def agree(parallel: Parallel | None, work: Callable[[], T]) -> T:
 def shared_seed(parallel: Parallel) -> int:
     """A random seed drawn on rank 0 and sent to every rank."""
     box = [torch.seed() % 2**63 if parallel.rank == 0 else 0]
-    dist.broadcast_object_list(box, src=0)
+    with peer_failures(parallel):
+        dist.broadcast_object_list(box, src=0)
     return int(box[0])
 
 
 def broadcast_object(parallel: Parallel, value: T) -> T:
     """Rank 0's ``value`` on every rank (a chat line read on rank 0, whose stdin torchrun feeds)."""
     box: list[Any] = [value if parallel.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    with peer_failures(parallel):
+        dist.broadcast_object_list(box, src=0)
     result: T = box[0]
     return result
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Parallel", "agree", "broadcast_object", "setup", "shared_seed"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Heartbeat",
+    "Parallel",
+    "RankFailedError",
+    "agree",
+    "broadcast_object",
+    "describe_failure",
+    "group_timeout",
+    "lost_ranks",
+    "peer_failures",
+    "setup",
+    "shared_seed",
+]

@@ -140,6 +140,24 @@ class Tokenizer:
         # Token id -> raw bytes is what streaming needs to cut text at UTF-8 boundaries;
         # decode() of a growing prefix gives it without touching private APIs.
 
+    def __repr__(self) -> str:
+        def token(name: str, token_id: int | None) -> str:
+            if token_id is None:
+                return f"{name}=None"
+            return f"{name}={self._tok.convert_ids_to_tokens(token_id)!r} ({token_id})"
+
+        eos = ", ".join(f"{self._tok.convert_ids_to_tokens(i)!r} ({i})" for i in self._eos)
+        specials = [
+            token("bos", self.bos_token_id),
+            f"eos=[{eos}]" if len(self._eos) != 1 else token("eos", self._eos[0]),
+            token("pad", self.pad_token_id),
+        ]
+        unk = getattr(self._tok, "unk_token_id", None)
+        if unk is not None:
+            specials.append(token("unk", int(unk)))
+        template = "yes" if self.chat_template is not None else "no"
+        return f"Tokenizer(vocab_size={self.vocab_size}, {', '.join(specials)}, chat_template={template})"
+
     @property
     def hf(self) -> Any:
         """The wrapped tokenizer: transformers' or a `FastTokenizer` (see its ``transformers()``)."""

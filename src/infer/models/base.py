@@ -125,6 +125,19 @@ def pad_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pad
 
 
+def check_input_ids(input_ids: object) -> None:
+    """`ValueError` unless ``input_ids`` is a ``[batch, length]`` tensor of integer token ids."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids: expected a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            "input_ids: expected a 2-D tensor of token ids [batch, length] (both >= 1; "
+            f"one prompt is ids[None]), got shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
+
+
 class DecoderLM(nn.Module):
     """A decoder-only causal LM. Subclasses set the block class and the norm flavour.
 
@@ -260,6 +273,7 @@ class DecoderLM(nn.Module):
         With a ``cache`` every row continues its cached sequence with all ``T`` tokens.
         Positions past ``max_position_embeddings`` are refused here, on the host.
         """
+        check_input_ids(input_ids)
         T = input_ids.shape[1]
         limit = self.config.max_position_embeddings
         if cache is not None:
