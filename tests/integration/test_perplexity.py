@@ -9,9 +9,11 @@ come from transformers' own model on the same weights, and from ``llm.model`` on
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -202,3 +204,30 @@ def test_cli_bad_option_values_are_usage_errors(
     print(f"\n{err.strip().splitlines()[-1]}")
     assert exit_info.value.code == 2
     assert f"error: argument {option[0]}: " in err and "Traceback" not in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_progress_bar_on_a_terminal(
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT)
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("TQDM_NCOLS", "100")
+    argv = ["perplexity", str(tiny_ckpt_factory("llama")), str(text_file), "--context", "32", "--batch", "5"]
+    assert main(argv) == 0
+    bar = err.getvalue()
+    out = capsys.readouterr().out
+    print(f"\n{bar.split(chr(13))[-2].strip()}")
+    assert "perplexity: 100%" in bar and "15/15" in bar and "ppl " in bar
+    assert out.startswith("PPL = ") and out.count("\n") == 1
+    assert main([*argv, "--quiet"]) == 0
+    assert "perplexity:" not in err.getvalue()[len(bar) :]
