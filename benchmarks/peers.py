@@ -1,24 +1,31 @@
-"""infer (eager and compiled) against transformers and llama.cpp, one invocation, one machine.
+"""infer (default, compiled warm and cold) against transformers and llama.cpp, one invocation, one machine.
 
     uv run python benchmarks/peers.py                      # both real GGUF models + the bf16 model
     uv run python benchmarks/peers.py --threads 1 --reps 5 --json out.json --chart docs/peers.png
+    uv run python benchmarks/peers.py --models smollm2 --prompts 128 --reps 1 --chart ""   # a quick look
 
 For SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (`infer.realmodels`) every runtime
 runs in its own fresh process (so peak RSS and ready time are honest) and reports:
 
 * ready: seconds from process start to a model ready to generate (imports included);
-* prefill: tokens/s of one forward over a 128-token prompt (no cache before it);
-* decode: tokens/s of greedy one-token steps at depth 128 (after the 128-token prompt);
+* first token: ready plus the first prefill + decode step (compiles them when compiled);
+* prefill: tokens/s of one forward over a prompt of each of ``--prompts`` lengths (default
+  128, 2048, 4096; no cache before it), with the peak RSS once that length has run (the
+  lengths run in increasing order, so it shows how memory grows with the prompt);
+* decode: tokens/s of greedy one-token steps at depth 128 (after a 128-token prompt);
 * peak RSS of the process.
 
-Runtimes: infer at its GGUF default (float32 activations, bfloat16 packed products), eager
-and compiled (`infer.step.Stepper`; the compiled one runs twice, with an empty inductor
-cache and then with the cache the first run left: cold and warm compile seconds;
-its speeds are the warm run's); transformers (`from_pretrained(gguf_file=...)`, float32);
-llama.cpp's ``llama-bench`` (built by ``../shared/peers/llamacpp.sh``: ``-p 128`` and
-``-n 64 -d 128``; its "ready" is the wall time of a 1-token run, model load included).
-Also the SmolLM2-shaped Llama with random bfloat16 weights from safetensors
-(`infer.testing.SMOLLM2_SHAPE`), infer eager / compiled vs transformers at bfloat16.
+Runtimes: "infer default" is what a user gets: ``infer.load(path)`` with no flags, generating
+through ``llm.stepper`` (eager today; the JSON records whether it compiled). Beside it
+``infer.load(path, compile=True)`` twice: "compiled cold" with an empty inductor cache, then
+"compiled warm" with the cache the cold run left (their speeds are the same graphs; ready,
+first token and compile seconds differ). Then transformers (``from_pretrained(gguf_file=...)``,
+float32) and llama.cpp's ``llama-bench`` (built by ``../shared/peers/llamacpp.sh``: ``-p L`` for
+each prompt length and ``-n 64 -d 128``; its "ready" is the wall time of a 1-token run, model
+load included). llama.cpp's repacked weights segfault on some CPUs (Intel Xeons with AMX): a
+short ``llama-bench`` probe runs first, and if it fails every run uses ``--repack 0``; the JSON
+(``repack``) and the table say which. Also the SmolLM2-shaped Llama with random bfloat16
+weights from safetensors (`infer.testing.SMOLLM2_SHAPE`), infer vs transformers at bfloat16.
 
 Speeds are the median of ``--reps`` repetitions after a warm-up. Prints the table with
 ratios to llama.cpp (GGUF models) and to transformers (the bf16 model), and the machine.
@@ -34,20 +41,24 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / ".bench"
 PEERS_SCRIPT = ROOT.parent / "shared" / "peers" / "llamacpp.sh"
-PROMPT = 128
+DEPTH = 128  # decode runs after a prompt of this many tokens
 DECODE = 64
+PROMPTS = (128, 2048, 4096)
 MODELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma 3 270M Q4_K_M", "bf16": "SmolLM2-shaped bf16"}
+INFER_SIDES = ("infer default", "infer compiled warm", "infer compiled cold")
 
 
 def model_path(model: str) -> Path:
@@ -65,48 +76,65 @@ def model_path(model: str) -> Path:
     return rm.smollm2_path() if model == "smollm2" else rm.gemma3_270m_path()
 
 
-def prompt_ids(vocab: int) -> list[int]:
+def prompt_ids(vocab: int, length: int) -> list[int]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(100, min(vocab, 20000), (PROMPT,), generator=gen).tolist()
+    return torch.randint(100, min(vocab, 20000), (length,), generator=gen).tolist()
 
 
-def median_times(prefill: Any, decode_step: Any, reps: int) -> tuple[float, float]:
-    """Median seconds of ``prefill()`` (returns a state) and of one ``decode_step(state)``."""
-    pre, dec = [], []
-    for _ in range(reps + 1):  # the first repetition warms up
+def peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(prefill: Any, decode_step: Any, prompts: list[int], reps: int) -> dict[str, Any]:
+    """Median seconds of ``prefill(n)`` (returns a state) per prompt length and of one
+    ``decode_step(state)`` at depth `DEPTH`; the first repetition of each warms up."""
+    dec = []
+    for _ in range(reps + 1):
+        state = prefill(DEPTH)
         t0 = time.perf_counter()
-        state = prefill()
-        t1 = time.perf_counter()
         for _ in range(DECODE):
             state = decode_step(state)
-        t2 = time.perf_counter()
-        pre.append(t1 - t0)
-        dec.append((t2 - t1) / DECODE)
-    return statistics.median(pre[1:]), statistics.median(dec[1:])
+        dec.append((time.perf_counter() - t0) / DECODE)
+    prefill_tok_s, rss_at = {}, {}
+    for n in sorted(prompts):
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            prefill(n)
+            times.append(time.perf_counter() - t0)
+        prefill_tok_s[str(n)] = n / statistics.median(times[1:])
+        rss_at[str(n)] = peak_rss()
+    return {
+        "prefill_tok_s": prefill_tok_s,
+        "peak_rss_at": rss_at,
+        "decode_tok_s": 1 / statistics.median(dec[1:]),
+    }
 
 
-def run_infer(path: Path, compiled: bool, reps: int) -> dict[str, Any]:
+def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict[str, Any]:
     import torch
+    import torch.nn.functional as F
 
     import infer
-    from infer.step import Sampling, Stepper
+    from infer.step import Sampling
 
     t_load = time.perf_counter()
-    llm = infer.load(path, dtype="bfloat16" if path.is_dir() else None)
+    llm = infer.load(path, compile=True) if compiled else infer.load(path)  # the default: no flags
     ready = time.perf_counter()
-    model = llm.model
-    stepper = Stepper(model, compile=compiled)
-    ids = torch.tensor([prompt_ids(model.config.vocab_size)])
-    n, last = torch.tensor([PROMPT]), torch.tensor([PROMPT - 1])
+    stepper = llm.stepper
+    vocab = llm.model.config.vocab_size
     ones, zeros = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     greedy = Sampling()
-    capacity = stepper.capacity(PROMPT + DECODE + 1)
 
-    def prefill() -> Any:
-        cache = stepper.cache(1, capacity)
-        out = stepper(cache, ids, n, last, greedy, None, None)
+    def prefill(n: int) -> Any:
+        length = stepper.prefill_length(n)  # right-padded as generation pads it
+        ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
+        cache = stepper.cache(1, stepper.capacity(length + DECODE + 1))
+        out = stepper(cache, ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None)
         out.tokens.tolist()
         return cache, out
 
@@ -117,21 +145,20 @@ def run_infer(path: Path, compiled: bool, reps: int) -> dict[str, Any]:
         return cache, out
 
     t0 = time.perf_counter()
-    prefill()  # compiles the prefill graph when compiled
-    decode_step(prefill())  # ... and the decode graph
+    decode_step(prefill(DEPTH))  # compiles the prefill and decode graphs when compiled
     first_call = time.perf_counter() - t0
-    prefill_s, decode_s = median_times(prefill, decode_step, reps)
+    result = measure(prefill, decode_step, prompts, reps)
     return {
         "ready_s": ready - T_START,
         "load_s": ready - t_load,
-        "compile_s": stepper.compile_seconds if compiled else 0.0,
-        "first_call_s": first_call,
-        "prefill_tok_s": PROMPT / prefill_s,
-        "decode_tok_s": 1 / decode_s,
+        "first_token_s": ready - T_START + first_call,
+        "compiled": llm.compiled,
+        "compile_s": stepper.compile_seconds,
+        **result,
     }
 
 
-def run_transformers(path: Path, reps: int) -> dict[str, Any]:
+def run_transformers(path: Path, prompts: list[int], reps: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -144,10 +171,9 @@ def run_transformers(path: Path, reps: int) -> dict[str, Any]:
         )
     model.eval()  # type: ignore[no-untyped-call]
     ready = time.perf_counter()
-    ids = torch.tensor([prompt_ids(model.config.vocab_size)])
 
-    def prefill() -> Any:
-        out = model(ids, use_cache=True)
+    def prefill(n: int) -> Any:
+        out = model(torch.tensor([prompt_ids(model.config.vocab_size, n)]), use_cache=True)
         return out.logits[:, -1:].argmax(-1), out.past_key_values
 
     def decode_step(state: Any) -> Any:
@@ -156,27 +182,21 @@ def run_transformers(path: Path, reps: int) -> dict[str, Any]:
         return out.logits[:, -1:].argmax(-1), out.past_key_values
 
     with torch.inference_mode():
-        prefill_s, decode_s = median_times(prefill, decode_step, reps)
-    return {
-        "ready_s": ready - T_START,
-        "load_s": ready - t_load,
-        "prefill_tok_s": PROMPT / prefill_s,
-        "decode_tok_s": 1 / decode_s,
-    }
+        result = measure(prefill, decode_step, prompts, reps)
+    return {"ready_s": ready - T_START, "load_s": ready - t_load, **result}
 
 
 def child(args: argparse.Namespace) -> None:
-    import resource
-
     import torch
 
     torch.set_num_threads(args.threads)
     path = model_path(args.model)
+    prompts = parse_prompts(args.prompts)
     if args.side == "transformers":
-        result = run_transformers(path, args.reps)
+        result = run_transformers(path, prompts, args.reps)
     else:
-        result = run_infer(path, args.side.startswith("compiled"), args.reps)
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result = run_infer(path, args.side == "compiled", prompts, args.reps)
+    result["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(result))
 
 
@@ -184,7 +204,7 @@ def spawn(
     model: str, side: str, args: argparse.Namespace, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--side", side]
-    cmd += ["--reps", str(args.reps), "--threads", str(args.threads)]
+    cmd += ["--reps", str(args.reps), "--threads", str(args.threads), "--prompts", args.prompts]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -193,8 +213,8 @@ def spawn(
     raise RuntimeError(f"{model} / {side} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def run_compiled(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Cold (empty inductor cache) then warm (the cache the cold run left): speeds of the warm run."""
+def run_compiled(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(cold, warm)``: a process with an empty inductor cache, then one with the cache it left."""
     cache_dir = Path(tempfile.mkdtemp(prefix="infer-peers-inductor-"))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     try:
@@ -202,41 +222,64 @@ def run_compiled(model: str, args: argparse.Namespace) -> dict[str, Any]:
         warm = spawn(model, "compiled", args, env)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    warm["compile_cold_s"] = cold["compile_s"]
-    warm["compile_warm_s"] = warm["compile_s"]
-    return warm
+    return cold, warm
 
 
 def llama_bench(bin_dir: Path, path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """``llama-bench``: prefill ``-p 128``, decode ``-n 64 -d 128``; peak RSS via a wrapper process."""
+    """``llama-bench``: prefill ``-p L`` per prompt length, decode ``-n 64 -d 128``; peak RSS of
+    each via a wrapper process. A short probe first: if llama.cpp's repacked weights crash
+    (a segfault on some CPUs with AMX), every run uses ``--repack 0``."""
 
-    def bench(extra: list[str]) -> tuple[list[dict[str, Any]], int, float]:
+    def bench(extra: list[str], check: bool = True) -> tuple[list[dict[str, Any]], int, float]:
         cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(args.threads), "-o", "json", *extra]
         wrapper = (
             "import resource, subprocess, sys, time; t = time.perf_counter(); "
             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
             "print(p.stdout); print('WALL', time.perf_counter() - t); "
             "print('RSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); "
-            "sys.exit(p.returncode)"
+            "sys.stderr.write(p.stderr[-2000:]); sys.exit(p.returncode)"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, check=True
-        )
+        proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
+        if proc.returncode != 0:
+            if not check:
+                return [], 0, 0.0
+            raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         out = proc.stdout
         rss = int(out[out.rindex("RSS ") + 4 :].split()[0])
         wall = float(out[out.rindex("WALL ") + 5 :].split()[0])
         return json.loads(out[: out.rindex("WALL ")]), rss, wall
 
+    probe, _, _ = bench(["-p", "16", "-n", "0", "-r", "1"], check=False)
+    repack = bool(probe)
+    flags = [] if repack else ["--repack", "0"]
+    if not repack:
+        print("  llama.cpp's repacked weights failed a short llama-bench run: using --repack 0", flush=True)
     reps = str(args.reps)
-    pre, rss1, _ = bench(["-p", str(PROMPT), "-n", "0", "-r", reps])
-    dec, rss2, _ = bench(["-p", "0", "-n", str(DECODE), "-d", str(PROMPT), "-r", reps])
-    _, _, ready = bench(["-p", "0", "-n", "1", "-r", "1"])
+    prefill_tok_s, rss_at = {}, {}
+    for n in sorted(parse_prompts(args.prompts)):
+        pre, rss, _ = bench(["-p", str(n), "-n", "0", "-r", reps, *flags])
+        prefill_tok_s[str(n)] = float(pre[0]["avg_ts"])
+        rss_at[str(n)] = rss
+    dec, rss_dec, _ = bench(["-p", "0", "-n", str(DECODE), "-d", str(DEPTH), "-r", reps, *flags])
+    _, _, ready = bench(["-p", "0", "-n", "1", "-r", "1", *flags])
     return {
         "ready_s": ready,
-        "prefill_tok_s": float(pre[0]["avg_ts"]),
+        "repack": repack,
+        "prefill_tok_s": prefill_tok_s,
+        "peak_rss_at": rss_at,
         "decode_tok_s": float(dec[0]["avg_ts"]),
-        "peak_rss": max(rss1, rss2),
+        "peak_rss": max([rss_dec, *rss_at.values()]),
     }
+
+
+def parse_prompts(text: str) -> list[int]:
+    try:
+        prompts = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise SystemExit(f"--prompts: expected comma-separated integers, got {text!r}") from None
+    if not prompts or prompts[0] < 1:
+        raise SystemExit(f"--prompts: expected prompt lengths >= 1, got {text!r}")
+    return prompts
 
 
 def machine(threads: int) -> str:
@@ -259,51 +302,73 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
-    head = f"{'model':<21} {'runtime':<18} {'ready s':>8} {'prefill tok/s':>14} {'decode tok/s':>13}"
-    print(head + f" {'peak RSS':>9} {'compile cold/warm s':>20}")
+def side_label(side: str, r: dict[str, Any]) -> str:
+    if side == "llama.cpp" and not r.get("repack", True):
+        return "llama.cpp --repack 0"
+    if side == "infer default":
+        return "infer default (compiled)" if r.get("compiled") else "infer default (eager)"
+    return side
+
+
+def print_table(results: dict[str, dict[str, dict[str, Any]]], prompts: list[int]) -> None:
+    pre_cols = "".join(f" {'prefill ' + str(n):>13}" for n in prompts)
+    print("(prefill and decode in tokens/s; 'RSS at longest': peak RSS once the longest prompt has run)")
+    head = f"{'model':<21} {'runtime':<26} {'ready s':>8} {'1st tok s':>9}{pre_cols} {'decode':>8}"
+    print(head + f" {'peak RSS':>9} {'RSS at longest':>15} {'compile s':>9}")
     for model, sides in results.items():
         ref_name = "transformers" if model == "bf16" else "llama.cpp"
         ref = sides.get(ref_name)
         for side, r in sides.items():
-            comp = f"{r['compile_cold_s']:.0f} / {r['compile_warm_s']:.1f}" if "compile_cold_s" in r else ""
+            first = f"{r['first_token_s']:.2f}" if "first_token_s" in r else ""
+            pre = "".join(f" {r['prefill_tok_s'][str(n)]:>13.0f}" for n in prompts)
+            comp = f"{r['compile_s']:.1f}" if r.get("compiled") else ""
+            longest = mib(r["peak_rss_at"][str(prompts[-1])])
             print(
-                f"{MODELS[model]:<21} {side:<18} {r['ready_s']:>8.2f} {r['prefill_tok_s']:>14.0f} "
-                f"{r['decode_tok_s']:>13.1f} {mib(r['peak_rss']):>9} {comp:>20}"
+                f"{MODELS[model]:<21} {side_label(side, r):<26} {r['ready_s']:>8.2f} {first:>9}{pre} "
+                f"{r['decode_tok_s']:>8.1f} {mib(r['peak_rss']):>9} {longest:>15} {comp:>9}"
             )
         if ref is None:
             continue
         for side, r in sides.items():
             if side.startswith("infer"):
-                pre = r["prefill_tok_s"] / ref["prefill_tok_s"]
+                pre = ", ".join(
+                    f"{n} {r['prefill_tok_s'][str(n)] / ref['prefill_tok_s'][str(n)]:.2f}x" for n in prompts
+                )
                 dec = r["decode_tok_s"] / ref["decode_tok_s"]
-                print(f"{'':<21} {side} / {ref_name}: prefill {pre:.2f}x, decode {dec:.2f}x")
+                print(f"{'':<21} {side} / {side_label(ref_name, ref)}: prefill {pre}; decode {dec:.2f}x")
 
 
-def chart(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str) -> None:
+def chart(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str, prompt: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    sides = ["infer eager", "infer compiled", "transformers", "llama.cpp"]
+    sides = ["infer default", "infer compiled warm", "transformers", "llama.cpp"]
     colors = {
-        "infer eager": "#9ecae1",
-        "infer compiled": "#3182bd",
+        "infer default": "#9ecae1",
+        "infer compiled warm": "#3182bd",
         "transformers": "#fdae6b",
         "llama.cpp": "#74c476",
     }
     models = list(results)
     width = 0.2
-    panels = [
-        (axes[0], "decode_tok_s", "decode tok/s (depth 128)"),
-        (axes[1], "prefill_tok_s", "prefill tok/s"),
+
+    def decode(r: dict[str, Any]) -> float:
+        return float(r["decode_tok_s"])
+
+    def prefill(r: dict[str, Any]) -> float:
+        return float(r["prefill_tok_s"][str(prompt)])
+
+    panels: list[tuple[Any, Callable[[dict[str, Any]], float], str]] = [
+        (axes[0], decode, f"decode tok/s (depth {DEPTH})"),
+        (axes[1], prefill, f"prefill tok/s ({prompt}-token prompt)"),
     ]
-    for ax, key, label in panels:
+    for ax, value, label in panels:
         for j, side in enumerate(sides):
             xs = [i + (j - 1.5) * width for i, m in enumerate(models) if side in results[m]]
-            ys = [results[m][side][key] for m in models if side in results[m]]
+            ys = [value(results[m][side]) for m in models if side in results[m]]
             bars = ax.bar(xs, ys, width, label=side, color=colors[side])
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks(range(len(models)), [MODELS[m] for m in models], fontsize=8)
@@ -321,9 +386,17 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip", default="", help="runtimes to leave out, comma-separated")
+    parser.add_argument(
+        "--prompts",
+        default=",".join(map(str, PROMPTS)),
+        help="prefill prompt lengths, comma-separated (default: %(default)s)",
+    )
+    sides_help = ", ".join([*INFER_SIDES, "transformers", "llama.cpp"])
+    parser.add_argument("--skip", default="", help=f"runtimes to leave out, comma-separated: {sides_help}")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--chart", type=Path, default=ROOT / "docs" / "peers.png")
+    parser.add_argument(
+        "--chart", default=str(ROOT / "docs" / "peers.png"), help='PNG to write ("" for none)'
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--side", help=argparse.SUPPRESS)
@@ -331,6 +404,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    prompts = parse_prompts(args.prompts)
     skip = set(filter(None, args.skip.split(",")))
     bin_dir = None
     if "llama.cpp" not in skip:
@@ -340,29 +414,37 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for model in args.models.split(","):
         sides: dict[str, dict[str, Any]] = {}
-        names = ["infer eager", "infer compiled", "transformers"]
+        names = [*INFER_SIDES, "transformers"]
         if model != "bf16" and bin_dir is not None:
             names.append("llama.cpp")
         for side in names:
-            if side in skip:
+            if side in skip or side in sides:
                 continue
             print(f"running {MODELS[model]} / {side} ...", flush=True)
-            if side == "infer eager":
-                sides[side] = spawn(model, "eager", args)
-            elif side == "infer compiled":
-                sides[side] = run_compiled(model, args)
+            if side == "infer default":
+                sides[side] = spawn(model, "default", args)
+            elif side.startswith("infer compiled"):
+                cold, warm = run_compiled(model, args)
+                for name, r in (("infer compiled warm", warm), ("infer compiled cold", cold)):
+                    if name not in skip:
+                        sides[name] = r
             elif side == "transformers":
                 sides[side] = spawn(model, "transformers", args)
             elif bin_dir is not None:
                 sides[side] = llama_bench(bin_dir, model_path(model), args)
         results[model] = sides
     print(f"\nmachine: {before} (before); load after: {os.getloadavg()[0]:.1f}")
-    print(f"prompt {PROMPT} tokens, decode {DECODE} greedy steps at depth {PROMPT}, median of {args.reps}\n")
-    print_table(results)
+    print(
+        f"prefill of {', '.join(map(str, prompts))} tokens; decode {DECODE} greedy steps at depth {DEPTH}; "
+        f"median of {args.reps}\n"
+    )
+    print_table(results, prompts)
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": before, "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"machine": before, "prompts": prompts, "results": results}, indent=2)
+        )
     if args.chart:
-        chart(results, args.chart, f"benchmarks/peers.py on {before}")
+        chart(results, Path(args.chart), f"benchmarks/peers.py on {before}", prompts[0])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
+    from infer.perplexity import PerplexityResult
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
@@ -451,6 +452,21 @@ class LLM:
         ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
         rows = run_to_end(self._run([ids], max_new_tokens, params, stops))
         return self._result(rows[0], stops)
+
+    def perplexity(
+        self,
+        text: str,
+        context: int = 512,
+        *,
+        batch: int = 1,
+        max_chunks: int | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> PerplexityResult:
+        """Perplexity over ``text`` as ``llama-perplexity -c context -b context`` computes it:
+        chunks of ``context`` tokens, the second half of each scored (`infer.perplexity.perplexity`)."""
+        from infer.perplexity import perplexity
+
+        return perplexity(self, text, context, batch=batch, max_chunks=max_chunks, progress=progress)
 
     def chat_prompt(
         self, messages: Sequence[Message], *, parse_special_in_content: bool = False

@@ -253,6 +253,73 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from infer.perplexity import perplexity, read_text
+
+    if args.file is None:  # `infer perplexity FILE`: the one positional is the file
+        args.model, args.file = None, args.model
+    if args.file is None:
+        raise ValueError("no text file given: infer perplexity [MODEL] FILE")
+    text = read_text(args.file, args.bytes)
+    llm = _load(args)
+    bar: Any = None
+    if sys.stderr.isatty() and not args.quiet and _primary():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="perplexity", unit="chunk", leave=False, file=sys.stderr)
+
+    def progress(done: int, total: int, ppl: float) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.n = done
+            bar.set_postfix_str(f"ppl {ppl:.4f}")
+
+    try:
+        result = perplexity(
+            llm, text, args.context, batch=args.batch, max_chunks=args.max_chunks, progress=progress
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    _write(f"{result}\n")
+    return 0
+
+
+def _perplexity_parser(sub: Any) -> None:
+    from infer.perplexity import DEFAULT_CONTEXT
+
+    p = sub.add_parser(
+        "perplexity",
+        help="perplexity over a text file, as llama-perplexity -c N -b N computes it",
+        description="Chunks of --context tokens; the second half of each chunk is scored; "
+        "ppl = exp(mean negative log-likelihood). Prints PPL +/- its standard error.",
+        epilog=EXIT_CODES,
+    )
+    p.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
+    p.add_argument("file", nargs="?", default=None, help="UTF-8 text file")
+    p.add_argument(
+        "--context",
+        type=_int_option(3),
+        default=DEFAULT_CONTEXT,
+        help=f"tokens per chunk, llama.cpp's -c (>= 3; default {DEFAULT_CONTEXT})",
+    )
+    p.add_argument("--batch", type=_int_option(1), default=1, help="chunks per forward pass (>= 1)")
+    p.add_argument(
+        "--max-chunks", type=_int_option(1), default=None, help="score only the first chunks (>= 1)"
+    )
+    p.add_argument(
+        "--bytes", type=_int_option(1), default=None, help="read only the first BYTES bytes (>= 1)"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", type=_dtype_option, default=None, help="float32, bfloat16, float16")
+    p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
+    p.add_argument("--memory-budget", type=_bytes_option, default=None, help="stream layers, e.g. 2GB")
+    p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    p.set_defaults(func=cmd_perplexity, tensor_parallel=1, pipeline_parallel=1, compile=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infer", description="Pure-PyTorch LLM inference.", epilog=EXIT_CODES
@@ -358,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", type=_dtype_option, default=None)
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     i.set_defaults(func=cmd_inspect)
+    _perplexity_parser(sub)
     return parser
 
 

@@ -59,7 +59,7 @@ def assert_batch_invariant(model: DecoderLM, label: str) -> None:
         for chunk in (1, 3, 16):
             part = prefill_logits(model, p, chunk)
             diff = (part - whole).abs().max().item()
-            assert torch.equal(part, whole), f"{label}: prompt {i} prefilled in chunks of {chunk} differs by {diff}"
+            assert torch.equal(part, whole), f"{label}: prompt {i} in chunks of {chunk} differs by {diff}"
     tokens = [a.argmax(-1).tolist() for a in alone]
     print(
         f"{label}: {len(ps)} prompts x {STEPS} steps bitwise equal alone, in 3 batches and prefilled in "
