@@ -8,8 +8,8 @@ one `model_step` call (eager or compiled, see `Stepper`); the host reads the sam
 tokens once per step (the step also returns a per-row flag of non-finite logits).
 
 Right padding keeps a prompt's tokens at the same cache slots alone and in any batch,
-so (with the row-invariant products of `infer.rows` and the chunked attention of
-`infer.models.common.attend`) a prompt's tokens do not depend on the rest of the batch.
+so in the deterministic mode (fixed product tiles, `infer.rows`, and
+`infer.models.common.attend_tiled`) a prompt's tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
