@@ -316,6 +316,11 @@ def _perplexity_parser(sub: Any) -> None:
     p.add_argument("--memory-budget", type=_bytes_option, default=None, help="stream layers, e.g. 2GB")
     p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="fixed-shape products: the same figure whatever --batch is (slower)",
+    )
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     p.set_defaults(func=cmd_perplexity, tensor_parallel=1, pipeline_parallel=1, compile=None)
 
