@@ -22,6 +22,7 @@ from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
+    from infer.loader.repack_cache import RepackCache
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
@@ -484,6 +485,7 @@ def load(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     compile: bool | None = None,
+    cache: bool = True,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -510,6 +512,11 @@ def load(
     compiles it (cached on disk under the user's cache directory, so later processes
     load it). ``None`` means `compile_by_default` (off: a short generation does not win
     back even a warm compile).
+
+    ``cache``: keep what loading computes from a GGUF file (its matrices converted for the
+    packed kernels) in a file under the user's cache directory, and reuse it in later
+    processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
+    single-process loads). ``cache=False`` converts every time and writes nothing.
     """
     device = torch.device(device)
     parallel = tensor_parallel != 1 or pipeline_parallel != 1
@@ -524,6 +531,7 @@ def load(
     path = resolve_checkpoint(path_or_hub_id)
     source: WeightSource
     compute_dtype: torch.dtype | None = None
+    repack: RepackCache | None = None
     if path.suffix == ".gguf":
         from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
         from infer.gguf.tokenizer import gguf_tokenizer
@@ -539,6 +547,12 @@ def load(
         config.torch_dtype = str(torch_dtype).removeprefix("torch.")
         tokenizer = gguf_tokenizer(gguf, config)
         source = GGUFSource(gguf)
+        if cache and streaming is None and not parallel:
+            from infer.loader.repack_cache import RepackCache
+
+            repack = RepackCache(
+                path, data_start=gguf.data_offset, compute_dtype=compute_dtype, device=device
+            )
     else:
         from infer.loader.weights import SafetensorsSource
 
@@ -578,6 +592,7 @@ def load(
                 quantize=quantize,
                 validate=validate,
                 progress=progress,
+                repack=repack,
             )
             source.close()
     except BaseException:
