@@ -215,3 +215,38 @@ def test_key_names_the_file_and_conversion(tmp_path: Path) -> None:
         f.write(bytes([byte ^ 1]))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert RepackCache(path, data_start=4096, compute_dtype=torch.bfloat16, root=tmp_path).key != a.key
+
+
+def test_entries_of_deleted_files_are_removed(tiny_gguf: Callable[[str, int], Path], tmp_path: Path) -> None:
+    path = tiny_gguf("Q4_0", 0)
+    infer.load(path)
+    [old] = cache_files(tmp_path / "cache")
+    moved = path.rename(tmp_path / "moved.gguf")
+    infer.load(moved)  # a new entry (named by the new path); the old one's file is gone
+    assert old not in cache_files(tmp_path / "cache")
+    assert len(cache_files(tmp_path / "cache")) == 1
+
+
+def test_a_checked_entry_is_not_checked_again(
+    tiny_gguf: Callable[[str, int], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN / inf checks of packed buffers run when converting, not on a verified cache hit."""
+    from infer.loader import place
+
+    path = tiny_gguf("Q8_0", 0)
+    checked: list[str] = []
+    original = place.check_finite
+
+    def counted(values: torch.Tensor, what: str) -> None:
+        if "packed form" in what:
+            checked.append(what)
+        original(values, what)
+
+    monkeypatch.setattr(place, "check_finite", counted)
+    infer.load(path, validate=False)  # written unchecked
+    assert checked == []
+    infer.load(path)  # a hit, but never checked: checked now
+    assert checked
+    done = len(checked)
+    infer.load(path)
+    assert len(checked) == done

@@ -215,10 +215,13 @@ def _packed_linear(
             compute_dtype=opts.compute_dtype,
             exact_rescoring=head,
         )
-    if opts.validate:
+    repack = opts.repack if weight.part is None else None
+    if opts.validate and not (repack is not None and repack.known_finite(stored.name)):
         for name, buf in linear.named_buffers():
             if buf.is_floating_point():
                 check_finite(buf, f"{what} ({name} of its packed form)")
+        if repack is not None:
+            repack.mark_finite(stored.name)
     return linear
 
 

@@ -14,14 +14,16 @@ under ``cache_root() / "repack"``, so a later process maps it instead of convert
   dtype and device, `FORMAT_VERSION` and torch's version. Each matrix's entry also
   records its GGML type, shape and ``exact_rescoring``; its tensors must have exactly
   the names, shapes and dtypes conversion produces, and their bytes the CRC-32 stored
-  for them. Anything else (a corrupt, truncated or stale file, a missing tensor) is a
-  miss: the matrix is converted and the whole file is written again.
+  for them (a matrix checked for NaN / inf when written is not checked again).
+  Anything else (a corrupt, truncated or stale file, a missing tensor) is a miss: the
+  matrix is converted and the whole file is written again.
 * **Reading** maps the file (safetensors' ``safe_open`` on CPU): the buffers are views
   of the mapping, paged in as they are used; no copy is made.
 * **Writing** (after a load that converted anything) streams each tensor from the
   loaded model into a temporary file, which then replaces the entry atomically
   (``os.replace``): no second copy of the model is held, and a reader never sees a
-  partial file. A cache directory that cannot be written only costs speed.
+  partial file. A cache directory that cannot be written only costs speed. Writing
+  also deletes the entries of GGUF files that no longer exist.
 
 Not cached: tensor-parallel parts (each rank converts its slice) and streamed models.
 """
@@ -162,6 +164,8 @@ class RepackCache:
         self._entries: dict[str, _Entry] = {}
         self._stored: dict[str, dict[str, object]] = {}
         self._tensors: dict[str, torch.Tensor] = {}
+        self._finite: set[str] = set()  # matrices whose float tensors are known finite
+        self._changed = False  # something to write: a matrix converted, or newly checked
         self._open()
 
     # ---- reading ------------------------------------------------------------------
@@ -204,6 +208,8 @@ class RepackCache:
             if t is None or tuple(t.shape) != want_shape or t.dtype != want_dtype or _crc(t) != crcs[attr]:
                 return None
             tensors[attr] = t
+        if info.get("finite") is True:
+            self._finite.add(name)
         return QuantizedLinear(
             k, n, layout.fmt, tensors, bias=bias, planes=layout.planes, source=qtype.name,
             compute_dtype=self.compute_dtype,
@@ -227,6 +233,7 @@ class RepackCache:
         module = self._cached(name, qtype, shape, bias, exact_rescoring)
         if module is None:
             self.misses += 1
+            self._changed = True
             module = QuantizedLinear.from_gguf(
                 read(), qtype, shape, bias, name=what, compute_dtype=self.compute_dtype,
                 exact_rescoring=exact_rescoring,
@@ -236,11 +243,25 @@ class RepackCache:
         self._entries[name] = _Entry(qtype, shape, exact_rescoring, module)
         return module
 
+    def known_finite(self, name: str) -> bool:
+        """Whether matrix ``name`` came from an entry a validating load checked for NaN / inf.
+
+        Its bytes are those checked (their CRCs matched), so checking them again is redundant.
+        """
+        return name in self._finite
+
+    def mark_finite(self, name: str) -> None:
+        """Matrix ``name``'s float tensors were checked: record it in the file."""
+        if name not in self._finite:
+            self._finite.add(name)
+            self._changed = True
+
     # ---- writing ------------------------------------------------------------------
 
     def save(self) -> None:
-        """Write the file when a matrix was converted (a read-only cache directory only costs speed)."""
-        if self.misses == 0 or not self._entries:
+        """Write the file if a matrix was converted or newly checked (a read-only cache directory
+        only costs speed)."""
+        if not self._changed or not self._entries:
             return
         with contextlib.suppress(OSError):
             self._write()
@@ -257,7 +278,13 @@ class RepackCache:
                 t = entry.module.get_buffer(attr)
                 crcs[attr] = _crc(t.cpu())
                 items.append((f"{name}:{attr}", t))
-            linears[name] = {"qtype": entry.qtype.name, "shape": [n, k], "exact": entry.exact, "crc": crcs}
+            linears[name] = {
+                "qtype": entry.qtype.name,
+                "shape": [n, k],
+                "exact": entry.exact,
+                "crc": crcs,
+                "finite": name in self._finite,
+            }
         header: dict[str, object] = {"__metadata__": {"key": self.key, "linears": json.dumps(linears)}}
         offset = 0
         chunks: list[torch.Tensor | int] = []  # the data: tensors, and zero bytes before the next one
@@ -294,6 +321,30 @@ class RepackCache:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        _remove_orphans(self.file.parent)
+
+
+def _stored_path(file: Path) -> str | None:
+    """The GGUF path recorded in cache file ``file``'s key (None when unreadable)."""
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 1 << 26:
+                return None
+            header = json.loads(f.read(length))
+        path = json.loads(header["__metadata__"]["key"])["path"]
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Delete the entries of GGUF files that no longer exist (each entry is named by its path)."""
+    for file in directory.glob("*.safetensors"):
+        path = _stored_path(file)
+        if path is not None and not os.path.exists(path):
+            with contextlib.suppress(OSError):
+                file.unlink()
 
 
 __all__ = ["FORMAT_VERSION", "Layout", "RepackCache", "gguf_layout"]
