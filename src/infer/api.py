@@ -23,6 +23,7 @@ from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
+    from infer.loader.repack_cache import RepackCache
     from infer.perplexity import PerplexityResult
     from infer.streaming import StreamingConfig
 
@@ -545,6 +546,7 @@ def load(
     pipeline_parallel: int = 1,
     compile: bool | None = None,
     deterministic: bool = False,
+    cache: bool = True,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -577,6 +579,11 @@ def load(
     else is in its batch, however its prompt is chunked, and whether its layers are
     resident or streamed — on any CPU. It costs speed at small batches (a batch of one
     computes a tile of 16 rows); docs/numerics.md has the contract and the figures.
+
+    ``cache``: keep what loading computes from a GGUF file (its matrices converted for the
+    packed kernels) in a file under the user's cache directory, and reuse it in later
+    processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
+    single-process loads). ``cache=False`` converts every time and writes nothing.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -593,6 +600,7 @@ def load(
     path = resolve_checkpoint(path_or_hub_id)
     source: WeightSource
     compute_dtype: torch.dtype | None = None
+    repack: RepackCache | None = None
     if path.suffix == ".gguf":
         from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
         from infer.gguf.tokenizer import gguf_tokenizer
@@ -608,6 +616,12 @@ def load(
         config.torch_dtype = str(torch_dtype).removeprefix("torch.")
         tokenizer = gguf_tokenizer(gguf, config)
         source = GGUFSource(gguf)
+        if cache and streaming is None and not parallel:
+            from infer.loader.repack_cache import RepackCache
+
+            repack = RepackCache(
+                path, data_start=gguf.data_offset, compute_dtype=compute_dtype, device=device
+            )
     else:
         from infer.loader.weights import SafetensorsSource
 
@@ -648,6 +662,7 @@ def load(
                 quantize=quantize,
                 validate=validate,
                 progress=progress,
+                repack=repack,
             )
             source.close()
     except BaseException:

@@ -31,6 +31,7 @@ from torch import nn
 from infer.config import ModelConfig, architecture
 from infer.loader.names import Entry, check_dimensions, map_names, stored_name
 from infer.loader.place import PlaceOptions, place_module, tied_head
+from infer.loader.repack_cache import RepackCache
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
@@ -250,12 +251,15 @@ def load_model(
     validate: bool = True,
     progress: ProgressFn | None = None,
     partition: Partition | None = None,
+    repack: RepackCache | None = None,
 ) -> DecoderLM:
     """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``device``.
 
     ``quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as its
     tensors are in; ``validate`` refuses weights with NaN or inf. ``partition``: only the
-    part one rank of a parallel run holds (`infer.distributed`).
+    part one rank of a parallel run holds (`infer.distributed`). ``repack``: the on-disk
+    cache of converted GGUF matrices (`infer.loader.repack_cache`), written at the end
+    when a matrix had to be converted.
     """
     device = torch.device(device)
     builder = ModelBuilder(
@@ -267,6 +271,8 @@ def load_model(
         validate=validate,
         partition=partition,
     )
+    if repack is not None:
+        builder.opts = dataclasses.replace(builder.opts, repack=repack)
     model = builder.model
     done = 0
     # The embedding and head first: theirs are the largest temporaries (a packed head's
@@ -286,6 +292,8 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight  # re-tie after the moves: one Parameter
     reset_buffers(model, device)
     builder.check_complete()
+    if repack is not None:
+        repack.save()
     release_freed_memory()
     return model.eval()
 

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from infer.loader.names import Entry
+from infer.loader.repack_cache import RepackCache
 from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models.arch import Fix
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
-from infer.quant.ggml import block_size, type_size
+from infer.quant.ggml import QType, block_size, type_size
 
 _CHECK_ELEMENTS = 1 << 16  # values checked for NaN / inf at a time
 
@@ -41,7 +42,8 @@ class PlaceOptions:
     ``dtype``: activations, norms, biases and float matrices. ``compute_dtype``: the
     matrix products of packed modules (GGUF files: bfloat16 by default). ``quantize``:
     quantize float linear layers at load. ``validate``: refuse non-finite weights.
-    ``tie``: the head reuses the embedding.
+    ``tie``: the head reuses the embedding. ``repack``: where converted GGUF matrices
+    are looked up and kept (`infer.loader.repack_cache`); None converts every time.
     """
 
     dtype: torch.dtype
@@ -51,6 +53,7 @@ class PlaceOptions:
     tie: bool
     num_heads: int
     num_kv_heads: int
+    repack: RepackCache | None = None
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
@@ -193,20 +196,32 @@ def _packed_linear(
     stored = weight.stored
     assert stored.qtype is not None
     what = f"{source.description}: tensor {stored.name!r}"
-    raw = _rows_fixed(weight, read_part(source, weight), opts)
-    linear = QuantizedLinear.from_gguf(
-        raw,
-        stored.qtype,
-        _part_shape(weight),
-        bias,
-        name=what,
-        compute_dtype=opts.compute_dtype,
-        exact_rescoring=head,
-    )
-    if opts.validate:
+
+    def raw() -> torch.Tensor:
+        return _rows_fixed(weight, read_part(source, weight), opts)
+
+    if opts.repack is not None and weight.part is None:
+        n, k = _part_shape(weight)
+        linear = opts.repack.linear(
+            stored.name, raw, QType(stored.qtype), (n, k), bias, what=what, exact_rescoring=head
+        )
+    else:
+        linear = QuantizedLinear.from_gguf(
+            raw(),
+            stored.qtype,
+            _part_shape(weight),
+            bias,
+            name=what,
+            compute_dtype=opts.compute_dtype,
+            exact_rescoring=head,
+        )
+    repack = opts.repack if weight.part is None else None
+    if opts.validate and not (repack is not None and repack.known_finite(stored.name)):
         for name, buf in linear.named_buffers():
             if buf.is_floating_point():
                 check_finite(buf, f"{what} ({name} of its packed form)")
+        if repack is not None:
+            repack.mark_finite(stored.name)
     return linear
 
 

@@ -1,0 +1,350 @@
+"""An on-disk cache of GGUF matrices converted for the packed kernels (the "repack").
+
+`QuantizedLinear.from_gguf` turns GGML blocks into int4 planes and scale/zero tensors
+(or a dense copy for the types the kernel cannot take); on the real models that is most
+of a load. A `RepackCache` keeps the result of one GGUF file in one safetensors file
+under ``cache_root() / "repack"``, so a later process maps it instead of converting.
+
+* **Which file**: named after the GGUF file's absolute path and the conversion's
+  parameters (compute dtype, device), so loading the same file another way keeps its own
+  entry and a changed file replaces its entry rather than adding one.
+* **Whether it is current**: the key stored in the file's metadata must equal the one
+  computed now: the GGUF file's absolute path, size, ``mtime_ns`` and a fingerprint
+  (sha256 of its header and of 16 blocks sampled across its tensor data), the compute
+  dtype and device, `FORMAT_VERSION` and torch's version. Each matrix's entry also
+  records its GGML type, shape and ``exact_rescoring``; its tensors must have exactly
+  the names, shapes and dtypes conversion produces, and their bytes the CRC-32 stored
+  for them (a matrix checked for NaN / inf when written is not checked again).
+  Anything else (a corrupt, truncated or stale file, a missing tensor) is a miss: the
+  matrix is converted and the whole file is written again.
+* **Reading** maps the file (safetensors' ``safe_open`` on CPU): the buffers are views
+  of the mapping, paged in as they are used; no copy is made.
+* **Writing** (after a load that converted anything) streams each tensor from the
+  loaded model into a temporary file, which then replaces the entry atomically
+  (``os.replace``): no second copy of the model is held, and a reader never sees a
+  partial file. A cache directory that cannot be written only costs speed. Writing
+  also deletes the entries of GGUF files that no longer exist.
+
+Not cached: tensor-parallel parts (each rank converts its slice) and streamed models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.quant import int4
+from infer.quant.ggml import FLOAT_TYPES, QType
+from infer.quant.linear import QuantizedLinear
+from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes
+
+FORMAT_VERSION = 1
+_ALIGN = 64  # every tensor's data starts on a 64-byte boundary of the file (the kernels' loads)
+_SAMPLES = 16  # blocks of the tensor data hashed into the fingerprint
+_SAMPLE_BYTES = 1 << 16
+_PAD = "__pad__."  # filler tensors that keep the next tensor aligned (safetensors has no gaps)
+
+_DTYPE_NAMES = {
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What `QuantizedLinear.from_gguf` builds: format, planes and tensor name -> (shape, dtype)."""
+
+    fmt: str
+    planes: int
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def gguf_layout(qtype: QType, n: int, k: int, compute_dtype: torch.dtype, exact_rescoring: bool) -> Layout:
+    """The layout `QuantizedLinear.from_gguf` gives a ``[n, k]`` matrix of ``qtype`` (kept in step)."""
+    if qtype in FLOAT_TYPES or qtype not in PLANE_DECODERS:
+        return Layout("dense", 1, {"weight": ((n, k), compute_dtype)})
+    p = num_planes(qtype)
+    n_pad = (n + int4.ROW_MULTIPLE - 1) // int4.ROW_MULTIPLE * int4.ROW_MULTIPLE
+    kp = p * k
+    exact = exact_rescoring and compute_dtype != torch.float32
+    split = exact and qtype == QType.Q8_0
+    width = k // 2 if split else kp // 2
+    tensors = {
+        "packed": ((n_pad, width), torch.uint8),
+        "scale_zero": ((kp // GROUP, n_pad, 2), compute_dtype),
+    }
+    if exact:
+        tensors["scale_zero_residual"] = ((kp // GROUP, n_pad, 2), torch.bfloat16)
+    if split:
+        tensors["packed_hi"] = ((n_pad, width), torch.uint8)
+        tensors["scale_zero_fast"] = ((k // GROUP, n_pad, 2), compute_dtype)
+    return Layout("int4", p, tensors)
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(flat.numpy().data)
+
+
+def _fingerprint(path: Path, size: int, data_start: int) -> str:
+    """sha256 of the bytes before the tensor data and of `_SAMPLES` blocks spread over the rest."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(data_start))
+        span = max(0, size - data_start - _SAMPLE_BYTES)
+        for i in range(_SAMPLES):
+            f.seek(data_start + span * i // max(1, _SAMPLES - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+@dataclass
+class _Entry:
+    qtype: QType
+    shape: tuple[int, int]
+    exact: bool
+    module: QuantizedLinear
+
+
+class RepackCache:
+    """The converted matrices of GGUF file ``path`` for one ``compute_dtype`` and ``device``.
+
+    `linear` returns a matrix's `QuantizedLinear`, from the cache or converted; `save`,
+    called once every matrix is loaded, writes the file if anything was converted.
+    ``data_start``: the offset of the file's tensor data (the header is hashed whole).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        data_start: int,
+        compute_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        root: Path | None = None,
+    ) -> None:
+        from infer.gguf.tokenizer import cache_root
+
+        gguf = Path(path).resolve()
+        stat = gguf.stat()
+        dtype_name = str(compute_dtype).removeprefix("torch.")
+        device_name = str(torch.device(device))
+        self.key = json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "torch": torch.__version__,
+                "path": str(gguf),
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "fingerprint": _fingerprint(gguf, stat.st_size, data_start),
+                "compute_dtype": dtype_name,
+                "device": device_name,
+            },
+            sort_keys=True,
+        )
+        name = hashlib.sha256(f"{gguf}\0{dtype_name}\0{device_name}".encode()).hexdigest()[:20]
+        directory = root if root is not None else cache_root() / "repack"
+        self.file = directory / f"{gguf.stem[:80]}-{name}.safetensors"
+        self.compute_dtype = compute_dtype
+        self.hits = 0
+        self.misses = 0
+        self._entries: dict[str, _Entry] = {}
+        self._stored: dict[str, dict[str, object]] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._finite: set[str] = set()  # matrices whose float tensors are known finite
+        self._changed = False  # something to write: a matrix converted, or newly checked
+        self._open()
+
+    # ---- reading ------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Map the cache file, if there is one whose key is ours; otherwise start empty."""
+        from safetensors import safe_open
+
+        if not self.file.is_file():
+            return
+        try:
+            with safe_open(str(self.file), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("key") != self.key:
+                    return  # stale: another file, torch or format
+                stored = json.loads(meta["linears"])
+                names = [name for name in f.keys() if not name.startswith(_PAD)]  # noqa: SIM118 (not a dict)
+                tensors = {name: f.get_tensor(name) for name in names}
+        except Exception:  # safetensors' own errors (truncated, bad header), bad JSON, OSError
+            return
+        if isinstance(stored, dict):
+            self._stored, self._tensors = stored, tensors
+
+    def _cached(
+        self, name: str, qtype: QType, shape: tuple[int, int], bias: torch.Tensor | None, exact: bool
+    ) -> QuantizedLinear | None:
+        info = self._stored.get(name)
+        if not isinstance(info, dict):
+            return None
+        n, k = shape
+        if info.get("qtype") != qtype.name or info.get("shape") != [n, k] or info.get("exact") != exact:
+            return None
+        layout = gguf_layout(qtype, n, k, self.compute_dtype, exact)
+        crcs = info.get("crc")
+        if not isinstance(crcs, dict) or set(crcs) != set(layout.tensors):
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        for attr, (want_shape, want_dtype) in layout.tensors.items():
+            t = self._tensors.get(f"{name}:{attr}")
+            if t is None or tuple(t.shape) != want_shape or t.dtype != want_dtype or _crc(t) != crcs[attr]:
+                return None
+            tensors[attr] = t
+        if info.get("finite") is True:
+            self._finite.add(name)
+        return QuantizedLinear(
+            k, n, layout.fmt, tensors, bias=bias, planes=layout.planes, source=qtype.name,
+            compute_dtype=self.compute_dtype,
+        )  # fmt: skip
+
+    def linear(
+        self,
+        name: str,
+        read: Callable[[], torch.Tensor],
+        qtype: QType,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+        *,
+        what: str,
+        exact_rescoring: bool,
+    ) -> QuantizedLinear:
+        """GGUF tensor ``name`` as `QuantizedLinear.from_gguf` builds it from its bytes, bit for bit.
+
+        ``read()`` returns the bytes; it is called only when the cache has no valid entry.
+        """
+        module = self._cached(name, qtype, shape, bias, exact_rescoring)
+        if module is None:
+            self.misses += 1
+            self._changed = True
+            module = QuantizedLinear.from_gguf(
+                read(), qtype, shape, bias, name=what, compute_dtype=self.compute_dtype,
+                exact_rescoring=exact_rescoring,
+            )  # fmt: skip
+        else:
+            self.hits += 1
+        self._entries[name] = _Entry(qtype, shape, exact_rescoring, module)
+        return module
+
+    def known_finite(self, name: str) -> bool:
+        """Whether matrix ``name`` came from an entry a validating load checked for NaN / inf.
+
+        Its bytes are those checked (their CRCs matched), so checking them again is redundant.
+        """
+        return name in self._finite
+
+    def mark_finite(self, name: str) -> None:
+        """Matrix ``name``'s float tensors were checked: record it in the file."""
+        if name not in self._finite:
+            self._finite.add(name)
+            self._changed = True
+
+    # ---- writing ------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write the file if a matrix was converted or newly checked (a read-only cache directory
+        only costs speed)."""
+        if not self._changed or not self._entries:
+            return
+        with contextlib.suppress(OSError):
+            self._write()
+
+    def _write(self) -> None:
+        # The modules' buffers, in order; the cache's own mapped tensors keep the old file alive.
+        items: list[tuple[str, torch.Tensor]] = []
+        linears: dict[str, dict[str, object]] = {}
+        for name, entry in self._entries.items():
+            n, k = entry.shape
+            layout = gguf_layout(entry.qtype, n, k, self.compute_dtype, entry.exact)
+            crcs: dict[str, int] = {}
+            for attr in layout.tensors:
+                t = entry.module.get_buffer(attr)
+                crcs[attr] = _crc(t.cpu())
+                items.append((f"{name}:{attr}", t))
+            linears[name] = {
+                "qtype": entry.qtype.name,
+                "shape": [n, k],
+                "exact": entry.exact,
+                "crc": crcs,
+                "finite": name in self._finite,
+            }
+        header: dict[str, object] = {"__metadata__": {"key": self.key, "linears": json.dumps(linears)}}
+        offset = 0
+        chunks: list[torch.Tensor | int] = []  # the data: tensors, and zero bytes before the next one
+        for i, (tname, t) in enumerate(items):
+            pad = -offset % _ALIGN
+            if pad:
+                header[f"{_PAD}{i}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+                offset += pad
+                chunks.append(pad)
+            nbytes = t.numel() * t.element_size()
+            header[tname] = {
+                "dtype": _DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            chunks.append(t)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-(8 + len(text)) % _ALIGN)  # the data starts aligned (padding is allowed)
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.file.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(struct.pack("<Q", len(text)))
+                f.write(text)
+                for chunk in chunks:
+                    if isinstance(chunk, int):
+                        f.write(b"\0" * chunk)
+                        continue
+                    flat = chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    f.write(flat.numpy().data)
+            os.replace(tmp, self.file)  # atomic: readers see the old file or the new one
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _remove_orphans(self.file.parent)
+
+
+def _stored_path(file: Path) -> str | None:
+    """The GGUF path recorded in cache file ``file``'s key (None when unreadable)."""
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 1 << 26:
+                return None
+            header = json.loads(f.read(length))
+        path = json.loads(header["__metadata__"]["key"])["path"]
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Delete the entries of GGUF files that no longer exist (each entry is named by its path)."""
+    for file in directory.glob("*.safetensors"):
+        path = _stored_path(file)
+        if path is not None and not os.path.exists(path):
+            with contextlib.suppress(OSError):
+                file.unlink()
+
+
+__all__ = ["FORMAT_VERSION", "Layout", "RepackCache", "gguf_layout"]
