@@ -1,4 +1,4 @@
-"""The `infer` command: generate, chat, inspect.
+"""The `infer` command: generate, chat, serve, inspect, perplexity.
 
 Exit status: 0 success, 1 error (one line on stderr; ``--debug`` raises it with its
 traceback), 2 usage error (unknown option, or an option value out of range),
@@ -192,14 +192,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, args.prompt = None, args.model
     if args.prompt is None:
         raise ValueError("no prompt given: infer generate [MODEL] PROMPT")
+    from infer.prompts import prompt_ids
+
     llm = _load(args)
-    for piece in llm.stream(args.prompt, args.max_new_tokens, **_sampling(args)):
+    prompt = prompt_ids(llm, args.prompt, raw=args.raw, system=args.system)
+    for piece in llm.stream(prompt, args.max_new_tokens, **_sampling(args)):
         _write(piece)
     _write("\n")
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from infer.prompts import chat_ids
+
     if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
         sys.stdin.reconfigure(errors="surrogateescape")
     llm = _load(args)
@@ -222,7 +227,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": text})
-        kept, dropped = fit_history(messages, llm.chat_prompt, room)
+        kept, dropped = fit_history(messages, lambda m: chat_ids(llm, m), room)
         if not kept or dropped:
             what = "this message was not sent" if not kept else f"dropped its {dropped} oldest message(s)"
             _notice(f"the conversation outgrew the model's {context}-token context: {what}")
@@ -230,7 +235,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()
             continue
         messages = kept
-        ids = llm.chat_prompt(messages)
+        ids = chat_ids(llm, messages)
         reply = []
         for piece in llm.stream(ids, args.max_new_tokens, **_sampling(args)):
             reply.append(piece)
@@ -238,6 +243,88 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
+        raise ValueError(
+            "infer serve runs in one process: --tensor-parallel / --pipeline-parallel are not served yet"
+        )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("INFER_API_KEY") or None
+    llm = _load(args)
+    from infer.serve import serve
+
+    return serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        model_name=args.served_model_name,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level="info" if args.verbose else "warning",
+    )
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with a chat page (docs/serving.md)",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a "
+        "chat page at /. SIGTERM or Ctrl-C: stop admitting, finish running requests, exit 0.",
+        epilog=EXIT_CODES,
+    )
+    p.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument(
+        "--port", type=_int_option(0, 65535), default=8000, help="port (0: any free one; default 8000)"
+    )
+    p.add_argument(
+        "--max-batch", type=_int_option(1), default=None, help="requests generated together (>= 1)"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=_int_option(0),
+        default=None,
+        help="requests queued for a row; more are refused with 429 (>= 0)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $INFER_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: its file name)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_float_option(0.0),
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM before they are ended (default 30)",
+    )
+    p.add_argument("--verbose", action="store_true", help="uvicorn's info log (one line per request)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", type=_dtype_option, default=None, help="float32, bfloat16, float16")
+    p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
+    p.add_argument("--memory-budget", type=_bytes_option, default=None, help="stream layers, e.g. 2GB")
+    p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the generation step with torch.compile (resident models; default: off)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="fixed-shape products: a request's tokens and logprobs do not depend on the other requests",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    p.set_defaults(func=cmd_serve, tensor_parallel=1, pipeline_parallel=1)
 
 
 def _notice(text: str) -> None:
@@ -405,9 +492,20 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
-    g = sub.add_parser("generate", help="continue a prompt, streaming to the terminal", epilog=EXIT_CODES)
+    g = sub.add_parser(
+        "generate",
+        help="answer a prompt (as a chat turn when the model has a chat template; --raw continues it)",
+        epilog=EXIT_CODES,
+    )
     g.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="continue the prompt as plain text (default: as a user message in the model's chat "
+        "template, when it has one)",
+    )
+    g.add_argument("--system", default=None, help="system prompt (chat template only)")
     common(g)
     g.set_defaults(func=cmd_generate)
 
@@ -431,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     i.set_defaults(func=cmd_inspect)
     _perplexity_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

@@ -18,9 +18,32 @@ def test_generate_streams_text(
     import infer
 
     path = tiny_ckpt_factory("llama")
-    assert main(["generate", str(path), "Hello", "--max-new-tokens", "12", "--quiet"]) == 0
+    assert main(["generate", str(path), "Hello", "--max-new-tokens", "12", "--quiet", "--raw"]) == 0
     out = capsys.readouterr().out
     assert out == infer.load(path).generate("Hello", max_new_tokens=12).text + "\n"
+
+
+def test_generate_applies_the_chat_template(
+    tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An instruct model (its tokenizer has a chat template) answers the prompt as a user turn (mlx-lm)."""
+    import infer
+
+    path = tiny_ckpt_factory("llama")
+    llm = infer.load(path)
+    assert llm.tokenizer.chat_template is not None
+    assert main(["generate", str(path), "Hello", "--max-new-tokens", "12", "--quiet"]) == 0
+    templated = capsys.readouterr().out
+    ids = llm.chat_prompt([{"role": "user", "content": "Hello"}])
+    assert templated == llm.generate(ids, max_new_tokens=12).text + "\n"
+    argv = ["generate", str(path), "Hello", "--max-new-tokens", "12", "--quiet", "--system", "Be brief."]
+    assert main(argv) == 0
+    with_system = capsys.readouterr().out
+    ids = llm.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+    assert with_system == llm.generate(ids, max_new_tokens=12).text + "\n"
+    raw = llm.generate("Hello", max_new_tokens=12).text + "\n"
+    print(f"templated {templated!r}, raw {raw!r}")
+    assert templated != raw  # the template is applied (a different prompt gives other tokens)
 
 
 def test_chat_keeps_the_conversation(

@@ -1,0 +1,104 @@
+"""`infer serve`: run the app under uvicorn until SIGTERM or Ctrl-C, then exit 0.
+
+On the first SIGTERM / SIGINT the server stops admitting (new generation requests get
+503 + ``Retry-After``), closes its listening socket, lets running requests finish for
+up to ``shutdown_timeout`` seconds and then cancels the rest, each stream ending with a
+final error event and ``data: [DONE]``. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from infer.serve.app import ServeState, create_app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with our signal handling: drain, then return (uvicorn re-raises the signal)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    llm: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_batch: int | None = None,
+    max_waiting: int | None = None,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "warning",
+    announce: Callable[[str], None] | None = None,
+) -> int:
+    """Serve ``llm`` over HTTP until a signal; the exit status (0)."""
+    app = create_app(
+        llm, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting
+    )
+    state: ServeState = app.state.serve
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(shutdown_timeout) + 5,  # a backstop: the app ends streams first
+        access_log=False,
+        lifespan="on",
+    )
+    server = _Server(config, on_exit=lambda: state.begin_shutdown(shutdown_timeout))
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    message = f"infer: serving {state.model_name!r} on http://{shown}:{bound_port} (Ctrl-C or SIGTERM stops)"
+    (announce or (lambda text: print(text, file=sys.stderr, flush=True)))(message)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+__all__ = ["bind", "serve"]
