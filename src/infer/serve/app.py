@@ -228,6 +228,9 @@ def create_app(
 # ---- validation ------------------------------------------------------------------
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's names of union members
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
     """A pydantic error location as the OpenAI ``param``: ``messages[0].content``."""
     parts = [p for p in loc if p != "body"]
@@ -235,7 +238,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif isinstance(p, str) and not p.startswith(("str", "list[", "int", "bool", "constrained")):
+        elif isinstance(p, str) and p not in _UNION_TAGS and not any(c in p for c in "[-"):
             out += ("." if out else "") + p
     return out or None
 
@@ -483,6 +486,8 @@ class _Job:
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": reason,
         }
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(delta.token_ids)
         if self.kind == "chat":
             choice["delta"] = ({"role": "assistant"} if first else {}) | (
                 {"content": delta.text} if delta.text or first else {}
@@ -513,8 +518,12 @@ class _Job:
             "usage": self.usage(),
         }
 
-    def whole(self, text: str, logprobs: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+    def whole(
+        self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None, reason: str | None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -624,11 +633,13 @@ async def _whole(job: _Job, request: Request) -> Response:
 
     watcher = asyncio.create_task(watch())
     text: list[str] = []
+    token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
     try:
         async for delta in _deltas(job.handle):
             job.observe(delta)
             text.append(delta.text)
+            token_ids += delta.token_ids
             if delta.logprobs is not None:
                 logprobs = (logprobs or []) + list(delta.logprobs)
             if delta.finish_reason is not None:
@@ -637,7 +648,7 @@ async def _whole(job: _Job, request: Request) -> Response:
                     return _end_error(delta).response()
                 reason = _finish_reason(delta.finish_reason)
                 job.finish(reason or "stop")
-                return JSONResponse(job.whole("".join(text), logprobs, reason))
+                return JSONResponse(job.whole("".join(text), token_ids, logprobs, reason))
     finally:
         watcher.cancel()
     job.finish("error")

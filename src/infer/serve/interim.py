@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.generate import SamplingParams as _StepParams
+from infer.generate import generate_steps
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,20 @@ class Engine:
         stops = list(p.stop)
         out = TextStream(llm.tokenizer)
         sent = 0
-        for rows in llm._run([handle.prompt], p.max_tokens, step, stops):
+        eos = list(p.stop_token_ids) if p.ignore_eos else [*llm._eos_ids(), *p.stop_token_ids]
+        steps = generate_steps(
+            llm.model,
+            [handle.prompt],
+            max_new_tokens=p.max_tokens,
+            params=step,
+            eos_ids=eos,
+            pad_id=llm.tokenizer.pad_token_id or 0,
+            stop_check=(lambda row, tokens: _cut_at_stop(llm.tokenizer.decode(tokens), stops)[1])
+            if stops
+            else None,
+            stepper=llm.stepper,
+        )
+        for rows in steps:
             row = rows[0]
             if handle.cancelled.is_set():
                 handle.events.put(Delta([], "", None, "cancelled"))

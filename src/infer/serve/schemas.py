@@ -60,6 +60,7 @@ class _Common(BaseModel):
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
+    return_token_ids: StrictBool = False  # vLLM's extension: each choice also lists its "token_ids"
     user: Any = None
 
 
