@@ -133,6 +133,22 @@ def row_noise(
     return torch.cat([zeros if g is None else gumbel_noise(1, vocab, g, device) for g in generators])
 
 
+def stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (a proper prefix)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
 @dataclass
 class RowState:
     prompt_len: int
