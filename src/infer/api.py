@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,17 @@ import torch
 
 from infer.chat_template import check_unicode
 from infer.config import ModelConfig, load_config
-from infer.generate import RowState, SamplingParams, check_max_new_tokens, generate_steps, run_to_end
+from infer.generate import (
+    NonFiniteLogitsError,
+    RowState,
+    SamplingParams,
+    check_max_new_tokens,
+    cut_at_stop,
+    generate_steps,
+    row_seed,
+    run_to_end,
+    stop_prefix,
+)
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
@@ -23,6 +34,7 @@ from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
+    from infer.engine import Engine, RequestHandle
     from infer.loader.repack_cache import RepackCache
     from infer.perplexity import PerplexityResult
     from infer.streaming import StreamingConfig
@@ -154,21 +166,10 @@ class TextStream:
         full = self.text()
         if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
             full = full.rstrip("\ufffd")
-        safe = full[: max(len(self.emitted), len(full) - _stop_prefix(full, stops))]
+        safe = full[: max(len(self.emitted), len(full) - stop_prefix(full, stops))]
         piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
         self.emitted += piece
         return piece
-
-
-def _stop_prefix(text: str, stops: Sequence[str]) -> int:
-    """The length of the longest end of ``text`` that begins one of ``stops`` (a proper prefix)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
@@ -184,11 +185,6 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
         if not s:
             raise ValueError("stop strings must be non-empty")
     return list(items)
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 class LLM:
@@ -209,6 +205,19 @@ class LLM:
         self.source = source
         self.parallel: Parallel | None = None  # this rank's place in a parallel run (infer.distributed)
         self.stepper = Stepper(model, compile=compile)
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        """The generation engine that owns this model's steps and KV slots (created on first use):
+        `generate`, `stream` and `chat` go through it, from any thread (`infer.engine.Engine`)."""
+        with self._engine_lock:
+            if self._engine is None:
+                from infer.engine import Engine
+
+                self._engine = Engine(self)
+            return self._engine
 
     @property
     def compiled(self) -> bool:
@@ -286,19 +295,22 @@ class LLM:
         params: SamplingParams,
         stop: Sequence[str],
     ) -> Iterator[list[RowState]]:
+        """Under tensor/pipeline parallelism: every rank runs the same batch in lockstep (no engine
+        thread, whose admission timing could differ between ranks)."""
+        assert self.parallel is not None
+
         def stop_check(row: int, tokens: list[int]) -> bool:
-            return _cut_at_stop(self.tokenizer.decode(tokens), stop)[1]
+            return cut_at_stop(self.tokenizer.decode(tokens), stop)[1]
 
         eos_ids = self._eos_ids()
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = eos_ids[0] if eos_ids else 0
-        if self.parallel is not None and not params.greedy and params.seed is None:
+        if not params.greedy and params.seed is None:
             from infer.distributed import shared_seed
 
             # Every rank must draw the same tokens: one seed, chosen by rank 0.
             params = dataclasses.replace(params, seed=shared_seed(self.parallel))
-        self._timings: dict[str, float] = {}
         steps = generate_steps(
             self.model,
             prompts,
@@ -307,26 +319,81 @@ class LLM:
             eos_ids=eos_ids,
             pad_id=pad_id,
             stop_check=stop_check if stop else None,
-            timings=self._timings,
             stepper=self.stepper,
         )
-        if self.parallel is None:
-            yield from steps
-            return
         from infer.distributed.runtime import peer_failures
 
         with peer_failures(self.parallel):  # a rank that stops answering is named on the others
             yield from steps
 
-    def _result(self, row: RowState, stop: Sequence[str]) -> GenerationResult:
-        text, _ = _cut_at_stop(self.tokenizer.decode(row.tokens), stop)
+    def _generate(
+        self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams, stops: list[str]
+    ) -> list[GenerationResult]:
+        """Every prompt through the engine (continuous batching); results in prompt order."""
+        if self.parallel is not None:
+            rows = run_to_end(self._run(prompts, max_new_tokens, params, stops))
+            return [
+                GenerationResult(
+                    text=cut_at_stop(self.tokenizer.decode(r.tokens), stops)[0],
+                    token_ids=list(r.tokens),
+                    prompt_tokens=r.prompt_len,
+                    finish_reason=r.finish_reason or "length",
+                )
+                for r in rows
+            ]
+        handles = self._submit(prompts, max_new_tokens, params, stops, text=False)
+        try:
+            results = []
+            for i, h in enumerate(handles):
+                text = "".join(d.text for d in h)
+                results.append(self._result(h, text, i))
+            return results
+        finally:
+            for h in handles:
+                h.cancel()
+            self.engine._settle()
+
+    def _submit(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        *,
+        text: bool,
+    ) -> list[RequestHandle]:
+        from infer.engine import SamplingParams as RequestParams
+
+        def request(i: int) -> RequestParams:
+            seed = params.seed
+            if seed is not None and not params.greedy:
+                seed = row_seed(seed, i)  # each prompt of a batch draws its own numbers
+            return RequestParams(
+                max_tokens=max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, seed=seed, stop=tuple(stops),
+            )  # fmt: skip
+
+        requests = [request(i) for i in range(len(prompts))]
+        return self.engine._submit(prompts, requests, text=text, wait=True)
+
+    def _result(self, h: RequestHandle, text: str, row: int) -> GenerationResult:
+        if h.finish_detail == "error":
+            error = h.exception
+            if isinstance(error, NonFiniteLogitsError):
+                raise NonFiniteLogitsError(
+                    f"{error}, batch row {row}: "
+                    "the weights hold NaN/inf or the activations overflowed (try dtype=torch.float32)"
+                )
+            if error is not None:
+                raise error
+            raise RuntimeError(f"generation failed for prompt {row}")
         return GenerationResult(
             text=text,
-            token_ids=list(row.tokens),
-            prompt_tokens=row.prompt_len,
-            finish_reason=row.finish_reason or "length",
-            prefill_seconds=self._timings.get("prefill_s", 0.0),
-            decode_seconds=self._timings.get("decode_s", 0.0),
+            token_ids=list(h.token_ids),
+            prompt_tokens=h.prompt_tokens,
+            finish_reason=h.finish_detail if h.finish_detail in ("eos", "stop") else "length",
+            prefill_seconds=h.prefill_seconds,
+            decode_seconds=h.decode_seconds,
         )
 
     # ---- public ---------------------------------------------------------------
@@ -387,8 +454,7 @@ class LLM:
         params = SamplingParams(temperature, top_k, top_p, seed)
         stops = _stop_strings(stop)
         prompts, batch = self._encode_batch(prompt)
-        rows = run_to_end(self._run(prompts, max_new_tokens, params, stops))
-        results = [self._result(r, stops) for r in rows]
+        results = self._generate(prompts, max_new_tokens, params, stops)
         return results if batch else results[0]
 
     def stream(
@@ -414,18 +480,30 @@ class LLM:
     def _stream(
         self, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str]
     ) -> Iterator[str]:
-        out = TextStream(self.tokenizer)
-        last: RowState | None = None
-        for rows in self._run([ids], max_new_tokens, params, stops):
-            last = rows[0]
-            if last.finish_reason is None:
-                piece = out.push(last.tokens, stops)  # a stop string may be forming
-                if piece:
-                    yield piece
-        if last is not None:
-            final = self._result(last, stops).text
-            if final.startswith(out.emitted) and len(final) > len(out.emitted):
-                yield final[len(out.emitted) :]
+        if self.parallel is not None:
+            out = TextStream(self.tokenizer)
+            last: RowState | None = None
+            for rows in self._run([ids], max_new_tokens, params, stops):
+                last = rows[0]
+                if last.finish_reason is None:
+                    piece = out.push(last.tokens, stops)  # a stop string may be forming
+                    if piece:
+                        yield piece
+            if last is not None:
+                final = cut_at_stop(self.tokenizer.decode(last.tokens), stops)[0]
+                if final.startswith(out.emitted) and len(final) > len(out.emitted):
+                    yield final[len(out.emitted) :]
+            return
+        (handle,) = self._submit([ids], max_new_tokens, params, stops, text=True)
+        try:
+            for delta in handle:
+                if delta.finish_reason == "error":
+                    self._result(handle, "", 0)  # raises
+                if delta.text:
+                    yield delta.text
+        finally:
+            handle.cancel()  # a generator closed early frees its row
+            self.engine._settle()
 
     def chat(
         self,
@@ -451,8 +529,9 @@ class LLM:
         params = SamplingParams(temperature, top_k, top_p, seed)
         stops = _stop_strings(stop)
         ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
-        rows = run_to_end(self._run([ids], max_new_tokens, params, stops))
-        return self._result(rows[0], stops)
+        # The engine keeps the conversation's KV in its row: the next turn, whose rendered
+        # history starts with these tokens and the reply, prefills only what is new.
+        return self._generate([ids], max_new_tokens, params, stops)[0]
 
     def perplexity(
         self,

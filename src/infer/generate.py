@@ -18,7 +18,7 @@ import math
 import numbers
 import operator
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,15 @@ import torch
 
 from infer.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.step import Sampling, SamplingValues, StepOutput, Stepper, gumbel_noise, head_and_sample
-from infer.step import sample as sample_tokens
+from infer.step import (
+    Sampling,
+    SamplingValues,
+    StepOutput,
+    Stepper,
+    gumbel_noise,
+    head_and_sample,
+    sampling_inputs,
+)
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
 TOP_K_MAX = 2**63 - 1  # top_k travels as an int64 tensor; any k >= the vocabulary keeps every token
@@ -103,45 +110,43 @@ class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits (non-finite weights, or overflow in float16/bfloat16)."""
 
 
-def sampling_inputs(params: SamplingParams, device: torch.device) -> tuple[Sampling, SamplingValues | None]:
-    """The static sampling mode (it selects the compiled graph) and the tensor values."""
-    if params.greedy:
-        return Sampling(greedy=True), None
-    mode = Sampling(greedy=False, filtered=params.top_k > 0 or params.top_p < 1.0)
-    values = SamplingValues(
-        temperature=torch.tensor(params.temperature, dtype=torch.float32, device=device),
-        top_k=torch.tensor(params.top_k, dtype=torch.long, device=device),
-        top_p=torch.tensor(params.top_p, dtype=torch.float32, device=device),
-    )
-    return mode, values
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th prompt of a batch generated with ``seed``: ``seed`` itself for
+    the first (so a prompt alone and first in a batch draw the same), distinct for the others."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (SEED_MAX + 1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row from ``logits [B, V]`` -> ``[B]`` (what a step does after the head)."""
-    mode, values = sampling_inputs(params, logits.device)
-    noise = None
-    if not mode.greedy:
-        if generator is None:
-            generator = torch.Generator(device=logits.device).manual_seed(torch.seed())
-        noise = gumbel_noise(logits.shape[0], logits.shape[1], generator, logits.device)
-    return sample_tokens(logits.float(), mode, values, noise)
+def row_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A row's own generator: seeded by ``seed``, or from torch's global seed when None."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
 
 
-def sample_checked(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample`, and the same tokens with -1 in rows whose logits are not finite: ``([B], [B])``.
+def row_noise(
+    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """Gumbel noise ``[B, vocab]``, row ``b`` from ``generators[b]`` (zeros for a greedy row, None)."""
+    if all(g is None for g in generators):
+        return None
+    zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+    return torch.cat([zeros if g is None else gumbel_noise(1, vocab, g, device) for g in generators])
 
-    A row is bad when its maximum is NaN or +inf (NaN propagates through ``amax``) or
-    when every logit is -inf. The host reads the second tensor with the ``.tolist()``
-    it needs for the tokens anyway, so the check costs no extra synchronization; the
-    first (always a valid id) is what the model is fed.
-    """
-    ok = logits.amax(dim=-1).isfinite()  # [B]
-    if not params.greedy:  # bad rows sample from zeros (a valid id; the caller raises anyway)
-        logits = torch.where(ok[:, None], logits, 0.0)
-    tokens = sample(logits, params, generator)
-    return tokens, torch.where(ok, tokens, -1)
+
+def stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (a proper prefix)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 @dataclass
@@ -284,15 +289,15 @@ def step_outputs(
     ids = right_pad(prompts, pad_id, T).to(device)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     cache = stepper.cache(B, stepper.capacity(max(T, longest + max_new_tokens)))
-    mode, values = sampling_inputs(params, device)
-    generator = None
+    mode, values = sampling_inputs([params] * B, device)
+    generators: list[torch.Generator | None] = [None] * B
     if not mode.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seed = params.seed if params.seed is not None else torch.seed() % (SEED_MAX + 1)
+        generators = [row_generator(row_seed(seed, b), device) for b in range(B)]
     vocab = model.vocab_size
 
     def noise() -> torch.Tensor | None:
-        return None if generator is None else gumbel_noise(B, vocab, generator, device)
+        return row_noise(generators, vocab, device)
 
     if chunk is None:
         out = stepper(cache, ids, lengths, lengths - 1, mode, values, noise())

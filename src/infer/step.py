@@ -2,29 +2,28 @@
 
 `model_step` is plain tensor code with fixed shapes for a given ``(batch, capacity,
 tokens)``: positions, masks and cache writes come from tensors (`infer.cache`), the
-head runs on each row's last real token only, and sampling takes its randomness as an
-input (Gumbel noise drawn outside the step from the caller's ``torch.Generator``), so
-nothing in it reads a tensor on the host. `Stepper` runs it eagerly (the exact
-reference) or compiled whole with ``torch.compile(fullgraph=True)`` per bucket: the
-same code either way.
+head runs on each row's last real token only, and sampling (`sample`, the one sampling
+function of infer) takes per-row values and its randomness as inputs (Gumbel noise drawn
+outside the step from each row's own ``torch.Generator``), so nothing in it reads a
+tensor on the host. `Stepper` runs it eagerly (the exact reference) or compiled whole
+with ``torch.compile(fullgraph=True)`` per bucket: the same code either way.
 
 Compiled on CPU it is inductor's C++ (the packed int4/int8 products stay torch's aten
-kernels); on CUDA the step is also captured as a CUDA graph (``mode="reduce-overhead"``:
-the cache tensors are marked static, so each bucket keeps one cache whose addresses do
-not move). Layer streaming swaps weights between steps and always runs eagerly.
-
-Inductor's caches live under ``infer.gguf.tokenizer.cache_root() / "inductor"`` (unless
-``TORCHINDUCTOR_CACHE_DIR`` is set), so a second process skips the C++ compilation.
+kernels). Layer streaming swaps weights between steps and always runs eagerly.
+Compilation settings are scoped to infer's own compiled function: its options go to
+``torch.compile(options=...)`` and dynamo's recompile limits are raised with
+``torch._dynamo.config.patch`` around infer's calls only; nothing is written to
+``os.environ`` or to torch's process-wide configuration. Inductor's on-disk cache is
+torch's default (``TORCHINDUCTOR_CACHE_DIR`` if the user set it).
 """
 
 from __future__ import annotations
 
-import os
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,21 +32,38 @@ from infer.models.base import DecoderLM
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
+# Dynamo's per-function recompile limits while infer's compiled step runs: every bucket
+# (batch x capacity x tokens x sampling mode) is one graph of that one function.
+RECOMPILE_LIMIT, ACCUMULATED_RECOMPILE_LIMIT = 64, 512
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """The static part of sampling (it selects the graph); the values are tensors in `SamplingValues`."""
+    """The static part of a step's sampling (it selects the compiled graph); values are `SamplingValues`."""
 
-    greedy: bool = True
-    filtered: bool = False  # top-k and/or top-p
+    greedy: bool = True  # every row is greedy: argmax only
+    filtered: bool = False  # some row uses top-k and/or top-p
+    exact_head: bool = False  # every logit must be exact (logprobs), not only each row's argmax
 
 
 @dataclass
 class SamplingValues:
-    temperature: torch.Tensor  # [] float32
-    top_k: torch.Tensor  # [] int64, 0 = off
-    top_p: torch.Tensor  # [] float32, 1 = off
+    """Per-row sampling values, ``[B]`` each."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy row
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+
+
+class RowSampling(Protocol):
+    """What `sampling_inputs` reads of a row's parameters (`infer.generate.SamplingParams` has it)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
 
 
 @dataclass
@@ -57,33 +73,56 @@ class StepOutput:
     nonfinite: torch.Tensor  # [B] bool: a row's logits held NaN or +inf, or were all -inf
 
 
+def sampling_inputs(
+    rows: Sequence[RowSampling], device: torch.device, exact_head: bool = False
+) -> tuple[Sampling, SamplingValues | None]:
+    """The static mode and the per-row values of ``rows`` (None when every row is greedy)."""
+    greedy = all(r.temperature == 0.0 for r in rows)
+    if greedy:
+        return Sampling(greedy=True, exact_head=exact_head), None
+    filtered = any(r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
+    values = SamplingValues(
+        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
+        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+        top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+    )
+    return Sampling(greedy=False, filtered=filtered, exact_head=exact_head), values
+
+
 def sample(
     logits: torch.Tensor, mode: Sampling, values: SamplingValues | None, noise: torch.Tensor | None
 ) -> torch.Tensor:
-    """One token per row of ``logits [B, V]`` (float32) -> ``[B]``.
+    """One token per row of ``logits [B, V]`` (float32) -> ``[B]``, each row by its own values.
 
-    Greedy is ``argmax``. Otherwise the Gumbel-max trick: ``argmax(logits / temperature +
-    noise)`` with ``noise = -log(Exp(1))`` samples from ``softmax(logits / temperature)``,
-    restricted to the ``top_k`` highest and to the smallest set reaching ``top_p`` (the
-    first always kept) when ``mode.filtered``.
+    A row with temperature 0 is greedy (``argmax``). Otherwise the Gumbel-max trick:
+    ``argmax(logits / temperature + noise)`` with ``noise = -log(Exp(1))`` samples from
+    ``softmax(logits / temperature)``, restricted to the row's ``top_k`` highest and to the
+    smallest set reaching its ``top_p`` (the first always kept) when the row filters. A
+    row's token depends on its own logits, values and noise only: the other rows'
+    settings select which of the per-row results are computed, never change one.
     """
+    greedy = logits.argmax(dim=-1)  # [B]
     if mode.greedy:
-        return logits.argmax(dim=-1)
+        return greedy
     assert values is not None and noise is not None
-    scores = logits / values.temperature
-    if not mode.filtered:
-        return (scores + noise).argmax(dim=-1)
-    V = scores.shape[-1]
-    ordered, order = torch.sort(scores, dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(V, device=scores.device)
-    keep = rank < torch.where(values.top_k > 0, values.top_k, V)
-    ordered = ordered.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-    keep = (probs.cumsum(dim=-1) - probs) < values.top_p
-    ordered = ordered.masked_fill(~keep, float("-inf"))
-    pick = (ordered + noise.gather(-1, order)).argmax(dim=-1, keepdim=True)  # [B, 1]
-    return order.gather(-1, pick)[:, 0]
+    t = values.temperature[:, None]  # [B, 1]
+    scores = logits / torch.where(t > 0, t, 1.0)
+    drawn = (scores + noise).argmax(dim=-1)  # [B]
+    if mode.filtered:
+        V = scores.shape[-1]
+        ordered, order = torch.sort(scores, dim=-1, descending=True)  # [B, V]
+        rank = torch.arange(V, device=scores.device)
+        top_k = values.top_k[:, None]  # [B, 1]
+        keep = rank < torch.where(top_k > 0, top_k, V)
+        ordered = ordered.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        keep = (probs.cumsum(dim=-1) - probs) < values.top_p[:, None]
+        ordered = ordered.masked_fill(~keep, float("-inf"))
+        pick = (ordered + noise.gather(-1, order)).argmax(dim=-1, keepdim=True)  # [B, 1]
+        filters = (values.top_k > 0) | (values.top_p < 1.0)  # [B]
+        drawn = torch.where(filters, order.gather(-1, pick)[:, 0], drawn)
+    return torch.where(values.temperature > 0, drawn, greedy)
 
 
 def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -122,7 +161,7 @@ def head_and_sample(
     noise: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Head and sampling for ``h [B, 1, D]``: ``(tokens, logits, nonfinite)``."""
-    logits = model.head(h, greedy=mode.greedy)[:, 0].float()  # [B, V]
+    logits = model.head(h, greedy=mode.greedy and not mode.exact_head)[:, 0].float()  # [B, V]
     # A row is bad when its maximum is NaN or +inf (NaN propagates through amax) or every logit is -inf.
     nonfinite = ~logits.amax(dim=-1).isfinite()  # [B]
     tokens = sample(logits, mode, values, noise)
@@ -132,30 +171,15 @@ def head_and_sample(
 StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def enable_disk_cache() -> None:
-    """Point inductor's (and triton's) on-disk caches at infer's cache directory, unless the
-    user set them, and raise dynamo's per-function recompile limit to hold every bucket."""
-    from infer.gguf.tokenizer import cache_root
-
-    root = cache_root()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 64)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 512)
-
-
 class Stepper:
     """Runs `model_step` for one resident model: eagerly, or compiled whole per bucket.
 
     ``compile=True``: ``torch.compile(model_step, fullgraph=True, dynamic=False)``; every
     distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. Capacities are
     rounded to powers of two (from `MIN_CAPACITY`) and prefill lengths to powers of two
-    (from `MIN_PREFILL`) so a few graphs serve every request; caches are kept per
-    ``(batch, capacity)`` and reused. ``compile_seconds`` accumulates the time spent in
-    first calls of new buckets.
+    (from `MIN_PREFILL`) so a few graphs serve every request. The stepper holds no cache:
+    each caller passes its own (the engine owns its KV slots), so two generations never
+    share one. ``compile_seconds`` accumulates the time spent in first calls of new buckets.
     """
 
     def __init__(self, model: DecoderLM, compile: bool = False) -> None:
@@ -163,10 +187,8 @@ class Stepper:
         self.compiled = compile
         self.compile_seconds = 0.0
         self._seen: set[tuple[Any, ...]] = set()
-        self._caches: dict[tuple[int, int], KVCache] = {}
         self._fn: StepFn = model_step
         if compile:
-            enable_disk_cache()
             # A code object of its own: dynamo keeps its compiled entries per code object, and
             # these skip the ~900 guards on the model's modules (1.2 ms a step on SmolLM2) and
             # inductor's per-call size asserts, so they must never be tried on another model.
@@ -180,8 +202,6 @@ class Stepper:
                 "size_asserts": False,
                 "alignment_asserts": False,
             }
-            if model.device.type == "cuda":  # CUDA graphs: one launch per step
-                options["triton.cudagraphs"] = True
             self._fn = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
     def capacity(self, needed: int) -> int:
@@ -192,27 +212,15 @@ class Stepper:
         return max(needed, min(bucket, round_up(self.model.config.max_position_embeddings, 64)))
 
     def prefill_length(self, longest: int) -> int:
-        """Tokens per row of the prefill step (prompts are right-padded to it): the longest
+        """Tokens per row of a prefill step (prompts are right-padded to it): the longest
         prompt when eager, a power of two from `MIN_PREFILL` when compiled."""
         if not self.compiled:
             return longest
         return max(MIN_PREFILL, 1 << (longest - 1).bit_length())
 
     def cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty cache: a fresh one when eager, the bucket's reused one when compiled."""
-        if not self.compiled:
-            return self.model.make_cache(batch, capacity)
-        key = (batch, capacity)
-        cache = self._caches.get(key)
-        if cache is None:
-            cache = self.model.make_cache(batch, capacity)
-            if self.model.device.type == "cuda":
-                for t in cache.tensors():
-                    torch._dynamo.mark_static_address(t)
-            self._caches[key] = cache
-        else:
-            cache.reset()
-        return cache
+        """A new empty cache of ``batch`` rows (never shared between generations)."""
+        return self.model.make_cache(batch, capacity)
 
     def __call__(
         self,
@@ -224,29 +232,36 @@ class Stepper:
         values: SamplingValues | None,
         noise: torch.Tensor | None,
     ) -> StepOutput:
+        if not self.compiled:
+            with torch.inference_mode():
+                return StepOutput(*model_step(self.model, cache, ids, n_new, last, mode, values, noise))
         key = (ids.shape, cache.capacity, mode)
-        first = self.compiled and key not in self._seen
+        first = key not in self._seen
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with (
+            torch.inference_mode(),
+            torch._dynamo.config.patch(
+                recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
+            ),
+        ):
             tokens, logits, nonfinite = self._fn(self.model, cache, ids, n_new, last, mode, values, noise)
         if first:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - t0
-        if self.compiled and cache.device.type == "cuda":  # outputs of a CUDA graph are overwritten next call
-            tokens, logits, nonfinite = tokens.clone(), logits.clone(), nonfinite.clone()
         return StepOutput(tokens, logits, nonfinite)
 
 
 __all__ = [
     "MIN_CAPACITY",
     "MIN_PREFILL",
+    "RowSampling",
     "Sampling",
     "SamplingValues",
     "StepOutput",
     "Stepper",
-    "enable_disk_cache",
     "gumbel_noise",
     "head_and_sample",
     "model_step",
     "sample",
+    "sampling_inputs",
 ]

@@ -67,9 +67,8 @@ def test_greedy_float32(gemma: DecoderLM) -> None:
     """Sliding-window rings, QK-norm, a tied head, soft-capping: greedy, float32."""
     compiled = compare(gemma, "tiny gemma3 float32 greedy", SamplingParams())
     before = compiled.compile_seconds
-    again, _ = run(gemma, compiled, SamplingParams())  # the same bucket: no new graph, the cache reused
+    again, _ = run(gemma, compiled, SamplingParams())  # the same bucket: no new graph (a cache of its own)
     assert compiled.compile_seconds == before
-    assert len(compiled._caches) == 1
     assert torch.equal(again, run(gemma, Stepper(gemma), SamplingParams())[0])
 
 

@@ -120,20 +120,26 @@ def test_sampling_is_reproducible_with_seed(llm_factory: Callable[[str], infer.L
 
 
 def test_sample_filters() -> None:
-    from infer.generate import sample
+    from infer.step import gumbel_noise, sample, sampling_inputs
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)
-    top1 = sample(logits, SamplingParams(temperature=1.0, top_k=1), gen)
+
+    def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+        mode, values = sampling_inputs([params] * logits.shape[0], logits.device)
+        noise = None if gen is None else gumbel_noise(logits.shape[0], logits.shape[1], gen, logits.device)
+        return sample(logits, mode, values, noise)
+
+    top1 = draw(logits, SamplingParams(temperature=1.0, top_k=1), gen)
     assert set(top1.tolist()) == {3}
-    top2 = sample(logits, SamplingParams(temperature=1.0, top_k=2), gen)
+    top2 = draw(logits, SamplingParams(temperature=1.0, top_k=2), gen)
     assert set(top2.tolist()) == {2, 3}
     # softmax([0,1,2,3]) = [.032, .087, .237, .644]: top_p=0.7 keeps {3, 2}; top_p=0.5 keeps {3}
-    assert set(sample(logits, SamplingParams(temperature=1.0, top_p=0.7), gen).tolist()) == {2, 3}
-    assert set(sample(logits, SamplingParams(temperature=1.0, top_p=0.5), gen).tolist()) == {3}
-    full = sample(logits, SamplingParams(temperature=1.0), gen)
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_p=0.7), gen).tolist()) == {2, 3}
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_p=0.5), gen).tolist()) == {3}
+    full = draw(logits, SamplingParams(temperature=1.0), gen)
     assert set(full.tolist()) == {0, 1, 2, 3}
-    assert sample(logits[:1], SamplingParams(), None).tolist() == [3]
+    assert draw(logits[:1], SamplingParams(), None).tolist() == [3]
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):

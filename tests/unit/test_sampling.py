@@ -19,10 +19,25 @@ import numpy as np
 import pytest
 import torch
 
-from infer.generate import NonFiniteLogitsError, SamplingParams, sample, sample_checked
+from infer.generate import NonFiniteLogitsError, SamplingParams
+from infer.step import gumbel_noise, sample, sampling_inputs
 from infer.testing import reference_sampling_probs as reference_probs
 
 DRAWS = 200_000
+
+
+def draw(
+    logits: torch.Tensor, params: SamplingParams | list[SamplingParams], generator: torch.Generator | None
+) -> torch.Tensor:
+    """`infer.step.sample` of ``logits [B, V]`` with ``params`` for every row (or one per row),
+    the noise from one ``generator``."""
+    rows = params if isinstance(params, list) else [params] * logits.shape[0]
+    mode, values = sampling_inputs(rows, logits.device)
+    noise = None
+    if not mode.greedy:
+        assert generator is not None
+        noise = gumbel_noise(logits.shape[0], logits.shape[1], generator, logits.device)
+    return sample(logits, mode, values, noise)
 
 
 def shuffled_logits(n: int, seed: int) -> list[float]:
@@ -33,7 +48,7 @@ def shuffled_logits(n: int, seed: int) -> list[float]:
 
 def observed_frequencies(logits: list[float], params: SamplingParams, seed: int) -> np.ndarray:
     rows = torch.tensor([logits]).repeat(DRAWS, 1)  # [N, V]: one draw per row
-    tokens = sample(rows, params, torch.Generator().manual_seed(seed))
+    tokens = draw(rows, params, torch.Generator().manual_seed(seed))
     return np.bincount(tokens.numpy(), minlength=len(logits)) / DRAWS
 
 
@@ -77,23 +92,24 @@ def test_reference_of_the_issue_example() -> None:
 def test_greedy_and_top_k_1_pick_the_argmax() -> None:
     logits = torch.tensor([shuffled_logits(9, 7), shuffled_logits(9, 8)])
     expected = logits.argmax(-1)
-    assert torch.equal(sample(logits, SamplingParams(), None), expected)
+    assert torch.equal(draw(logits, SamplingParams(), None), expected)
     gen = torch.Generator().manual_seed(0)
-    assert torch.equal(sample(logits, SamplingParams(temperature=5.0, top_k=1), gen), expected)
+    assert torch.equal(draw(logits, SamplingParams(temperature=5.0, top_k=1), gen), expected)
 
 
 def test_same_seed_same_draws() -> None:
     rows = torch.tensor([shuffled_logits(10, 9)]).repeat(1000, 1)
     params = SamplingParams(temperature=0.9, top_k=5, top_p=0.9)
-    a = sample(rows, params, torch.Generator().manual_seed(3))
-    b = sample(rows, params, torch.Generator().manual_seed(3))
-    c = sample(rows, params, torch.Generator().manual_seed(4))
+    a = draw(rows, params, torch.Generator().manual_seed(3))
+    b = draw(rows, params, torch.Generator().manual_seed(3))
+    c = draw(rows, params, torch.Generator().manual_seed(4))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_sample_checked_flags_non_finite_rows(temperature: float) -> None:
-    """Rows with NaN, +inf or only -inf come back as -1 in the checked copy; the fed tokens stay valid ids."""
+def test_non_finite_rows_still_sample_valid_ids(temperature: float) -> None:
+    """Rows with NaN, +inf or only -inf are flagged by the step (`head_and_sample`); `sample` still
+    returns a valid id for them (what the model is fed until the row is ended)."""
     inf = math.inf
     logits = torch.tensor(
         [
@@ -104,12 +120,36 @@ def test_sample_checked_flags_non_finite_rows(temperature: float) -> None:
             [-inf, 3.0, -inf],  # -inf entries are a valid filter
         ]
     )
-    params = SamplingParams(temperature=temperature)
-    tokens, checked = sample_checked(logits, params, torch.Generator().manual_seed(0))
-    assert checked[1:4].tolist() == [-1, -1, -1]
-    assert checked[0].item() in (0, 1, 2) and checked[4].item() == 1
+    tokens = draw(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
+    nonfinite = ~logits.amax(dim=-1).isfinite()  # the step's flag (infer.step.head_and_sample)
+    assert nonfinite.tolist() == [False, True, True, True, False]
+    assert tokens[0].item() in (0, 1, 2) and tokens[4].item() == 1
     assert ((tokens >= 0) & (tokens < 3)).all()
     assert issubclass(NonFiniteLogitsError, RuntimeError)
+
+
+def test_a_rows_token_does_not_depend_on_its_neighbours_settings() -> None:
+    """Per-row values: row 0's draws (its own noise) are the same whatever rows 1-2 ask for."""
+    logits = torch.tensor([shuffled_logits(10, 11), shuffled_logits(10, 12), shuffled_logits(10, 13)])
+    mine = SamplingParams(temperature=0.9, top_p=0.95)
+    neighbours = [
+        [SamplingParams(), SamplingParams()],
+        [SamplingParams(temperature=2.0, top_k=3), SamplingParams(temperature=0.1)],
+        [SamplingParams(temperature=1.0, top_p=0.3), SamplingParams()],
+    ]
+    g = torch.Generator().manual_seed(5)
+    noises = [gumbel_noise(3, 10, g, logits.device) for _ in range(200)]
+    alone = []
+    for noise in noises:
+        mode, values = sampling_inputs([mine], logits.device)
+        alone.append(int(sample(logits[:1], mode, values, noise[:1])[0]))
+    for others in neighbours:
+        mode, values = sampling_inputs([mine, *others], logits.device)
+        got = [int(sample(logits, mode, values, noise)[0]) for noise in noises]
+        assert got == alone, others
+    greedy_row = [SamplingParams(), SamplingParams(temperature=3.0, top_k=2), SamplingParams(temperature=0.5)]
+    mode, values = sampling_inputs(greedy_row, logits.device)
+    assert int(sample(logits, mode, values, noises[0])[0]) == int(logits[0].argmax())
 
 
 # ---- argument checks ----------------------------------------------------------------

@@ -1,0 +1,814 @@
+"""The generation engine: one loop owns a loaded model and steps every running request together.
+
+`Engine` runs a background thread (started on demand, gone after `IDLE_EXIT_S` idle) that
+owns the model, its KV slots (`KVSlots`) and every request. Each iteration:
+
+1. requests cancelled since the last step leave (their rows are free at once);
+2. waiting requests join, each on a free row — preferably the one whose kept tokens share
+   the longest prefix with its prompt (**prefix caching**: a finished request's KV stays in
+   its row until the row is needed, as llama.cpp keeps a slot's prompt, so a repeated system
+   prompt or the earlier turns of a chat are not computed again);
+3. one **decode step** feeds the last sampled token of every decoding row: one batched
+   forward over the contiguous rows ``[lo, hi)`` that hold them (each weight read once per
+   step for the whole batch), rows without a token this step pass ``n_new = 0``;
+4. **chunked prefill**: prompts still being read get at most `Engine.prefill_chunk` tokens per
+   iteration (contiguous prefilling rows in one forward), so running streams never wait for
+   a whole long prompt;
+5. each row's logits are sampled with its own parameters and generator (`infer.step.sample`),
+   stop conditions are checked, and one `Delta` per request goes to its `RequestHandle`.
+
+`KVSlots` is also the low-level API for speculative decoding: `KVSlots.verify` feeds several
+proposed tokens of a row in one step and returns the logits of each, and `KVSlots.rollback`
+truncates a row back to an earlier length (a row's keys are addressed by slot; what lies past
+its length is masked and overwritten by what is fed next).
+
+Numerics: in the deterministic mode (``infer.load(..., deterministic=True)``) a row's
+tokens and logits do not depend on the other rows of a step, on how its prompt was chunked
+or on which row it runs in, so a request's output is bitwise the same alone or among other
+requests (docs/numerics.md); in the default mode it is within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.cache import KVCache
+from infer.generate import (
+    NonFiniteLogitsError,
+    check_int,
+    cut_at_stop,
+    row_generator,
+    row_noise,
+    stop_prefix,
+)
+from infer.generate import (
+    SamplingParams as _Values,
+)
+from infer.models.base import DecoderLM
+from infer.step import MIN_PREFILL, Sampling, SamplingValues, StepOutput, Stepper, sampling_inputs
+
+if TYPE_CHECKING:
+    from infer.api import LLM
+
+MIN_SLOTS = 256  # the KV capacity grows in powers of two from here (up to the context)
+IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loops() -> None:
+    """At interpreter exit: end every engine's loop thread (cancelling what runs) and wait for it,
+    so no thread is inside torch while the interpreter finalizes."""
+    for engine in list(_ENGINES):
+        engine.close(drain=False, timeout=30.0)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings, checked on construction (errors name the field)."""
+
+    max_tokens: int = 256  # new tokens at most
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings (text is cut before them)
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1))
+        values = _Values(self.temperature, self.top_k, self.top_p, self.seed)  # checks and normalizes
+        object.__setattr__(self, "temperature", values.temperature)
+        object.__setattr__(self, "top_k", values.top_k)
+        object.__setattr__(self, "top_p", values.top_p)
+        object.__setattr__(self, "seed", values.seed)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+        object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, 0) for i in ids))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; empty unless logprobs > 0
+
+
+@dataclass
+class Delta:
+    """One event of a request's stream."""
+
+    token_ids: list[int]  # new tokens in this event (may be empty on the final event)
+    text: str  # new text (stop-string hold-back applied: see docs/reliability.md)
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; then "stop", "length", "error", "cancelled"
+    error: str | None = None  # set when finish_reason == "error"
+
+
+class EngineFull(Exception):
+    """`Engine.submit` when the waiting queue is at its bound (retry later)."""
+
+
+class EngineClosed(RuntimeError):
+    """`Engine.submit` after `Engine.close`."""
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its `Delta` events; `cancel` ends it within one step.
+
+    After the final event: ``token_ids`` (every generated token), ``finish_detail`` ("eos" when an
+    EOS id ended it, else the finish reason), ``prefill_seconds`` / ``decode_seconds`` (admission
+    to first token, first token to end), ``prefilled`` (prompt tokens computed) and ``cached``
+    (prompt tokens whose KV was reused from an earlier request: the prefix cache).
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, engine: Engine) -> None:
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._engine = engine
+        self._events: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._cancelled = False
+        self.done = False
+        self.token_ids: list[int] = []
+        self.finish_detail: str | None = None
+        self.exception: BaseException | None = None
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        self.prefilled = 0
+        self.cached = 0
+
+    def __iter__(self) -> Iterator[Delta]:
+        while not self.done:
+            delta = self._events.get()
+            if delta.finish_reason is not None:
+                self.done = True
+            yield delta
+
+    def cancel(self) -> None:
+        """End the request: its row is freed at the next step; the stream ends with "cancelled"."""
+        if not self._cancelled:
+            self._cancelled = True
+            self._engine._wake()
+
+
+@dataclass
+class _Request:
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int  # max_tokens, less when the context ends first
+    eos: frozenset[int]
+    text: bool  # text deltas (with stop hold-back) while running
+    generator: torch.Generator | None
+    submitted: float
+    row: int = -1
+    pending: list[int] = field(default_factory=list)  # tokens to feed next
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""  # text sent so far
+    started: float = 0.0  # admitted
+    first: float = 0.0  # first token
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.generated)
+
+
+class KVSlots:
+    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on demand.
+
+    One `KVCache` (every slot of every layer in slot order, no rings, so a row can be rolled
+    back) grows as rows and lengths are needed: capacities in powers of two from `MIN_SLOTS`
+    up to ``context``, rows up to ``max_rows``; growing copies what is kept. ``held[r]`` lists
+    the tokens whose K/V row ``r`` holds, in slot order (the row's length is ``len(held[r])``).
+    Memory: ``rows x capacity x`` `bytes_per_token`.
+    """
+
+    def __init__(self, model: DecoderLM, max_rows: int, context: int, stepper: Stepper | None = None) -> None:
+        self.model = model
+        self.max_rows = max_rows
+        self.context = context
+        self.stepper = stepper if stepper is not None else Stepper(model)
+        self.cache: KVCache | None = None
+        self.held: list[list[int]] = []
+        self._views: dict[tuple[int, int], KVCache] = {}
+        self._arange: dict[int, torch.Tensor] = {}
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.cache is None else self.cache.batch_size
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.cache is None else self.cache.max_len
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token of one row takes (every layer this process keeps)."""
+        m = self.model
+        return KVCache.bytes_needed(m.config, 1, 64, m.dtype, m.kv_layers, rings=False) // 64
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Grow to at least ``rows`` rows of ``capacity`` slots (what is held is kept)."""
+        if rows > self.max_rows or capacity > self.context:
+            raise ValueError(
+                f"KV slots: {rows} rows x {capacity} slots asked, at most {self.max_rows} x {self.context}"
+            )
+        old = self.cache
+        if old is not None and rows <= old.batch_size and capacity <= old.max_len:
+            return
+        rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
+        if old is None or capacity > old.max_len:
+            capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
+        else:
+            capacity = old.max_len
+        model = self.model
+        new = KVCache(
+            model.config,
+            rows,
+            capacity,
+            dtype=model.dtype,
+            device=model.device,
+            layers=model.kv_layers,
+            rings=False,
+        )
+        if old is not None:
+            r = old.batch_size
+            for before, after in zip(old.layers, new.layers, strict=True):
+                if before.capacity:
+                    after.k[:r, :, : before.capacity].copy_(before.k)
+                    after.v[:r, :, : before.capacity].copy_(before.v)
+            new.slot[:r].copy_(old.slot)
+        self.cache = new
+        self.held += [[] for _ in range(rows - len(self.held))]
+        self._views.clear()
+
+    def view(self, lo: int, hi: int) -> KVCache:
+        """Rows ``[lo, hi)`` of the cache (the cache itself when that is every row)."""
+        assert self.cache is not None
+        if lo == 0 and hi == self.cache.batch_size:
+            return self.cache
+        view = self._views.get((lo, hi))
+        if view is None:
+            view = self._views[(lo, hi)] = self.cache.rows(lo, hi)
+        return view
+
+    def rollback(self, row: int, length: int) -> None:
+        """Truncate ``row`` to its first ``length`` tokens: later steps continue from there as if
+        nothing past them had been fed."""
+        held = self.held[row]
+        if not 0 <= length <= len(held):
+            raise ValueError(f"rollback: length must be in [0, {len(held)}] for row {row}, got {length}")
+        if length < len(held):
+            del held[length:]
+            assert self.cache is not None
+            self.cache.slot[row] = length
+
+    def _fit(self, lo: int, hi: int, T: int, feeds: dict[int, list[int]]) -> None:
+        """Make every row of ``[lo, hi)`` able to take a ``T``-token step (padding included):
+        grow the capacity, or cut an idle row's kept tokens that would pass the context."""
+        if hi > self.rows:
+            self.reserve(hi, T)
+        need = 0
+        for r in range(lo, hi):
+            n = len(self.held[r])
+            if n + T > self.context:
+                if r in feeds:
+                    raise ValueError(f"row {r}: {n} + {T} tokens are past the context of {self.context}")
+                self.rollback(r, self.context - T)  # an idle row: its padding must stay inside
+                n = self.context - T
+            need = max(need, n + T)
+        self.reserve(hi, need)
+
+    def step(
+        self,
+        lo: int,
+        hi: int,
+        feeds: dict[int, list[int]],
+        mode: Sampling,
+        values: SamplingValues | None,
+        noise: torch.Tensor | None,
+        pad_to: int = 0,
+    ) -> StepOutput:
+        """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]``, the
+        others nothing; each row's last fed token goes through the head and sampling."""
+        T = max(len(t) for t in feeds.values())
+        if pad_to > T and all(len(self.held[r]) + pad_to <= self.context for r in range(lo, hi)):
+            T = pad_to
+        self._fit(lo, hi, T, feeds)
+        B = hi - lo
+        rows = [feeds.get(r, []) for r in range(lo, hi)]
+        device = self.model.device
+        if T == 1:
+            ids = torch.tensor([t or [0] for t in rows], dtype=torch.long).to(device)
+        else:
+            ids = torch.tensor([t + [0] * (T - len(t)) for t in rows], dtype=torch.long).to(device)
+        counts = [len(t) for t in rows]
+        n_new = torch.tensor(counts, dtype=torch.long).to(device)
+        last = (n_new - 1).clamp_min(0)
+        view = self.view(lo, hi)
+        view.length = max(len(self.held[r]) for r in range(lo, hi))
+        assert view.batch_size == B
+        out = self.stepper(view, ids, n_new, last, mode, values, noise)
+        for r, t in feeds.items():
+            self.held[r].extend(t)
+        return out
+
+    @torch.inference_mode()
+    def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens`` (k >= 1) to ``row`` in one step; the logits after each: ``[k, V]`` float32.
+
+        Logit ``i`` predicts the token after ``tokens[i]``. Roll back with `rollback`.
+        """
+        k = len(tokens)
+        if k < 1:
+            raise ValueError("verify: tokens must hold at least one token")
+        feeds = {row: list(tokens)}
+        self._fit(row, row + 1, k, feeds)
+        view = self.view(row, row + 1)
+        view.length = len(self.held[row])
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
+        h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=self.model.device))
+        self.held[row].extend(tokens)
+        return self.model.head(h)[0].float()  # [k, V]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Engine:
+    """Continuous batching over one loaded model (see the module's docstring).
+
+    ``max_batch`` rows run at once (KV memory at most ``max_batch x context x`` bytes per token:
+    `KVSlots`); at most ``max_waiting`` requests wait for a row (`EngineFull` past that);
+    ``context`` (default the model's) bounds prompt + generated tokens of a request;
+    ``prefill_chunk`` bounds the prompt tokens read per iteration.
+    """
+
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        max_batch: int = 16,
+        max_waiting: int = 64,
+        context: int | None = None,
+        prefill_chunk: int = 256,
+    ) -> None:
+        model = llm.model
+        check_int("max_batch", max_batch, 1)
+        check_int("max_waiting", max_waiting, 0)
+        check_int("prefill_chunk", prefill_chunk, 1)
+        limit = model.config.max_position_embeddings
+        if context is not None:
+            limit = min(limit, check_int("context", context, 2))
+        per_forward = None
+        limits = getattr(model.executor, "limits", None)
+        if limits is not None:  # a streamed model planned its memory for these
+            max_batch = min(max_batch, limits.max_batch_size)
+            limit = min(limit, limits.max_context)
+            per_forward = limits.max_batch_size * limits.max_prefill_tokens
+            prefill_chunk = min(prefill_chunk, per_forward)
+        self.llm = llm
+        self.model = model
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.context = limit
+        self.prefill_chunk = prefill_chunk
+        self._per_forward = per_forward
+        self.slots = KVSlots(model, max_batch, limit, llm.stepper)
+        self._eos = frozenset(llm._eos_ids())
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._parked = False  # the loop thread waits for work, holding no reference to the engine
+        self._ids = itertools.count()
+        self._used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
+        self._greedy = _Values()
+        _ENGINES.add(self)
+        self._stats: dict[str, float] = {
+            "requests": 0, "finished": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
+            "generated_tokens": 0, "steps": 0, "batch_size": 0,
+        }  # fmt: skip
+
+    # ---- callers' side (any thread) ------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request (thread-safe). `ValueError` for a bad prompt or one too long for the
+        context, `EngineFull` when the waiting queue is full, `EngineClosed` after `close`."""
+        return self._submit([prompt], [params or SamplingParams()], text=True, wait=False)[0]
+
+    def _submit(
+        self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], *, text: bool, wait: bool
+    ) -> list[RequestHandle]:
+        """Queue ``prompts`` in order; those that fit join the same step. ``wait``: block for room
+        instead of raising `EngineFull`."""
+        if params and not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("params must be infer.engine.SamplingParams")
+        ids = [
+            self.llm._encode(p, "prompt" if len(prompts) == 1 else f"prompt {i}")
+            for i, p in enumerate(prompts)
+        ]
+        requests = []
+        for i, (toks, p) in enumerate(zip(ids, params, strict=True)):
+            if len(toks) + 1 > self.context:
+                where = "prompt" if len(prompts) == 1 else f"prompt {i}"
+                raise ValueError(
+                    f"{where} has {len(toks)} tokens; the model's context is {self.context} tokens"
+                )
+            handle = RequestHandle(f"req-{next(self._ids)}", len(toks), self)
+            generator = None if p.greedy else row_generator(p.seed, self.model.device)
+            eos = frozenset(p.stop_token_ids) if p.ignore_eos else self._eos | set(p.stop_token_ids)
+            requests.append(
+                _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
+                         time.perf_counter())
+            )  # fmt: skip
+        with self._cond:
+            for r in requests:
+                while not self._closed and len(self._waiting) >= max(1, self.max_waiting) and wait:
+                    self._start_locked()
+                    self._cond.wait(0.5)
+                if self._closed:
+                    raise EngineClosed("the engine is closed")
+                if len(self._waiting) >= self.max_waiting and not wait:
+                    raise EngineFull(
+                        f"{len(self._waiting)} requests are waiting (max_waiting={self.max_waiting})"
+                    )
+                self._waiting.append(r)
+                self._stats["requests"] += 1
+                self._stats["prompt_tokens"] += len(r.prompt)
+            self._start_locked()
+            self._cond.notify_all()
+        return [r.handle for r in requests]
+
+    def _start_locked(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            args = (weakref.ref(self), self._cond)
+            self._thread = threading.Thread(target=_loop, args=args, name="infer-engine", daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters for monitoring: running, waiting, rows and KV bytes held, tokens, steps."""
+        with self._cond:
+            out: dict[str, float | int] = {k: int(v) for k, v in self._stats.items()}
+            out.update(
+                running=len(self._running), waiting=len(self._waiting), max_batch=self.max_batch,
+                max_waiting=self.max_waiting, context=self.context, kv_rows=self.slots.rows,
+                kv_capacity=self.slots.capacity, kv_bytes=self.slots.nbytes,
+            )  # fmt: skip
+        return out
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting; finish (``drain``) or cancel the running and waiting requests; end the loop."""
+        with self._cond:
+            self._closed = True
+            if not drain:
+                for r in [*self._waiting, *self._running.values()]:
+                    r.handle._cancelled = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ---- the loop (its own thread) ---------------------------------------------------------
+
+    def _poll_locked(self) -> list[_Request] | None:
+        """Requests to admit now ([] when only running ones need a step); None when idle."""
+        admitted = self._take_waiting_locked()
+        if admitted or self._running:
+            self._parked = False
+            return admitted
+        return None
+
+    def _settle(self, timeout: float = 5.0) -> None:
+        """When nothing else is queued: wait until the loop thread has let go of the engine (so a
+        caller that drops its `LLM` right after frees the model at once)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (
+                not self._parked
+                and not self._waiting
+                and not self._running
+                and self._thread is not None
+                and time.monotonic() < deadline
+            ):
+                self._cond.wait(0.01)
+
+    def _exit_locked(self) -> bool:
+        """Whether the loop should end now (closed or idle, nothing waiting or running)."""
+        if self._waiting or self._running:
+            return False
+        self._thread = None
+        return True
+
+    def _work(self, admitted: list[_Request]) -> None:
+        for r in admitted:
+            try:
+                self._admit(r)
+            except Exception as e:
+                self._finish(r, "error", e)
+        try:
+            self._iteration()
+        except BaseException as e:  # a bug or a failing model: end what ran, keep serving
+            for r in list(self._running.values()):
+                self._finish(r, "error", e)
+
+    def _take_waiting_locked(self) -> list[_Request]:
+        out: list[_Request] = []
+        while self._waiting and len(self._running) + len(out) < self.max_batch:
+            r = self._waiting.popleft()
+            if r.handle._cancelled:
+                self._emit(r, [], None, "cancelled")
+                continue
+            out.append(r)
+        if out:
+            self._cond.notify_all()  # room in the waiting queue
+        return out
+
+    def _admit(self, r: _Request) -> None:
+        """Give ``r`` a free row: the one holding the longest prefix of its prompt, else an empty
+        one, else a new one, else the least recently used."""
+        busy = {q.row for q in self._running.values()}
+        free = [i for i in range(self.slots.rows) if i not in busy]
+        best, best_n = -1, 0
+        limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
+        for i in free:
+            n = min(_common_prefix(self.slots.held[i], r.prompt), limit)
+            if n > best_n:
+                best, best_n = i, n
+        if best < 0:
+            empty = [i for i in free if not self.slots.held[i]]
+            if empty:
+                best = empty[0]
+            elif self.slots.rows < self.max_batch:
+                best = self.slots.rows
+                self.slots.reserve(best + 1, min(self.context, len(r.prompt) + 1))
+            else:
+                best = min(free, key=lambda i: self._used.get(i, 0.0))
+        self.slots.rollback(best, best_n)
+        r.row = best
+        r.pending = r.prompt[best_n:]
+        r.started = time.perf_counter()
+        r.handle.cached = best_n
+        self._stats["cached_tokens"] += best_n
+        self._running[best] = r
+
+    def _iteration(self) -> None:
+        for r in list(self._running.values()):
+            if r.handle._cancelled:
+                self._finish(r, "cancelled")
+        if not self._running:
+            return
+        decoding = sorted(row for row, r in self._running.items() if r.decoding)
+        if decoding:
+            self._decode(decoding)
+        self._prefill()
+
+    def _sampling(
+        self, requests: list[_Request | None]
+    ) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
+        params = [self._greedy if r is None else r.params for r in requests]
+        exact = any(r is not None and r.params.logprobs is not None for r in requests)
+        mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
+        noise = None
+        if not mode.greedy:
+            noise = row_noise([None if r is None else r.generator for r in requests], self.model.vocab_size,
+                              self.model.device)  # fmt: skip
+        return mode, values, noise
+
+    def _decode(self, rows: list[int]) -> None:
+        lo, hi = rows[0], rows[-1] + 1
+        requests = [self._running.get(i) if i in rows else None for i in range(lo, hi)]
+        feeds = {i: self._running[i].pending for i in rows}
+        mode, values, noise = self._sampling(requests)
+        try:
+            out = self.slots.step(lo, hi, feeds, mode, values, noise)
+            tokens: list[int] = out.tokens.tolist()  # the step's host read
+            bad: list[bool] = out.nonfinite.tolist()
+        except Exception as e:
+            for i in rows:
+                self._finish(self._running[i], "error", e)
+            return
+        self._stats["steps"] += 1
+        self._stats["batch_size"] = len(rows)
+        for i in rows:
+            self._token(self._running[i], tokens[i - lo], bad[i - lo], out, i - lo)
+
+    def _prefill(self) -> None:
+        """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
+        reading = sorted(row for row, r in self._running.items() if not r.decoding)
+        budget = self.prefill_chunk
+        groups: list[list[int]] = []
+        for i in reading:
+            if groups and groups[-1][-1] == i - 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for group in groups:
+            if budget <= 0:
+                break
+            T = min(budget, max(len(self._running[i].pending) for i in group))
+            if self._per_forward is not None:
+                T = max(1, min(T, self._per_forward // len(group)))
+            feeds = {i: self._running[i].pending[:T] for i in group}
+            requests: list[_Request | None] = [self._running[i] for i in group]
+            mode, values, noise = self._sampling(requests)
+            pad_to = 0
+            if self.slots.stepper.compiled:
+                pad_to = max(MIN_PREFILL, 1 << (T - 1).bit_length()) if T > 1 else 1
+            try:
+                out = self.slots.step(group[0], group[-1] + 1, feeds, mode, values, noise, pad_to)
+                tokens: list[int] = out.tokens.tolist()
+                bad: list[bool] = out.nonfinite.tolist()
+            except Exception as e:
+                for i in group:
+                    self._finish(self._running[i], "error", e)
+                continue
+            self._stats["steps"] += 1
+            budget -= sum(len(t) for t in feeds.values())
+            for j, i in enumerate(group):
+                r = self._running[i]
+                fed = len(feeds[i])
+                r.handle.prefilled += fed
+                self._stats["prefill_tokens"] += fed
+                del r.pending[:fed]
+                if not r.pending:  # the prompt is read: this step's logits pick the first token
+                    self._token(r, tokens[j], bad[j], out, j)
+
+    def _token(self, r: _Request, token: int, nonfinite: bool, out: StepOutput, index: int) -> None:
+        """Take one sampled token of ``r`` (row ``index`` of the step ``out``)."""
+        now = time.perf_counter()
+        n = len(r.generated) + 1
+        if nonfinite:
+            where = "prefill" if n == 1 else f"decode step {n - 1}"
+            error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
+            self._finish(r, "error", error)
+            return
+        if n == 1:
+            r.first = now
+        r.generated.append(token)
+        self._used[r.row] = now
+        self._stats["generated_tokens"] += 1
+        logprobs = None
+        if r.params.logprobs is not None:
+            lp = torch.log_softmax(out.logits[index], dim=-1)
+            top: list[tuple[int, float]] = []
+            if r.params.logprobs > 0:
+                values, ids = lp.topk(min(r.params.logprobs, lp.shape[-1]))
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            logprobs = [TokenLogprob(token, float(lp[token]), top)]
+        reason = detail = None
+        stops = r.params.stop
+        if token in r.eos:
+            reason, detail = "stop", ("stop" if token in r.params.stop_token_ids else "eos")
+        elif stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]:
+            reason = detail = "stop"
+        elif n >= r.max_new:
+            reason = detail = "length"
+        if reason is None:
+            r.pending = [token]
+            text = ""
+            if r.text:
+                text = self._text_piece(r)
+            self._emit(r, [token], logprobs, None, text=text)
+            return
+        self._finish(r, reason, None, [token], logprobs, detail)
+
+    def _text_piece(self, r: _Request) -> str:
+        """New text of a running request, holding back an incomplete character or a possible stop
+        string's beginning (`infer.api.TextStream`)."""
+        full = self.llm.tokenizer.decode(r.generated)
+        if full.endswith("\ufffd"):
+            full = full.rstrip("\ufffd")
+        safe = full[: max(len(r.emitted), len(full) - stop_prefix(full, r.params.stop))]
+        piece = safe[len(r.emitted) :] if safe.startswith(r.emitted) else ""
+        r.emitted += piece
+        return piece
+
+    def _finish(
+        self,
+        r: _Request,
+        reason: str,
+        error: BaseException | None = None,
+        tokens: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        detail: str | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        if self._running.get(r.row) is r:
+            del self._running[r.row]
+            self._used[r.row] = now
+        h = r.handle
+        h.finish_detail = detail or reason
+        h.exception = error
+        start = r.started or now
+        h.prefill_seconds = (r.first or now) - start
+        h.decode_seconds = now - r.first if r.first else 0.0
+        final = cut_at_stop(self.llm.tokenizer.decode(r.generated), r.params.stop)[0]
+        text = final[len(r.emitted) :] if final.startswith(r.emitted) else ""
+        self._stats["finished"] += 1
+        self._emit(r, tokens or [], logprobs, reason, text=text, error=None if error is None else str(error))
+
+    def _emit(
+        self,
+        r: _Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        reason: str | None,
+        text: str = "",
+        error: str | None = None,
+    ) -> None:
+        if reason is not None:
+            r.handle.token_ids = list(r.generated)
+            if r.handle.finish_detail is None:
+                r.handle.finish_detail = reason
+        r.handle._events.put(Delta(tokens, text, logprobs, reason, error))
+
+
+def _loop(ref: weakref.ref[Engine], cond: threading.Condition) -> None:
+    """The engine's thread. It holds its engine only while working, so an idle engine (and the
+    model it owns) can be garbage collected; the thread then ends at its next wake-up."""
+    with torch.inference_mode():
+        while True:
+            engine = ref()
+            if engine is None:
+                return
+            with cond:
+                admitted = engine._poll_locked()
+                if admitted is None:
+                    if engine._closed and engine._exit_locked():
+                        return
+                    engine._parked = True
+                    cond.notify_all()  # `Engine._settle` waits for this
+                    del engine  # wait without holding the engine
+                    woke = cond.wait(IDLE_EXIT_S)
+                    engine = ref()
+                    if engine is None or (not woke and engine._exit_locked()):
+                        return
+                    continue
+            engine._work(admitted)
+            del engine
+
+
+def collect(handle: RequestHandle) -> tuple[list[int], str]:
+    """Wait for ``handle``'s end: ``(generated tokens, text)``."""
+    text = []
+    for delta in handle:
+        text.append(delta.text)
+    return handle.token_ids, "".join(text)
+
+
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineClosed",
+    "EngineFull",
+    "KVSlots",
+    "RequestHandle",
+    "SamplingParams",
+    "TokenLogprob",
+    "collect",
+]

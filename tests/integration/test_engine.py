@@ -1,0 +1,354 @@
+"""The generation engine (`infer.engine`): continuous batching that gives each request what it gets alone.
+
+Bitwise claims use the deterministic mode (`infer.load(..., deterministic=True)`, docs/numerics.md),
+where a row's arithmetic does not depend on the other rows of a step or on how its prompt was
+chunked; the default mode is compared by greedy tokens only. Every wait is bounded (`drain`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import infer
+from infer.engine import Delta, Engine, EngineFull, KVSlots, RequestHandle, SamplingParams
+from infer.step import sampling_inputs
+
+TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
+PROMPT = [5, 9, 200, 31, 7, 44, 3]
+
+
+def drain(handle: RequestHandle, timeout: float = TIMEOUT) -> list[Delta]:
+    """Every event of ``handle``, failing (not hanging) when it does not end within ``timeout``."""
+    events: list[Delta] = []
+    thread = threading.Thread(target=lambda: events.extend(handle), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"request {handle.id} did not finish within {timeout} s"
+    return events
+
+
+def tokens_of(events: list[Delta]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of different lengths (3 .. 3 + 4n tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (3 + 4 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def det(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[infer.LLM]:
+    """Tiny Gemma 3 (sliding window, soft-capping) in the deterministic mode."""
+    llm = infer.load(tiny_ckpt_factory("gemma3"), deterministic=True)
+    yield llm
+    llm.engine.close(drain=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[infer.LLM]:
+    llm = infer.load(tiny_ckpt_factory("llama"))
+    yield llm
+    llm.engine.close(drain=False)
+
+
+def alone(llm: infer.LLM, prompt: list[int], params: SamplingParams) -> list[Delta]:
+    """The request on an engine of its own (nothing else ever ran there)."""
+    engine = Engine(llm)
+    try:
+        return drain(engine.submit(prompt, params))
+    finally:
+        engine.close(drain=False)
+
+
+def test_deterministic_alone_equals_among_15_others_and_generate(det: infer.LLM) -> None:
+    """A greedy request's tokens and logprobs are bitwise the same alone, among 15 concurrent
+    requests of other lengths and settings, and through `llm.generate`."""
+    params = SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True)
+    solo = alone(det, PROMPT, params)
+    others = [
+        SamplingParams(
+            max_tokens=5 + i, temperature=0.7 * (i % 3), top_k=i % 4, seed=i, logprobs=i % 2 or None
+        )
+        for i in range(15)
+    ]
+    engine = Engine(det, max_batch=16)
+    try:
+        handles = engine._submit([*prompts(8), PROMPT, *prompts(7, 1)], [*others[:8], params, *others[8:]],
+                                 text=True, wait=True)  # fmt: skip
+        crowd = [drain(h) for h in handles][8]
+    finally:
+        engine.close(drain=False)
+    assert tokens_of(crowd) == tokens_of(solo) and len(tokens_of(solo)) == 12
+    lp_solo = [(lp.token_id, lp.logprob, lp.top) for e in solo for lp in e.logprobs or []]
+    lp_crowd = [(lp.token_id, lp.logprob, lp.top) for e in crowd for lp in e.logprobs or []]
+    assert lp_crowd == lp_solo, "logprobs differ bitwise"
+    assert len(lp_solo) == 12 and all(len(top) == 3 for _, _, top in lp_solo)
+    generated = det.generate(PROMPT, max_new_tokens=12).token_ids  # stops at an EOS id: a prefix
+    assert generated == tokens_of(solo)[: len(generated)]
+    print(f"\n12 greedy tokens + logprobs bitwise equal alone / among 15 others: {tokens_of(solo)}")
+
+
+def test_a_rows_tokens_do_not_depend_on_its_neighbours_settings(det: infer.LLM) -> None:
+    mine = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    results = []
+    for neighbours in (
+        [SamplingParams(max_tokens=10), SamplingParams(max_tokens=3)],
+        [SamplingParams(max_tokens=10, temperature=2.0, top_k=3, seed=1), SamplingParams(temperature=0.1)],
+        [SamplingParams(max_tokens=7, temperature=1.0, top_p=0.3), SamplingParams(logprobs=5)],
+    ):
+        engine = Engine(det)
+        try:
+            handles = engine._submit([prompts(1, 3)[0], PROMPT, prompts(2, 4)[1]], [neighbours[0], mine,
+                                     neighbours[1]], text=False, wait=True)  # fmt: skip
+            events = [drain(h) for h in handles]
+            results.append(tokens_of(events[1]))
+        finally:
+            engine.close(drain=False)
+    print(f"\nsampled row with three different neighbour settings: {results}")
+    assert results[0] == results[1] == results[2]
+    assert results[0] == tokens_of(alone(det, PROMPT, mine))
+
+
+def test_requests_join_and_leave_mid_run_and_rows_are_reused(det: infer.LLM) -> None:
+    """B joins while A decodes, leaves before A ends; C then takes B's free row (reset to nothing in
+    common with B's prompt); each equals what it gets alone."""
+    pa, pb, pc = prompts(3, 7)
+    pa_params = SamplingParams(max_tokens=30, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = Engine(det, max_batch=2)
+    try:
+        a = engine.submit(pa, pa_params)
+        it = iter(a)
+        first = [next(it), next(it)]
+        b = engine.submit(pb, short)
+        got_b = drain(b)
+        c = engine.submit(pc, short)
+        got_c = drain(c)
+        rest = list(it)
+        assert engine.stats()["running"] == 0 and engine.stats()["kv_rows"] <= 2
+    finally:
+        engine.close(drain=False)
+    assert tokens_of(first + rest) == tokens_of(alone(det, pa, pa_params))
+    assert tokens_of(got_b) == tokens_of(alone(det, pb, short))
+    assert tokens_of(got_c) == tokens_of(alone(det, pc, short))
+    assert c.cached == 0 and c.prefilled == len(pc)
+
+
+def test_long_prefill_is_chunked_and_interleaved_with_decodes(det: infer.LLM) -> None:
+    """With 8-token chunks a 60-token prompt takes 8 iterations; the running stream keeps getting
+    a token every iteration meanwhile, and the long request equals one prefill alone."""
+    engine = Engine(det, prefill_chunk=8)
+    long_prompt = prompts(16, 9)[15]
+    assert len(long_prompt) == 63
+    log: list[str] = []
+    try:
+        a = engine.submit(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+        it = iter(a)
+        next(it)
+        b = engine.submit(long_prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+
+        def read_b() -> None:
+            for d in b:
+                if d.token_ids:
+                    log.append("b")
+
+        tb = threading.Thread(target=read_b)
+        tb.start()
+        for d in it:
+            if d.token_ids:
+                log.append("a")
+        tb.join(TIMEOUT)
+        assert not tb.is_alive()
+    finally:
+        engine.close(drain=False)
+    before_b = log.index("b")
+    print(f"\nstream A got {before_b} tokens while B's 63-token prompt was prefilled in 8-token chunks")
+    assert before_b >= 63 // 8 - 1
+    assert b.prefilled == 63
+    assert b.token_ids == tokens_of(alone(det, long_prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
+
+
+def test_prefix_cache_reuses_a_finished_requests_kv(det: infer.LLM) -> None:
+    """A prompt that extends an earlier request's prompt and reply prefills only the new tokens,
+    and generates what a fresh engine does."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = Engine(det, max_batch=4)
+    try:
+        first = engine.submit(PROMPT, params)
+        drain(first)
+        follow = PROMPT + first.token_ids + [17, 18, 19]
+        second = engine.submit(follow, params)
+        got = drain(second)
+        unrelated = engine.submit([100, 101, 102], params)
+        drain(unrelated)
+    finally:
+        engine.close(drain=False)
+    print(f"\nsecond prompt {len(follow)} tokens: {second.cached} reused, {second.prefilled} prefilled")
+    assert second.cached == len(PROMPT) + len(first.token_ids) - 1  # the last reply token was never fed
+    assert second.prefilled == len(follow) - second.cached
+    assert unrelated.cached == 0
+    assert tokens_of(got) == tokens_of(alone(det, follow, params))
+
+
+def test_chat_second_turn_prefills_only_the_new_tokens(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    llm = infer.load(tiny_ckpt_factory("gemma3"), deterministic=True)
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    reply = llm.chat(messages, max_new_tokens=6)
+    before = llm.engine.stats()["prefill_tokens"]
+    turn2 = [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And?"}]
+    second = llm.chat(turn2, max_new_tokens=6)
+    prefilled = llm.engine.stats()["prefill_tokens"] - before
+    full = len(llm.chat_prompt(turn2))
+    print(f"\nsecond turn: {full} prompt tokens, {prefilled} prefilled")
+    assert prefilled < full - len(llm.chat_prompt(messages)) + len(reply.token_ids)
+    fresh = infer.load(tiny_ckpt_factory("gemma3"), deterministic=True)
+    assert second.token_ids == fresh.chat(turn2, max_new_tokens=6).token_ids
+    llm.engine.close(drain=False)
+    fresh.engine.close(drain=False)
+
+
+def test_verify_then_rollback_equals_never_proposing(det: infer.LLM) -> None:
+    """Feed 4 proposed tokens in one step, keep 1, roll back: the next steps' logits are bitwise those
+    of plain one-token decoding, and each verified logit row equals the decode step's."""
+    model = det.model
+    mode, values = sampling_inputs([SamplingParams()], model.device, exact_head=True)
+
+    def decode(slots: KVSlots, token: int) -> torch.Tensor:
+        return slots.step(0, 1, {0: [token]}, mode, values, None).logits[0]
+
+    with torch.inference_mode():
+        plain = KVSlots(model, 1, 256)
+        logits = [plain.step(0, 1, {0: list(PROMPT)}, mode, values, None).logits[0]]
+        toks = []
+        for _ in range(5):
+            toks.append(int(logits[-1].argmax()))
+            logits.append(decode(plain, toks[-1]))
+        spec = KVSlots(model, 1, 256)
+        first = spec.step(0, 1, {0: list(PROMPT)}, mode, values, None).logits[0]
+        proposed = [toks[0], (toks[1] + 1) % 200, 3, 4]  # the second is wrong
+        verified = spec.verify(0, proposed)
+        assert torch.equal(first, logits[0]) and torch.equal(verified[0], logits[1])
+        spec.rollback(0, len(PROMPT) + 1)  # keep the accepted toks[0]
+        again = [decode(spec, t) for t in toks[1:5]]
+    assert all(torch.equal(a, b) for a, b in zip(again, logits[2:], strict=True))
+    with pytest.raises(ValueError, match="rollback: length must be in"):
+        spec.rollback(0, 10_000)
+
+
+def test_threads_and_interleaved_streams_get_what_they_get_alone(llama: infer.LLM) -> None:
+    """Several threads calling generate/stream at once, and two stream() generators advanced in turn."""
+    texts = ["Hello", "Once upon a time", "The tiny model", "A"]
+    expected = {t: llama.generate(t, max_new_tokens=12).text for t in texts}
+    got: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def work(t: str, use_stream: bool) -> None:
+        try:
+            got[t] = (
+                "".join(llama.stream(t, max_new_tokens=12))
+                if use_stream
+                else llama.generate(t, max_new_tokens=12).text
+            )
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t, i % 2 == 0)) for i, t in enumerate(texts)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    assert not errors and not any(th.is_alive() for th in threads)
+    assert got == expected
+    one, two = llama.stream(texts[0], max_new_tokens=12), llama.stream(texts[1], max_new_tokens=12)
+    a, b = [], []
+    for _ in range(40):
+        a += [next(one, "")]
+        b += [next(two, "")]
+    assert "".join(a) == expected[texts[0]] and "".join(b) == expected[texts[1]]
+
+
+def test_non_finite_logits_end_only_that_request(llama: infer.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(llama)
+    head = llama.model.head
+    calls = []
+
+    def spoiled(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        logits = head(h, greedy=greedy)
+        calls.append(1)
+        if len(calls) == 3 and logits.shape[0] == 2:  # decode step 2 of the two rows
+            logits = logits.clone()
+            logits[1, ..., 7] = math.nan
+        return logits
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = tokens_of(alone(llama, PROMPT, params))
+    monkeypatch.setattr(llama.model, "head", spoiled)
+    try:
+        good, bad = engine._submit([PROMPT, [8, 9, 10]], [params, params], text=True, wait=True)
+        got_bad, got_good = drain(bad), drain(good)
+    finally:
+        engine.close(drain=False)
+    assert got_bad[-1].finish_reason == "error" and "non-finite logits" in (got_bad[-1].error or "")
+    assert "decode step 2" in (got_bad[-1].error or "")
+    assert got_good[-1].finish_reason == "length" and tokens_of(got_good) == want
+
+
+def test_cancel_frees_the_row_within_a_step(llama: infer.LLM) -> None:
+    engine = Engine(llama, max_batch=1)
+    try:
+        h = engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        it = iter(h)
+        next(it)
+        h.cancel()
+        rest = list(it)
+        assert len(rest) <= 3 and rest[-1].finish_reason == "cancelled"
+        assert engine.stats()["running"] == 0
+        after = drain(engine.submit(PROMPT, SamplingParams(max_tokens=3)))  # the row is free again
+        assert after[-1].finish_reason in ("length", "stop")
+    finally:
+        engine.close(drain=False)
+
+
+def test_full_queue_raises_engine_full(llama: infer.LLM) -> None:
+    engine = Engine(llama, max_batch=1, max_waiting=1)
+    try:
+        running = engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        it = iter(running)
+        next(it)  # admitted: the waiting queue is empty again
+        waiting = engine.submit(PROMPT, SamplingParams(max_tokens=2))
+        with pytest.raises(EngineFull, match="max_waiting=1"):
+            engine.submit(PROMPT, SamplingParams(max_tokens=2))
+        running.cancel()
+        assert drain(waiting)[-1].finish_reason in ("length", "stop")
+        assert engine.stats()["waiting"] == 0
+    finally:
+        engine.close(drain=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"logprobs": 21}, r"logprobs must be an int in \[0, 20\]"),
+        ({"stop": ("",)}, "stop must be"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_too_long_prompt_is_refused(llama: infer.LLM) -> None:
+    engine = Engine(llama, context=16)
+    with pytest.raises(ValueError, match="prompt has 20 tokens; the model's context is 16 tokens"):
+        engine.submit(list(range(3, 23)))
+    engine.close()
