@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import threading
@@ -29,7 +30,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.chat_template import check_unicode
 from infer.prompts import chat_ids, has_chat_template
-from infer.serve.engine_api import Delta, Engine, EngineFull, RequestHandle, SamplingParams, TokenLogprob
+from infer.serve.engine_api import (
+    Delta,
+    Engine,
+    EngineClosed,
+    EngineFull,
+    RequestHandle,
+    SamplingParams,
+    TokenLogprob,
+)
 from infer.serve.metrics import Metrics
 from infer.serve.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -74,7 +83,6 @@ class ServeState:
     model_name: str
     api_key: str | None
     context: int
-    owns_engine: bool
     metrics: Metrics
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -96,6 +104,24 @@ class ServeState:
         timer.start()
 
 
+def _llm_engine(llm: Any, max_batch: int | None, max_waiting: int | None) -> Any:
+    """``llm.engine`` (the one owner of the model), made with these bounds when it does not exist yet."""
+    options = {k: v for k, v in (("max_batch", max_batch), ("max_waiting", max_waiting)) if v is not None}
+    if not options:
+        return llm.engine
+    with llm._engine_lock:
+        if llm._engine is None:
+            llm._engine = Engine(llm, **options)
+        engine = llm._engine
+    for key, value in options.items():
+        if getattr(engine, key) != value:
+            raise ValueError(
+                f"create_app: this LLM's engine already runs with {key}={getattr(engine, key)}, not {value} "
+                "(pass the bounds before the LLM generates, or pass its engine)"
+            )
+    return engine
+
+
 def _context_of(engine: Any, llm: Any) -> int:
     for name in ("max_context", "max_seq_len", "context"):
         value = getattr(engine, name, None)
@@ -115,39 +141,40 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app serving ``llm_or_engine`` (an `infer.LLM` or an `infer.engine.Engine`).
 
-    Given an `LLM`, the app makes its engine (``max_batch`` rows, ``max_waiting``
-    queued requests) and closes it on shutdown; given an `Engine`, the caller owns it.
+    Requests go to the model's one engine (``llm.engine``; made here with ``max_batch``
+    rows and ``max_waiting`` queued requests when those are given and it does not exist
+    yet), or to the `Engine` passed. Shutting the app down cancels its own running
+    requests and leaves the engine to the `LLM`.
     ``model_name`` is what ``/v1/models`` lists and requests must name (default: the
     checkpoint's directory or file name). ``api_key``: every endpoint but ``/health``
     and the chat page wants ``Authorization: Bearer <api_key>``.
     """
     if isinstance(llm_or_engine, Engine) or hasattr(llm_or_engine, "submit"):
-        engine, owns = llm_or_engine, False
+        engine = llm_or_engine
         llm = getattr(engine, "llm", None)
         if llm is None:
             raise TypeError("create_app: the engine has no .llm (the model it serves)")
         if max_batch is not None or max_waiting is not None:
-            raise ValueError(
-                "create_app: max_batch / max_waiting configure an engine the app makes (pass an LLM)"
-            )
+            raise ValueError("create_app: max_batch / max_waiting configure the LLM's engine: pass the LLM")
     else:
         llm = llm_or_engine
         if not hasattr(llm, "tokenizer") or not hasattr(llm, "config"):
             raise TypeError(f"create_app takes an infer.LLM or an Engine, got {type(llm).__name__}")
-        options = {k: v for k, v in (("max_batch", max_batch), ("max_waiting", max_waiting)) if v is not None}
-        engine, owns = Engine(llm, **options), True
+        engine = _llm_engine(llm, max_batch, max_waiting)
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None for no key")
     source = llm.source
     name: str = model_name or str(source.stem if source.suffix == ".gguf" else source.name) or "model"
     metrics = Metrics(lambda: dict(engine.stats()))
-    state = ServeState(engine, llm, name, api_key, _context_of(engine, llm), owns, metrics)
+    state = ServeState(engine, llm, name, api_key, _context_of(engine, llm), metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        if state.owns_engine:  # requests still running were ended by the server's shutdown
-            await run_in_threadpool(state.engine.close, False)
+        with state.lock:  # the engine stays the LLM's: end only this app's requests
+            running = list(state.handles)
+        for handle in running:
+            handle.cancel()
 
     app = FastAPI(title="infer", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.serve = state
@@ -393,6 +420,35 @@ async def _deltas(handle: RequestHandle) -> AsyncIterator[Delta]:
         yield item
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet back to bytes (the printable stand-ins BPE vocabularies use)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def _token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """A token's bytes: from its byte-level BPE spelling or a SentencePiece ``<0xHH>`` piece, or its text."""
+    convert = getattr(tokenizer.hf, "convert_ids_to_tokens", None)
+    piece = convert(token_id) if convert is not None else None
+    if isinstance(piece, str) and piece:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if "\ufffd" in text:
+            decoder = _byte_decoder()
+            if all(c in decoder for c in piece):
+                return bytes(decoder[c] for c in piece)
+    return text.encode("utf-8")
+
+
 def _finish_reason(reason: str | None) -> str | None:
     return "stop" if reason in ("stop", "eos") else reason
 
@@ -441,6 +497,10 @@ class _Job:
         text: str = self.state.llm.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a byte-level token that is part of a UTF-8 character decodes to U+FFFD)."""
+        return list(_token_bytes(self.state.llm.tokenizer, token_id, self._token_text(token_id)))
+
     def chat_logprobs(self, items: list[TokenLogprob]) -> list[dict[str, Any]]:
         out = []
         for lp in items:
@@ -449,9 +509,9 @@ class _Job:
                 {
                     "token": text,
                     "logprob": lp.logprob,
-                    "bytes": list(text.encode("utf-8")),
+                    "bytes": self._token_bytes(lp.token_id),
                     "top_logprobs": [
-                        {"token": (t := self._token_text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                        {"token": self._token_text(i), "logprob": v, "bytes": self._token_bytes(i)}
                         for i, v in lp.top
                     ],
                 }
@@ -583,6 +643,12 @@ async def _generate(state: ServeState, kind: str, body: Any, request: Request) -
         state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
         raise APIError(
             429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None  # fmt: skip
+    except EngineClosed:
+        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+        raise APIError(
+            503, "the model's engine is closed", type="server_error", code="engine_closed",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None  # fmt: skip
     except APIError:

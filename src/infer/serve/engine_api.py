@@ -1,11 +1,18 @@
-"""The engine interface the server is written against (docs/serving.md, *Design*).
+"""The engine interface the server is written against (`infer.engine`, docs/serving.md).
 
-The names come from `infer.engine` (the continuous-batching engine that owns a loaded
-model); kept in one place so the HTTP layer imports them from here.
+Kept in one place so the HTTP layer imports the names from here.
 """
 
 from __future__ import annotations
 
-from infer.serve.interim import Delta, Engine, EngineFull, RequestHandle, SamplingParams, TokenLogprob
+from infer.engine import (
+    Delta,
+    Engine,
+    EngineClosed,
+    EngineFull,
+    RequestHandle,
+    SamplingParams,
+    TokenLogprob,
+)
 
-__all__ = ["Delta", "Engine", "EngineFull", "RequestHandle", "SamplingParams", "TokenLogprob"]
+__all__ = ["Delta", "Engine", "EngineClosed", "EngineFull", "RequestHandle", "SamplingParams", "TokenLogprob"]
