@@ -135,23 +135,37 @@ def _completion(base: str, body: dict[str, Any], out: dict[str, Any], key: str) 
     out[key] = r.json()
 
 
+def _alone(llm: Any, prompt: str, n: int) -> tuple[list[int], list[Any]]:
+    """Tokens and logprobs (top 2) of ``prompt`` submitted alone to the model's engine."""
+    from infer.engine import SamplingParams
+
+    handle = llm.engine.submit(prompt, SamplingParams(max_tokens=n, logprobs=2))
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    for delta in handle:
+        tokens += delta.token_ids
+        logprobs += [(lp.token_id, lp.logprob, [list(t) for t in lp.top]) for lp in delta.logprobs or []]
+    return tokens, logprobs
+
+
 def test_concurrent_requests_each_get_their_own_tokens(base: str, tiny_llm: Any) -> None:
-    """Requests of different lengths at once: each gets exactly what `llm.generate` gives it alone."""
-    prompts = ["a", "Hello there, how", "Once upon a time in a land far away", "1 2 3 4", "xyz", "The end"]
-    lengths = [5, 17, 9, 30, 12, 21]
+    """15 requests of different lengths at once: each gets exactly what it gets alone (deterministic mode).
+
+    Tokens equal `llm.generate`'s; tokens and logprobs are bitwise those of the same request
+    submitted alone to the engine.
+    """
+    assert tiny_llm.deterministic
+    prompts = [f"{'word ' * (i % 5)}prompt number {i}:" for i in range(15)]
+    lengths = [5 + (7 * i) % 31 for i in range(15)]
     out: dict[str, Any] = {}
-    threads = [
-        threading.Thread(
-            target=_completion,
-            args=(
-                base,
-                {"prompt": p, "max_tokens": n, "temperature": 0, "return_token_ids": True, "logprobs": 2},
-                out,
-                p,
-            ),
-        )
-        for p, n in zip(prompts, lengths, strict=True)
-    ]
+    barrier = threading.Barrier(len(prompts))
+
+    def post(prompt: str, n: int) -> None:
+        barrier.wait()
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, "logprobs": 2}
+        _completion(base, body, out, prompt)
+
+    threads = [threading.Thread(target=post, args=pn) for pn in zip(prompts, lengths, strict=True)]
     for t in threads:
         t.start()
     for t in threads:
@@ -159,17 +173,15 @@ def test_concurrent_requests_each_get_their_own_tokens(base: str, tiny_llm: Any)
     for p, n in zip(prompts, lengths, strict=True):
         expected = tiny_llm.generate(p, max_new_tokens=n)
         choice = out[p]["choices"][0]
+        tokens, logprobs = _alone(tiny_llm, p, n)
         print(f"{p!r}: served {choice['token_ids']}, generate {expected.token_ids}")
-        assert choice["token_ids"] == expected.token_ids
+        assert choice["token_ids"] == expected.token_ids == tokens
         assert choice["text"] == expected.text
         assert out[p]["usage"]["completion_tokens"] == len(expected.token_ids)
-    # Logprobs (when the engine reports them) are bitwise those of the same request served alone.
-    for p, n in zip(prompts, lengths, strict=True):
-        alone: dict[str, Any] = {}
-        body = {"prompt": p, "max_tokens": n, "temperature": 0, "return_token_ids": True, "logprobs": 2}
-        _completion(base, body, alone, p)
-        assert alone[p]["choices"][0]["token_ids"] == out[p]["choices"][0]["token_ids"]
-        assert alone[p]["choices"][0]["logprobs"] == out[p]["choices"][0]["logprobs"]
+        served = choice["logprobs"]["token_logprobs"]
+        assert served == [lp for _, lp, _ in logprobs]  # bitwise: JSON floats round-trip exactly
+        for shown, (_, _, top) in zip(choice["logprobs"]["top_logprobs"], logprobs, strict=True):
+            assert set(shown.values()) <= {v for _, v in top}  # keyed by text: equal texts share a key
 
 
 BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, str | None]] = [
