@@ -246,16 +246,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
-        raise ValueError(
-            "infer serve runs in one process: --tensor-parallel / --pipeline-parallel are not served yet"
-        )
     api_key = args.api_key if args.api_key is not None else os.environ.get("INFER_API_KEY") or None
     llm = _load(args)
+    target: Any = llm
+    if llm.parallel is not None:  # under torchrun: rank 0 serves, the others run its requests' steps
+        from infer.serve.parallel import RankZeroEngine, follow
+
+        if not _primary():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return follow(llm)
+        if args.max_batch not in (None, 1):
+            raise ValueError("a tensor/pipeline-parallel server runs one request at a time: --max-batch 1")
+        target = RankZeroEngine(
+            llm, **({} if args.max_waiting is None else {"max_waiting": args.max_waiting})
+        )
+        args.max_batch = args.max_waiting = None
     from infer.serve import serve
 
     return serve(
-        llm,
+        target,
         host=args.host,
         port=args.port,
         api_key=api_key,
@@ -324,7 +334,19 @@ def _serve_parser(sub: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
-    p.set_defaults(func=cmd_serve, tensor_parallel=1, pipeline_parallel=1)
+    p.add_argument(
+        "--tensor-parallel",
+        type=_int_option(1),
+        default=1,
+        help="split each layer across this many processes (under torchrun; rank 0 serves HTTP)",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=_int_option(1),
+        default=1,
+        help="split the layers into this many stages of processes (under torchrun; rank 0 serves HTTP)",
+    )
+    p.set_defaults(func=cmd_serve)
 
 
 def _notice(text: str) -> None:

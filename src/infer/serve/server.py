@@ -64,7 +64,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    llm: Any,
+    llm_or_engine: Any,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -76,9 +76,12 @@ def serve(
     log_level: str = "warning",
     announce: Callable[[str], None] | None = None,
 ) -> int:
-    """Serve ``llm`` over HTTP until a signal; the exit status (0)."""
+    """Serve ``llm_or_engine`` (as `create_app` takes it) over HTTP until a signal; the exit status (0).
+
+    A `infer.serve.parallel.RankZeroEngine` is closed at the end: that tells the other ranks to stop.
+    """
     app = create_app(
-        llm, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting
+        llm_or_engine, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting
     )
     state: ServeState = app.state.serve
     sock = bind(host, port)
@@ -98,6 +101,10 @@ def serve(
         server.run(sockets=[sock])
     finally:
         sock.close()
+        from infer.serve.parallel import RankZeroEngine
+
+        if isinstance(state.engine, RankZeroEngine):
+            state.engine.close(drain=False)
     return 0
 
 

@@ -1,0 +1,94 @@
+"""`infer serve --tensor-parallel 2` under torchrun (2 processes, gloo): rank 0 serves, both ranks step."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil  # type: ignore[import-untyped]
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--tensor-parallel"])  # --pipeline-parallel passes too (kept out: time)
+def test_parallel_server_answers_as_one_process(tiny_path: Path, tiny_llm: Any, flag: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", flag, "2"]
+    argv = [sys.executable, *torchrun, "-m", "infer", *serve]
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    err_lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        match = None
+        for line in proc.stderr:  # torchrun's own lines, then rank 0's announcement
+            err_lines.append(line)
+            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
+            if match:
+                break
+        assert match, f"no address announced: {''.join(err_lines)[-2000:]}"
+        drain = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
+        drain.start()
+        base = f"http://127.0.0.1:{match.group(1)}"
+        import infer
+
+        one = infer.load(tiny_path, dtype="float32")
+        expected = one.generate("Hello there", max_new_tokens=8)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        )
+        print(f"{flag} 2: {r.status_code} {r.text[:300]}; one process: {expected.text!r}")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected.text
+        messages = [{"role": "user", "content": "hi"}]
+        chat = one.chat(messages, max_new_tokens=6).text
+        body = {"messages": messages, "max_tokens": 6, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        import json
+
+        text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in lines[:-1])
+        assert text == chat
+        # a streamed request cancelled by its client: both ranks stop it at the same step, the next one works
+        long = {"prompt": "Once", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=long, timeout=120) as s:
+            next(line for line in s.iter_lines() if line)
+        again = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        )
+        assert again.json()["choices"][0]["text"] == expected.text
+        # SIGTERM to the server (rank 0): it drains and tells rank 1 to stop; torchrun sees both exit 0
+        workers = psutil.Process(proc.pid).children()
+        rank0 = next(w for w in workers if w.environ().get("RANK") == "0")
+        rank0.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+        drain.join(timeout=10)
+        err = "".join(err_lines)
+        print(f"torchrun exit {code}; stderr tail {err[-1500:]!r}")
+        assert "Traceback" not in err and "RankFailedError" not in err
+        assert code == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
