@@ -249,7 +249,9 @@ class KVSlots:
         old = self.cache
         if old is not None and rows <= old.batch_size and capacity <= old.max_len:
             return
-        rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
+        if rows > self.rows:
+            rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
+        rows = max(rows, self.rows)
         if old is None or capacity > old.max_len:
             capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
         else:
