@@ -30,6 +30,7 @@ requests (docs/numerics.md); in the default mode it is within float32 rounding.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import queue
@@ -37,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -156,6 +157,8 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self._engine = engine
         self._events: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]] | None = None
         self._cancelled = False
         self.done = False
         self.token_ids: list[int] = []
@@ -172,6 +175,38 @@ class RequestHandle:
             if delta.finish_reason is not None:
                 self.done = True
             yield delta
+
+    async def aiter(self) -> AsyncIterator[Delta]:
+        """The events for asyncio code: ``async for delta in handle.aiter()`` (no thread per request:
+        the engine's thread hands each event to this event loop)."""
+        events: asyncio.Queue[Delta] = asyncio.Queue()
+        with self._lock:
+            while True:
+                try:
+                    events.put_nowait(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (asyncio.get_running_loop(), events)
+        try:
+            while not self.done:
+                delta = await events.get()
+                if delta.finish_reason is not None:
+                    self.done = True
+                yield delta
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def _put(self, delta: Delta) -> None:
+        with self._lock:
+            if self._async is None:
+                self._events.put(delta)
+                return
+            loop, events = self._async
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, delta)
+        except RuntimeError:  # the event loop is closed: nobody reads this request any more
+            self.cancel()
 
     def cancel(self) -> None:
         """End the request: its row is freed at the next step; the stream ends with "cancelled"."""
@@ -652,7 +687,9 @@ class Engine:
         for group in groups:
             if budget <= 0:
                 break
-            T = min(budget, max(len(self._running[i].pending) for i in group))
+            # The chunk bounds the tokens of the forward, not of each row: a burst of new prompts
+            # shares it, so the running streams never wait for more than one chunk's forward.
+            T = min(max(1, budget // len(group)), max(len(self._running[i].pending) for i in group))
             if self._per_forward is not None:
                 T = max(1, min(T, self._per_forward // len(group)))
             feeds = {i: self._running[i].pending[:T] for i in group}
@@ -767,7 +804,7 @@ class Engine:
             r.handle.token_ids = list(r.generated)
             if r.handle.finish_detail is None:
                 r.handle.finish_detail = reason
-        r.handle._events.put(Delta(tokens, text, logprobs, reason, error))
+        r.handle._put(Delta(tokens, text, logprobs, reason, error))
 
 
 def _loop(ref: weakref.ref[Engine], cond: threading.Condition) -> None:

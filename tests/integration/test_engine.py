@@ -375,3 +375,18 @@ def test_streamed_model_from_two_threads(tiny_ckpt_factory: Callable[..., Path])
     assert [got[0], got[1]] == expected
     assert llm.generate(texts[0], max_new_tokens=10).token_ids == expected[0]  # intact afterwards
     llm.engine.close(drain=False)
+
+
+def test_async_iteration(llama: infer.LLM) -> None:
+    """`RequestHandle.aiter` gives the same events to asyncio code (S's server reads it so)."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = tokens_of(alone(llama, PROMPT, params))
+
+    async def main() -> list[Delta]:
+        h = llama.engine.submit(PROMPT, params)
+        return [d async for d in h.aiter()]
+
+    got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert tokens_of(got) == want and got[-1].finish_reason == "length"
