@@ -501,12 +501,12 @@ class Engine:
             )  # fmt: skip
         with self._cond:
             for r in requests:
-                while not self._closed and len(self._waiting) >= max(1, self.max_waiting) and wait:
+                while not self._closed and self._full_locked(max(1, self.max_waiting)) and wait:
                     self._start_locked()
                     self._cond.wait(0.5)
                 if self._closed:
                     raise EngineClosed("the engine is closed")
-                if len(self._waiting) >= self.max_waiting and not wait:
+                if self._full_locked(self.max_waiting) and not wait:
                     raise EngineFull(
                         f"{len(self._waiting)} requests are waiting (max_waiting={self.max_waiting})"
                     )
@@ -516,6 +516,12 @@ class Engine:
             self._start_locked()
             self._cond.notify_all()
         return [r.handle for r in requests]
+
+    def _full_locked(self, bound: int) -> bool:
+        """Whether the queue is at ``bound`` waiting requests (those free rows will take at the
+        next step do not count as waiting)."""
+        free = self.max_batch - len(self._running)
+        return len(self._waiting) >= bound + free
 
     def _start_locked(self) -> None:
         if self._thread is None or not self._thread.is_alive():
