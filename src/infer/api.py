@@ -438,7 +438,9 @@ class LLM:
         """Generate a continuation of ``prompt``.
 
         ``prompt`` is a string, a list of token ids, or a list of either (a batch,
-        run as one padded batch; returns a list). ``temperature=0`` is greedy; with
+        returns a list; the prompts go through `engine` with continuous batching, each
+        getting what it would alone, prompt ``i`` of a seeded batch drawing from seed
+        ``infer.generate.row_seed(seed, i)``). ``temperature=0`` is greedy; with
         ``temperature > 0`` sampling uses ``top_k`` / ``top_p`` and ``seed`` makes it
         reproducible. Generation stops at any EOS id of the model, at any of the
         ``stop`` strings, or after ``max_new_tokens`` (an int >= 1; fewer when the

@@ -30,6 +30,7 @@ requests (docs/numerics.md); in the default mode it is within float32 rounding.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import queue
@@ -37,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -156,6 +157,8 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self._engine = engine
         self._events: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]] | None = None
         self._cancelled = False
         self.done = False
         self.token_ids: list[int] = []
@@ -172,6 +175,38 @@ class RequestHandle:
             if delta.finish_reason is not None:
                 self.done = True
             yield delta
+
+    async def aiter(self) -> AsyncIterator[Delta]:
+        """The events for asyncio code: ``async for delta in handle.aiter()`` (no thread per request:
+        the engine's thread hands each event to this event loop)."""
+        events: asyncio.Queue[Delta] = asyncio.Queue()
+        with self._lock:
+            while True:
+                try:
+                    events.put_nowait(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (asyncio.get_running_loop(), events)
+        try:
+            while not self.done:
+                delta = await events.get()
+                if delta.finish_reason is not None:
+                    self.done = True
+                yield delta
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def _put(self, delta: Delta) -> None:
+        with self._lock:
+            if self._async is None:
+                self._events.put(delta)
+                return
+            loop, events = self._async
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, delta)
+        except RuntimeError:  # the event loop is closed: nobody reads this request any more
+            self.cancel()
 
     def cancel(self) -> None:
         """End the request: its row is freed at the next step; the stream ends with "cancelled"."""
@@ -249,7 +284,9 @@ class KVSlots:
         old = self.cache
         if old is not None and rows <= old.batch_size and capacity <= old.max_len:
             return
-        rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
+        if rows > self.rows:
+            rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
+        rows = max(rows, self.rows)
         if old is None or capacity > old.max_len:
             capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
         else:
@@ -464,12 +501,12 @@ class Engine:
             )  # fmt: skip
         with self._cond:
             for r in requests:
-                while not self._closed and len(self._waiting) >= max(1, self.max_waiting) and wait:
+                while not self._closed and self._full_locked(max(1, self.max_waiting)) and wait:
                     self._start_locked()
                     self._cond.wait(0.5)
                 if self._closed:
                     raise EngineClosed("the engine is closed")
-                if len(self._waiting) >= self.max_waiting and not wait:
+                if self._full_locked(self.max_waiting) and not wait:
                     raise EngineFull(
                         f"{len(self._waiting)} requests are waiting (max_waiting={self.max_waiting})"
                     )
@@ -479,6 +516,12 @@ class Engine:
             self._start_locked()
             self._cond.notify_all()
         return [r.handle for r in requests]
+
+    def _full_locked(self, bound: int) -> bool:
+        """Whether the queue is at ``bound`` waiting requests (those free rows will take at the
+        next step do not count as waiting)."""
+        free = self.max_batch - len(self._running)
+        return len(self._waiting) >= bound + free
 
     def _start_locked(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -650,7 +693,9 @@ class Engine:
         for group in groups:
             if budget <= 0:
                 break
-            T = min(budget, max(len(self._running[i].pending) for i in group))
+            # The chunk bounds the tokens of the forward, not of each row: a burst of new prompts
+            # shares it, so the running streams never wait for more than one chunk's forward.
+            T = min(max(1, budget // len(group)), max(len(self._running[i].pending) for i in group))
             if self._per_forward is not None:
                 T = max(1, min(T, self._per_forward // len(group)))
             feeds = {i: self._running[i].pending[:T] for i in group}
@@ -765,7 +810,7 @@ class Engine:
             r.handle.token_ids = list(r.generated)
             if r.handle.finish_detail is None:
                 r.handle.finish_detail = reason
-        r.handle._events.put(Delta(tokens, text, logprobs, reason, error))
+        r.handle._put(Delta(tokens, text, logprobs, reason, error))
 
 
 def _loop(ref: weakref.ref[Engine], cond: threading.Condition) -> None:

@@ -99,5 +99,12 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path]) -> None:
     prompts = ["Hello there", "Twelve chars"]  # the buckets of the tests above: their graphs are cached
     got = llm.generate(prompts, max_new_tokens=8)
     assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(prompts, max_new_tokens=8)]
+    # Two generations advanced in turn: the engine owns the KV rows, so they never share a cache.
+    one, two = (llm.stream(p, max_new_tokens=8) for p in prompts)
+    a, b = [], []
+    for _ in range(20):
+        a.append(next(one, ""))
+        b.append(next(two, ""))
+    assert ["".join(a), "".join(b)] == [r.text for r in eager.generate(prompts, max_new_tokens=8)]
     with pytest.raises(ValueError, match="resident"):
         infer.load(path, compile=True, streaming=infer.StreamingConfig(memory_budget="1GB"))

@@ -352,3 +352,41 @@ def test_too_long_prompt_is_refused(llama: infer.LLM) -> None:
     with pytest.raises(ValueError, match="prompt has 20 tokens; the model's context is 16 tokens"):
         engine.submit(list(range(3, 23)))
     engine.close()
+
+
+def test_streamed_model_from_two_threads(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Layer streaming swaps weights between steps: two threads share it through the one engine
+    loop, get what each gets alone, and leave the model intact."""
+    streaming = infer.StreamingConfig(layer_group_size=2, memory_budget="64MB", max_resident_layers=0)
+    llm = infer.load(tiny_ckpt_factory("llama"), streaming=streaming)
+    texts = ["Hello", "The quick brown fox jumps over"]
+    expected = [llm.generate(t, max_new_tokens=10).token_ids for t in texts]
+    got: dict[int, list[int]] = {}
+
+    def work(i: int) -> None:
+        got[i] = llm.generate(texts[i], max_new_tokens=10).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    assert not any(th.is_alive() for th in threads)
+    assert [got[0], got[1]] == expected
+    assert llm.generate(texts[0], max_new_tokens=10).token_ids == expected[0]  # intact afterwards
+    llm.engine.close(drain=False)
+
+
+def test_async_iteration(llama: infer.LLM) -> None:
+    """`RequestHandle.aiter` gives the same events to asyncio code (S's server reads it so)."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = tokens_of(alone(llama, PROMPT, params))
+
+    async def main() -> list[Delta]:
+        h = llama.engine.submit(PROMPT, params)
+        return [d async for d in h.aiter()]
+
+    got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert tokens_of(got) == want and got[-1].finish_reason == "length"
