@@ -2,9 +2,9 @@
 
 Each request is checked (schema, model name, context) before it reaches the engine, so
 a bad one is a 400 naming the field; `EngineFull` is a 429 with ``Retry-After``. A
-request's deltas come from the engine's blocking iterator through one thread per
-request into the event loop; a client that goes away cancels its request (the
-engine frees its row within one step). `ServeState.begin_shutdown` (SIGTERM) stops
+request's deltas reach the event loop through its handle's ``aiter()`` (the engine's
+thread hands them over); a client that goes away cancels its request (the engine
+frees its row within one step). `ServeState.begin_shutdown` (SIGTERM) stops
 admitting and lets running requests finish, ending them after a timeout.
 """
 
@@ -393,7 +393,13 @@ _END = object()
 
 
 async def _deltas(handle: RequestHandle) -> AsyncIterator[Delta]:
-    """The engine's blocking iterator, read by a thread of this request's, as an async iterator."""
+    """A request's events in the event loop: the handle's ``aiter()`` (the engine's thread hands
+    them over), or, for a handle without one, its blocking iterator read by a thread of its own."""
+    aiter = getattr(handle, "aiter", None)
+    if aiter is not None:
+        async for delta in aiter():
+            yield delta
+        return
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[Any] = asyncio.Queue()
 
