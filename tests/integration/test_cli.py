@@ -109,6 +109,10 @@ BAD_OPTIONS = [
     ["generate", "MODEL", "Hi", "--memory-budget", "12XB"],
     ["generate", "MODEL", "Hi", "--dtype", "int8"],
     ["chat", "MODEL", "--max-new-tokens", "-3"],
+    ["serve", "MODEL", "--port", "70000"],
+    ["serve", "MODEL", "--max-batch", "0"],
+    ["serve", "MODEL", "--max-waiting", "-1"],
+    ["serve", "MODEL", "--shutdown-timeout", "nan"],
 ]
 
 
@@ -141,7 +145,7 @@ def test_budget_error_advice_is_printed_in_full(
 
 
 def test_exit_codes_are_documented(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--help"], ["generate", "--help"], ["inspect", "--help"]):
+    for argv in (["--help"], ["generate", "--help"], ["inspect", "--help"], ["serve", "--help"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 0
