@@ -1,0 +1,1 @@
+"""Tests of `infer serve` (a package, so its conftest is `serve.conftest` beside tests/conftest.py)."""
