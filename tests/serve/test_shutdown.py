@@ -161,3 +161,63 @@ def test_one_failing_request_ends_alone(live_server: LiveServer, tiny_llm: Any) 
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     status, body = results["good"]
     assert status == 200 and body["choices"][0]["text"] == "ABC"
+
+
+class _SlowEngine:
+    """An engine whose requests produce a token every 50 ms until cancelled; it records cancels."""
+
+    def __init__(self, llm: Any) -> None:
+        from infer.serve.engine_api import Delta
+
+        self.llm, self.Delta = llm, Delta
+        self.context = 256
+        self.cancelled = threading.Event()
+        self.submitted = threading.Event()
+
+    def submit(self, prompt: list[int], params: Any) -> Any:
+        engine = self
+        self.submitted.set()
+
+        class Handle:
+            id = "slow"
+            prompt_tokens = len(prompt)
+
+            def __iter__(self) -> Any:
+                for _ in range(400):
+                    if engine.cancelled.is_set():
+                        yield engine.Delta([], "", None, "cancelled")
+                        return
+                    time.sleep(0.05)
+                    yield engine.Delta([65], "A", None, None)
+                yield engine.Delta([], "", None, "length")
+
+            def cancel(self) -> None:
+                engine.cancelled.set()
+
+        return Handle()
+
+    def stats(self) -> dict[str, int]:
+        return {"running": 0, "waiting": 0}
+
+
+def test_a_client_that_hangs_up_on_a_whole_response_cancels_it(
+    live_server: LiveServer, tiny_llm: Any
+) -> None:
+    """Not streaming: the server notices the closed connection while it waits, and cancels the request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    engine = _SlowEngine(tiny_llm)
+    base = urlsplit(live_server(engine))
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 200}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {base.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((base.hostname, base.port)) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.5)  # generating
+        assert engine.submitted.is_set() and not engine.cancelled.is_set()
+    hung_up = time.monotonic()
+    assert engine.cancelled.wait(10), "the request was not cancelled within 10 s of the client hanging up"
+    print(f"cancelled {time.monotonic() - hung_up:.2f} s after the client hung up")
