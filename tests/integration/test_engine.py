@@ -396,3 +396,20 @@ def test_async_iteration(llama: infer.LLM) -> None:
 
     got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     assert tokens_of(got) == want and got[-1].finish_reason == "length"
+
+
+def test_close_drains_or_cancels(llama: infer.LLM) -> None:
+    from infer.engine import EngineClosed
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine = Engine(llama, max_batch=1)
+    handles = [engine.submit(PROMPT, params), engine.submit([8, 9, 10], params)]
+    engine.close(drain=True, timeout=TIMEOUT)
+    assert [drain(h)[-1].finish_reason for h in handles] == ["length", "length"]
+    with pytest.raises(EngineClosed):
+        engine.submit(PROMPT, params)
+    engine = Engine(llama, max_batch=1)
+    handles = [engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
+    engine.close(drain=False, timeout=TIMEOUT)
+    assert [drain(h)[-1].finish_reason for h in handles] == ["cancelled", "cancelled"]
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
