@@ -294,6 +294,7 @@ class LLM:
         max_new_tokens: int,
         params: SamplingParams,
         stop: Sequence[str],
+        timings: dict[str, float] | None = None,
     ) -> Iterator[list[RowState]]:
         """Under tensor/pipeline parallelism: every rank runs the same batch in lockstep (no engine
         thread, whose admission timing could differ between ranks)."""
@@ -319,6 +320,7 @@ class LLM:
             eos_ids=eos_ids,
             pad_id=pad_id,
             stop_check=stop_check if stop else None,
+            timings=timings,
             stepper=self.stepper,
         )
         from infer.distributed.runtime import peer_failures
@@ -331,13 +333,16 @@ class LLM:
     ) -> list[GenerationResult]:
         """Every prompt through the engine (continuous batching); results in prompt order."""
         if self.parallel is not None:
-            rows = run_to_end(self._run(prompts, max_new_tokens, params, stops))
+            timings: dict[str, float] = {}  # this call's own
+            rows = run_to_end(self._run(prompts, max_new_tokens, params, stops, timings))
             return [
                 GenerationResult(
                     text=cut_at_stop(self.tokenizer.decode(r.tokens), stops)[0],
                     token_ids=list(r.tokens),
                     prompt_tokens=r.prompt_len,
                     finish_reason=r.finish_reason or "length",
+                    prefill_seconds=timings.get("prefill_s", 0.0),
+                    decode_seconds=timings.get("decode_s", 0.0),
                 )
                 for r in rows
             ]

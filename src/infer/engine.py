@@ -664,6 +664,8 @@ class Engine:
 
     def _decode(self, rows: list[int]) -> None:
         lo, hi = rows[0], rows[-1] + 1
+        if self.slots.stepper.compiled:  # every allocated row (a power of two): few graphs
+            lo, hi = 0, self.slots.rows
         requests = [self._running.get(i) if i in rows else None for i in range(lo, hi)]
         feeds = {i: self._running[i].pending for i in rows}
         mode, values, noise = self._sampling(requests)

@@ -205,9 +205,15 @@ def test_chat_second_turn_prefills_only_the_new_tokens(tiny_ckpt_factory: Callab
     turn2 = [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And?"}]
     second = llm.chat(turn2, max_new_tokens=6)
     prefilled = llm.engine.stats()["prefill_tokens"] - before
-    full = len(llm.chat_prompt(turn2))
-    print(f"\nsecond turn: {full} prompt tokens, {prefilled} prefilled")
-    assert prefilled < full - len(llm.chat_prompt(messages)) + len(reply.token_ids)
+    first_ids, ids = llm.chat_prompt(messages), llm.chat_prompt(turn2)
+    kept = first_ids + reply.token_ids[:-1]  # the row's KV: the last reply token was never fed
+    common = next((i for i, (a, b) in enumerate(zip(kept, ids, strict=False)) if a != b), len(kept))
+    print(
+        f"\nsecond turn: {len(ids)} prompt tokens, {common} in common with the first turn's row "
+        f"({len(first_ids)} prompt + reply), {prefilled} prefilled"
+    )
+    assert common >= len(first_ids)  # at least the whole first prompt is reused
+    assert prefilled == len(ids) - common
     fresh = infer.load(tiny_ckpt_factory("gemma3"), deterministic=True)
     assert second.token_ids == fresh.chat(turn2, max_new_tokens=6).token_ids
     llm.engine.close(drain=False)
@@ -390,3 +396,20 @@ def test_async_iteration(llama: infer.LLM) -> None:
 
     got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     assert tokens_of(got) == want and got[-1].finish_reason == "length"
+
+
+def test_close_drains_or_cancels(llama: infer.LLM) -> None:
+    from infer.engine import EngineClosed
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine = Engine(llama, max_batch=1)
+    handles = [engine.submit(PROMPT, params), engine.submit([8, 9, 10], params)]
+    engine.close(drain=True, timeout=TIMEOUT)
+    assert [drain(h)[-1].finish_reason for h in handles] == ["length", "length"]
+    with pytest.raises(EngineClosed):
+        engine.submit(PROMPT, params)
+    engine = Engine(llama, max_batch=1)
+    handles = [engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
+    engine.close(drain=False, timeout=TIMEOUT)
+    assert [drain(h)[-1].finish_reason for h in handles] == ["cancelled", "cancelled"]
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
