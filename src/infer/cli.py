@@ -563,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     it, and on a second Ctrl-C.
     """
     program = argv is None and threading.current_thread() is threading.main_thread()
-    _interrupt["told"] = False
+    _interrupt["told"] = _interrupt["signalled"] = False
     if program:
         signal.signal(signal.SIGINT, _on_interrupt)
         _interrupt["raise"] = True
@@ -579,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _interrupt["raise"] = False  # from here until the process ends Ctrl-C exits 130 at once
 
 
-_interrupt = {"raise": False, "told": False}
+_interrupt = {"raise": False, "told": False, "signalled": False}
 
 
 def _say_interrupted() -> None:
@@ -592,6 +592,7 @@ def _on_interrupt(signum: int, frame: object) -> None:
     """SIGINT: a `KeyboardInterrupt` inside the command, else one line and exit 130 now."""
     if _interrupt["raise"]:
         _interrupt["raise"] = False  # a second Ctrl-C, during the cleanup, exits at once
+        _interrupt["signalled"] = True
         raise KeyboardInterrupt
     _say_interrupted()
     try:
@@ -619,6 +620,10 @@ def _run(argv: Sequence[str] | None) -> int:
         code: int = args.func(args)
         return code
     except Exception as e:  # one clear line, unless --debug
+        if _interrupt["signalled"]:
+            # The interrupt surfaced as another error: an import it cut short (a library that
+            # catches the KeyboardInterrupt, then a ModuleNotFoundError), a cleanup it broke.
+            raise KeyboardInterrupt from e
         if args.debug:
             raise
         if _primary() or _every_rank_tells(e):  # every rank of a parallel run raises the same error

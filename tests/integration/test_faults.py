@@ -218,3 +218,26 @@ def test_stop_strings_hold_back_only_what_could_start_one(tiny_ckpt_factory: Cal
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     pieces = list(llm.stream("Hello", 24, stop=stop))
     assert "".join(pieces) == text[: text.find(stop)]
+
+
+def test_an_interrupt_that_surfaces_as_another_error_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during an import can come out as a ModuleNotFoundError (a library catches the
+    KeyboardInterrupt, a later import finds the module half-made): still exit 130, one line."""
+    from infer import cli
+
+    def command(args: object) -> int:
+        cli._interrupt["raise"] = True  # as inside a command run as the program
+        try:
+            cli._on_interrupt(2, None)
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("No module named 'transformers.models.auto'") from None
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_inspect", command)
+    code = cli.main(["inspect", "any"])
+    err = capfd.readouterr().err
+    print(f"exit {code}, stderr {err!r}")
+    assert code == 130
+    assert err == "infer: interrupted\n"
