@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 from infer.chat_template import check_unicode
-from infer.config import ModelConfig, load_config
 from infer.generate import RowState, SamplingParams, check_max_new_tokens, generate_steps, run_to_end
+from infer.loader.config import ModelConfig, load_config
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM

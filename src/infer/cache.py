@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.config import SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
 KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
 

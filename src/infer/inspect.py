@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from infer.cache import KVCache
-from infer.config import ModelConfig, load_config
+from infer.loader.config import ModelConfig, load_config
 from infer.loader.weights import SafetensorsSource
 
 

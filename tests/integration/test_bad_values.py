@@ -279,7 +279,7 @@ def test_llama3_rope_freqs_are_the_converters(good: Path) -> None:
     config = config_from_gguf(gguf)
     assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "freq_factors"
     hf = tiny_hf_model("llama")
-    from infer.config import config_from_dict
+    from infer.loader.config import config_from_dict
 
     expected = llama3_rope_factors(config_from_dict(hf.config.to_dict()))
     np.testing.assert_array_equal(np.array(config.rope_scaling["factors"], np.float32), expected)

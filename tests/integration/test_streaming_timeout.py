@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from infer.config import load_config
+from infer.loader.config import load_config
 from infer.loader.source import StoredTensor
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
+import infer.models  # noqa: F401  (registers the architectures with the config reader)
 from infer.loader.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    SUPPORTED_MODEL_TYPES,
     ModelConfig,
     config_from_dict,
     load_config,
+    supported_model_types,
 )
 
 
@@ -145,7 +146,7 @@ def test_unsupported_model_type_names_file_and_supported_set(
     assert str(path / "config.json") in message
     for supported in ("llama", "qwen3", "gemma3_text"):
         assert supported in message
-    assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "qwen3", "gemma3_text"}
+    assert set(supported_model_types()) >= {"llama", "qwen3", "gemma3_text"}
 
 
 def test_missing_model_type(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:

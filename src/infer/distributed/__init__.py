@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from infer.config import ModelConfig
 from infer.distributed.modules import (
     PipelineExecutor,
     PipelineHead,
@@ -29,6 +28,7 @@ from infer.distributed.modules import (
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
 from infer.loader.build import Partition, ProgressFn, load_model
+from infer.loader.config import ModelConfig
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM, SequentialExecutor
 

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from infer.config import ModelConfig, architecture
+from infer.loader.config import ModelConfig
 from infer.loader.names import Entry, check_dimensions, map_names, stored_name
 from infer.loader.place import PlaceOptions, place_module, tied_head
 from infer.loader.repack_cache import RepackCache
 from infer.loader.source import WeightSource
+from infer.models import architecture
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
 

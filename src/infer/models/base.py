@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from infer.cache import KVCache, StepKV, slot_mask
-from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import Linear, make_rotary_embeddings
 from infer.quant.linear import QuantizedLinear
 

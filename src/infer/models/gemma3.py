@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.arch import Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
@@ -17,7 +17,7 @@ from infer.models.llama import GGUF_ATTENTION, GGUF_MLP
 from infer.models.qwen3 import GGUF_QK_NORM
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class Gemma3TransformerBlock(nn.Module):

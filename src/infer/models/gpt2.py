@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FULL_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, ModelConfig
 from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM, StepInputs
 from infer.models.common import KVStore, Linear, activation, attend_any
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class GPT2Attention(nn.Module):

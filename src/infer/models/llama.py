@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FREQ_FACTORS, ModelConfig
+from infer.loader.config import FREQ_FACTORS, ModelConfig
 from infer.models.arch import Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class LlamaTransformerBlock(nn.Module):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.config import ModelConfig
 from infer.loader.build import ModelBuilder, Partition, release_freed_memory, reset_buffers
+from infer.loader.config import ModelConfig
 from infer.loader.names import Entry
 from infer.loader.place import assign_parameter
 from infer.loader.source import WeightSource

@@ -1,0 +1,178 @@
+"""The import graph of `infer`: no circle, and no module importing a higher floor.
+
+Every ``import`` / ``from ... import`` in every module under ``src/infer`` counts: at
+module level, inside functions and under ``if TYPE_CHECKING:`` alike (a type-only arrow
+still says which module knows which). ``from package import name`` is an arrow to the
+submodule when ``name`` is one, else to the package. A parent package is not counted
+as imported by its submodules (its ``__init__`` runs first, but that is Python's order,
+not a dependency the module chose).
+
+`FLOORS` is the layering rule of docs/architecture.md: a module may import its own floor
+and those below, never a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# Lowest first. A module's floor is that of its longest listed prefix.
+FLOORS: list[tuple[str, ...]] = [
+    # 0: no infer imports but each other's: numerics, formats, the config record, text rules
+    (
+        "infer.rows",
+        "infer.quant",
+        "infer.chat_template",
+        "infer.chat_history",
+        "infer.loader.config",
+        "infer.loader.source",
+        "infer.gguf.reader",
+        "infer.gguf.metadata",
+        "infer.streaming.stats",
+        "infer.streaming.config",
+        "infer.distributed.runtime",
+    ),
+    # 1: what a model runs on, and the stored checkpoint's readers
+    ("infer.cache", "infer.loader.weights", "infer.loader.tokenizer", "infer.gguf.source", "infer.gguf.tokenizer"),
+    # 2: the models and the architecture records
+    ("infer.models",),
+    # 3: loading: names, placement, the builder, the GGUF config reader and writer, TP shards
+    ("infer.loader", "infer.gguf", "infer.distributed.shard"),
+    # 4: execution modes beyond resident
+    ("infer.streaming", "infer.distributed"),
+    # 5: generation
+    ("infer.step", "infer.generate", "infer.engine"),
+    # 6: the public API and what is built on a loaded model
+    ("infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
+    # 7: front ends and test support
+    ("infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
+]
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in sorted((SRC / "infer").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+MODULES = module_names()
+
+
+def _owner(name: str) -> str | None:
+    """The infer module ``name`` lives in (``infer.models.arch.Fix`` -> ``infer.models.arch``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> Iterator[str]:
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            targets = subs or [base]
+        else:
+            continue
+        for target in targets:
+            owner = _owner(target)
+            if owner is not None and owner != module:
+                yield owner
+
+
+GRAPH = {m: sorted(set(imports_of(m))) for m in MODULES}
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import circle (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in graph[v]:
+            if state.get(w) == 1:
+                return [*path[path.index(w) :], w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in graph:
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def floor(module: str) -> int:
+    best, level = -1, -1
+    for i, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), i
+    return level
+
+
+def test_the_graph_is_read() -> None:
+    # A parser that found nothing would pass every test below.
+    assert "infer.loader.config" in GRAPH["infer.models.base"]
+    assert "infer.models" in GRAPH["infer.loader.build"]
+    assert sum(len(v) for v in GRAPH.values()) > 100, sum(len(v) for v in GRAPH.values())
+
+
+def test_no_import_circle() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": []}) is None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_module_has_a_floor(module: str) -> None:
+    assert floor(module) >= 0, f"{module} is on no floor of FLOORS (tests/unit/test_imports.py)"
+
+
+def test_no_module_imports_a_higher_floor() -> None:
+    upward = [
+        f"{m} (floor {floor(m)}) -> {t} (floor {floor(t)})"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if floor(t) > floor(m)
+    ]
+    assert not upward, "imports of a higher floor:\n" + "\n".join(upward)
+
+
+def test_the_config_reader_imports_nothing_of_infer() -> None:
+    # Architectures register their rules with it (infer.models does on import).
+    assert GRAPH["infer.loader.config"] == []
+
+
+def test_activation_names_match_the_models() -> None:
+    from infer.loader.config import ACTIVATION_NAMES
+    from infer.models.common import ACTIVATIONS
+
+    assert sorted(ACTIVATION_NAMES) == sorted(ACTIVATIONS)
