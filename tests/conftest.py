@@ -199,6 +199,7 @@ def hf_model_factory() -> Callable[..., Any]:
 def our_model_factory() -> Callable[..., Any]:
     from infer.loader.build import load_model
     from infer.loader.config import load_config
+    from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     cache: dict[tuple[Path, torch.dtype], Any] = {}
@@ -206,7 +207,11 @@ def our_model_factory() -> Callable[..., Any]:
     def load(path: Path, dtype: torch.dtype = torch.float32) -> Any:
         key = (Path(path), dtype)
         if key not in cache:
-            cache[key] = load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cpu")
+            cache[key] = load_model(
+                SafetensorsSource(path),
+                load_config(path),
+                LoadOptions(dtype=dtype, device=torch.device("cpu")),
+            )
         return cache[key]
 
     return load
@@ -219,3 +224,5 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return path
+
+

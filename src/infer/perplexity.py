@@ -45,6 +45,7 @@ class LLM(Protocol):
     tokenizer: Tokenizer
     model: DecoderLM
 
+
 ProgressFn = Callable[[int, int, float], None]  # (chunks done, chunks in all, perplexity so far)
 
 MIN_CONTEXT = 3  # one token of context (after BOS) and one scored token

@@ -22,6 +22,7 @@ import torch
 from infer.generate import left_pad
 from infer.loader.build import load_model
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed
@@ -33,12 +34,16 @@ def build_streaming_model(
     path: Path, *, device: str, dtype: torch.dtype, streaming: StreamingConfig
 ) -> DecoderLM:
     return build_streamed(
-        SafetensorsSource(path), load_config(path), device=device, dtype=dtype, streaming=streaming
+        SafetensorsSource(path),
+        load_config(path),
+        LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming),
     )
 
 
 def load_resident(path: Path, dtype: torch.dtype) -> DecoderLM:
-    return load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cuda")
+    return load_model(
+        SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype, device=torch.device("cuda"))
+    )
 
 
 pytestmark = [

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
@@ -81,7 +82,9 @@ def build(path: Path, prefetch: bool, rate: float | None) -> DecoderLM:
         max_context=TOKENS,
         max_prefill_tokens=TOKENS,
     )
-    return build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
+    return build_streamed(
+        source, config, LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
+    )
 
 
 def run(model: DecoderLM) -> float:

@@ -3,9 +3,10 @@
 Every ``import`` / ``from ... import`` in every module under ``src/infer`` counts: at
 module level, inside functions and under ``if TYPE_CHECKING:`` alike (a type-only arrow
 still says which module knows which). ``from package import name`` is an arrow to the
-submodule when ``name`` is one, else to the package. A parent package is not counted
-as imported by its submodules (its ``__init__`` runs first, but that is Python's order,
-not a dependency the module chose).
+submodule when ``name`` is one, else to the package. A run-time import of ``a.b.c`` also
+runs ``a/b/__init__.py``: that is an arrow to the package ``a.b`` too, unless ``a.b``
+contains the importing module (a package's own ``__init__`` runs before its modules
+anyway) or is ``infer`` itself (whose ``__init__`` imports nothing when it runs).
 
 `FLOORS` is the layering rule of docs/architecture.md: a module may import its own floor
 and those below, never a higher one.
@@ -21,7 +22,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# Lowest first. A module's floor is that of its longest listed prefix.
+# Lowest first. A module's floor is that of its longest listed prefix; "=name" matches
+# ``name`` only (a package whose ``__init__`` is below its modules).
 FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
@@ -30,27 +32,35 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.chat_template",
         "infer.chat_history",
         "infer.loader.config",
+        "infer.loader.options",
         "infer.loader.source",
         "infer.gguf.reader",
         "infer.gguf.metadata",
         "infer.streaming.stats",
         "infer.streaming.config",
         "infer.distributed.runtime",
+        "=infer.loader",  # an empty __init__
     ),
     # 1: what a model runs on, and the stored checkpoint's readers
-    ("infer.cache", "infer.loader.weights", "infer.loader.tokenizer", "infer.gguf.source", "infer.gguf.tokenizer"),
+    (
+        "infer.cache",
+        "infer.loader.weights",
+        "infer.loader.tokenizer",
+        "infer.gguf.source",
+        "infer.gguf.tokenizer",
+    ),
     # 2: the models and the architecture records
     ("infer.models",),
     # 3: loading: names, placement, the builder, the GGUF config reader and writer, TP shards
     ("infer.loader", "infer.gguf", "infer.distributed.shard"),
     # 4: execution modes beyond resident
     ("infer.streaming", "infer.distributed"),
-    # 5: generation
-    ("infer.step", "infer.generate", "infer.engine"),
+    # 5: the load path that composes them; generation
+    ("infer.loading", "infer.step", "infer.generate", "infer.engine"),
     # 6: the public API and what is built on a loaded model
     ("infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
     # 7: front ends and test support
-    ("infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
+    ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
 ]
 
 
@@ -74,10 +84,30 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``."""
+    ids: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(n) for b in node.body for n in ast.walk(b))
+    return ids
+
+
+def _packages_run(module: str, target: str) -> Iterator[str]:
+    """The packages whose ``__init__`` importing ``target`` runs, beyond ``module``'s own."""
+    parts = target.split(".")
+    for i in range(2, len(parts)):
+        package = ".".join(parts[:i])
+        if package in MODULES and not module.startswith(package + "."):
+            yield package
+
+
 def imports_of(module: str) -> Iterator[str]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = _type_only(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -93,6 +123,8 @@ def imports_of(module: str) -> Iterator[str]:
             owner = _owner(target)
             if owner is not None and owner != module:
                 yield owner
+                if id(node) not in type_only:
+                    yield from (p for p in _packages_run(module, owner) if p != module)
 
 
 GRAPH = {m: sorted(set(imports_of(m))) for m in MODULES}
@@ -129,7 +161,10 @@ def floor(module: str) -> int:
     best, level = -1, -1
     for i, prefixes in enumerate(FLOORS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            exact = p.startswith("=")
+            name = p.removeprefix("=")
+            hit = module == name or (not exact and module.startswith(name + "."))
+            if hit and len(p) > best:
                 best, level = len(p), i
     return level
 
