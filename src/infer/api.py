@@ -146,12 +146,12 @@ class LLM:
         return f"LLM({self.config.model_type}, {self.source}, dtype={m.dtype}, device={m.device})"
 
     @property
-    def streaming_stats(self) -> Any:
-        """Layer-streaming statistics (`infer.streaming.StreamingStats`; None when the model is resident)."""
-        from infer.streaming.executor import StreamingExecutor
+    def streaming_stats(self) -> Any:  # StreamingStats | None (Any: callers read its fields)
+        """Layer-streaming statistics (`infer.streaming.StreamingStats`; None when the model is resident).
 
-        executor = self.model.executor
-        return executor.stats if isinstance(executor, StreamingExecutor) else None
+        Under pipeline parallelism: this rank's stage's (each stage streams its own layers).
+        """
+        return self.model.executor.stats
 
     # ---- prompts --------------------------------------------------------------
 
@@ -467,17 +467,10 @@ def load(
     use_compile = use_compile and streaming is None and not parallel
     checkpoint = open_checkpoint(path_or_hub_id)
     options = checkpoint.options(
-        dtype,
-        quantize=quantize,
-        validate=validate,
-        device=device,
-        streaming=streaming,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        deterministic=deterministic,
-        repack_cache=cache,
-        progress=progress,
-    )
+        dtype, quantize=quantize, validate=validate, device=device, streaming=streaming,
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        deterministic=deterministic, repack_cache=cache, progress=progress,
+    )  # fmt: skip
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
     llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, compile=use_compile)

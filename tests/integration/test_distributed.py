@@ -63,6 +63,8 @@ try:
     batch = llm.generate([args["prompt"], args["prompt2"]], max_new_tokens=args["new"])
     out["batch"] = [r.token_ids for r in batch]  # pipeline stages: two micro-batches of one row
     out["kv_bytes"] = llm.model.make_cache(2, 64).nbytes
+    stats = llm.streaming_stats
+    out["streamed_bytes"] = None if stats is None else stats.bytes_loaded
     if args.get("sample"):
         sampled = llm.generate(args["prompt"], max_new_tokens=args["new"], temperature=1.0, top_k=20)
         out["sampled"] = sampled.token_ids
@@ -193,6 +195,9 @@ def test_streaming_pipeline(tiny_ckpt_factory: Callable[..., Path]) -> None:
     streaming = {"memory_budget": "64MB", "max_resident_layers": 0, "layer_group_size": 1}
     results = run_ranks(2, args_for(path, 1, 2, kwargs={"streaming": streaming}))
     check(results, reference(path), "llama pp2 streamed", exact=True)
+    streamed = [r["streamed_bytes"] for r in results]
+    print("bytes streamed per stage:", streamed)
+    assert all(b is not None and b > 0 for b in streamed), streamed  # each stage reports its own
 
 
 def _expect_same_error(results: list[dict[str, Any]], *needles: str) -> str:

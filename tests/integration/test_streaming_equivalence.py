@@ -93,7 +93,7 @@ def test_streamed_equals_resident(tiny_ckpt_factory: Any, arch: str, group_size:
         -resident.config.num_hidden_layers // group_size
     )
     assert_identical(resident, streamed, f"{arch} group={group_size} prefetch={prefetch}")
-    stats = streamed.executor.stats  # type: ignore[attr-defined]
+    stats = streamed.executor.stats
     per_forward = sum(u.nbytes for u in plan.units)
     assert stats.forwards == STEPS + 1
     assert stats.bytes_loaded == stats.forwards * per_forward
@@ -131,7 +131,7 @@ def test_budget_decides_residency(tiny_ckpt_factory: Any) -> None:
     plan = streamed.executor.plan  # type: ignore[attr-defined]
     assert plan.units == [] and plan.num_buffers == 0
     assert_identical(load_resident(path), streamed, "qwen3 all resident")
-    assert streamed.executor.stats.bytes_loaded == 0  # type: ignore[attr-defined]
+    assert streamed.executor.stats.bytes_loaded == 0
 
 
 def test_sharded_checkpoint(tiny_ckpt_factory: Any) -> None:

@@ -101,16 +101,16 @@ def run(model: DecoderLM) -> float:
 def test_prefetch_overlaps_transfer_and_compute(checkpoint: Path, one_thread: None) -> None:
     fast = build(checkpoint, prefetch=False, rate=None)
     run(fast)
-    compute = fast.executor.stats.compute_seconds  # type: ignore[attr-defined]
+    compute = fast.executor.stats.compute_seconds
     per_forward = sum(u.nbytes for u in fast.executor.plan.units)  # type: ignore[attr-defined]
     rate = FORWARDS * per_forward / compute  # loading a forward's weights takes about one forward's compute
 
     sync = build(checkpoint, prefetch=False, rate=rate)
     wall_sync = run(sync)
-    s = sync.executor.stats  # type: ignore[attr-defined]
+    s = sync.executor.stats
     prefetch = build(checkpoint, prefetch=True, rate=rate)
     wall_prefetch = run(prefetch)
-    p = prefetch.executor.stats  # type: ignore[attr-defined]
+    p = prefetch.executor.stats
 
     c, t = s.compute_seconds, s.load_seconds
     print(
