@@ -9,7 +9,7 @@ the config reader (`infer.loader.config.register_architecture`), which imports n
 
 from __future__ import annotations
 
-from infer.loader.config import ModelConfig, register_architecture
+from infer.loader.config import ModelConfig, config_rules, register_architecture
 from infer.models import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 from infer.models.arch import Architecture
 from infer.models.base import DecoderLM
@@ -24,13 +24,7 @@ for _arch in ARCHITECTURES.values():
 
 def architecture(model_type: str | None, source: str) -> Architecture:
     """The `Architecture` record of ``model_type``; unknown or missing types name the supported ones."""
-    supported = list(ARCHITECTURES)
-    if model_type is None:
-        raise ValueError(f"{source}: no 'model_type'; supported model types: {supported}")
-    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
-    if arch is None:
-        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: {supported}")
-    return arch
+    return ARCHITECTURES[config_rules(model_type, source).model_type]
 
 
 def model_class(config: ModelConfig) -> type[DecoderLM]:

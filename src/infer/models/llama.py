@@ -37,9 +37,20 @@ class LlamaTransformerBlock(nn.Module):
         mask: torch.Tensor | None,
         cache: KVStore | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_out(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+        out: torch.Tensor = x + self.mlp_out(self.mlp(self.mlp_in(x)))
         return out
+
+    # Where the norms sit around the two sub-layers (Gemma 3 overrides them: sandwich norms).
+    def attention_out(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post_attention_layernorm(x)
+        return out
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
 
 class LlamaForCausalLM(DecoderLM):

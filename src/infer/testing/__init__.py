@@ -56,71 +56,44 @@ SMOLLM2_SHAPE: dict[str, Any] = dict(
 )
 
 
-# Fields every tiny config shares (GPT-2 names its fields differently: it takes none of them).
+# Fields every tiny config shares (GPT-2 names its fields differently: it takes none of them),
+# then what each architecture's tiny model changes.
 _COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=BOS,
-    eos_token_id=[EOS, EOT],
-    pad_token_id=PAD,
-)
-_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS, eos_token_id=[EOS, EOT],
+    pad_token_id=PAD, num_hidden_layers=3, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)  # fmt: skip
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
+_GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 
-# arch -> (transformers config class, model class, the fields that make the architecture's tiny model)
+# arch -> (transformers config class, model class, the fields of its tiny model)
 TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
+        _COMMON
+        | {
+            "rope_parameters": _LLAMA3_ROPE
+            | {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        },
     ),
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=3,
-            head_dim=24,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters=_DEFAULT_ROPE,
-            use_sliding_window=False,
-        ),
+        _COMMON | dict(head_dim=24, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
     ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=4,
-            head_dim=32,
-            query_pre_attn_scalar=24,
-            rms_norm_eps=1e-6,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            tie_word_embeddings=True,
-            final_logit_softcapping=30.0,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            },
-        ),
+        _COMMON
+        | dict(num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, rms_norm_eps=1e-6)
+        | dict(sliding_window=SLIDING_WINDOW, layer_types=[_SLIDING, _FULL, _SLIDING, _FULL])
+        | dict(tie_word_embeddings=True, final_logit_softcapping=30.0, rope_parameters=_GEMMA3_ROPE),
     ),
     "gpt2": (
         "GPT2Config",
@@ -135,41 +108,14 @@ TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
             eos_token_id=EOS,
         ),
     ),
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_parameters=_DEFAULT_ROPE,
-            use_sliding_window=False,
-        ),
-    ),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=SLIDING_WINDOW,
-            rope_parameters=_DEFAULT_ROPE,
-        ),
-    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _COMMON | dict(rms_norm_eps=1e-6, use_sliding_window=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _COMMON | dict(sliding_window=SLIDING_WINDOW)),
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=SLIDING_WINDOW,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        ),
+        _COMMON
+        | dict(sliding_window=SLIDING_WINDOW)
+        | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     ),
 }
 assert tuple(TINY) == ARCHITECTURES
