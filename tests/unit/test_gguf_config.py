@@ -114,7 +114,7 @@ def test_eot_token_is_a_stop_token(tmp_path: Path) -> None:
 
 def test_gpt2(tmp_path: Path) -> None:
     sizes = {"context_length": 128, "embedding_length": 64, "block_count": 3, "feed_forward_length": 256}
-    meta = {f"gpt2.{k}": v for k, v in (sizes | {"attention.head_count": 4}).items()}
+    meta: dict[str, Any] = {f"gpt2.{k}": v for k, v in (sizes | {"attention.head_count": 4}).items()}
     meta["gpt2.attention.layer_norm_epsilon"] = 1e-5
     c = config_from_gguf(GGUFFile(_write(tmp_path / "g.gguf", "gpt2", meta)))
     assert c.model_type == "gpt2" and c.num_key_value_heads == 4 and c.computed_head_dim == 16
