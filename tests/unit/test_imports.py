@@ -15,7 +15,10 @@ and those below, never a higher one.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -211,3 +214,26 @@ def test_activation_names_match_the_models() -> None:
     from infer.models.common import ACTIVATIONS
 
     assert sorted(ACTIVATION_NAMES) == sorted(ACTIVATIONS)
+
+
+def test_a_fresh_process_reads_configs_through_every_entry_point(
+    tiny_ckpt_factory: Callable[..., Path],
+) -> None:
+    # The registry is filled by importing infer.models; the entry points that read a
+    # config must import it themselves (a fresh `infer inspect` once could not).
+    path = tiny_ckpt_factory("llama")
+    code = (
+        "import sys\n"
+        "from infer.inspect import inspect_checkpoint\n"
+        "print(inspect_checkpoint(sys.argv[1]).splitlines()[1])\n"
+        "from infer.loader.checkpoint import open_checkpoint\n"
+        "print(open_checkpoint(sys.argv[1]).config.model_type)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    print(out.stdout, out.stderr[-2000:])
+    assert out.returncode == 0
+    assert out.stdout.split()[:2] == ["architecture", "llama:"]
+    assert out.stdout.splitlines()[-1] == "llama"

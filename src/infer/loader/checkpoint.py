@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import infer.models  # noqa: F401  (registers every architecture's config rules with the reader)
 from infer.loader.config import ModelConfig, load_config
 from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
