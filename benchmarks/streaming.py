@@ -126,12 +126,15 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     _warm_up(device, config)
     sampler = PeakSampler(device)
     t0 = time.perf_counter()
+    from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     if job["kind"] == "resident":
         from infer.loader.build import load_model
 
-        model: Any = load_model(SafetensorsSource(path), config, dtype=dtype, device=device)
+        model: Any = load_model(
+            SafetensorsSource(path), config, LoadOptions(dtype=dtype, device=torch.device(device))
+        )
     else:
         from infer.streaming import StreamingConfig, build_streamed
 
@@ -145,7 +148,9 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
             trace=job.get("trace", False),
         )
         model = build_streamed(
-            SafetensorsSource(path), config, device=device, dtype=dtype, streaming=streaming
+            SafetensorsSource(path),
+            config,
+            LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming),
         )
     _sync(device)
     load_s = time.perf_counter() - t0

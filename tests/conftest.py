@@ -179,37 +179,41 @@ def tiny_checkpoint(tiny_ckpt_factory: CkptFactory, arch: str, sharded: bool) ->
     return tiny_ckpt_factory(arch, sharded)
 
 
-@pytest.fixture(scope="session")
-def hf_model_factory() -> Callable[..., Any]:
+def _cached_per_checkpoint(build: Callable[[Path, torch.dtype], Any]) -> Callable[..., Any]:
+    """``load(path, dtype=torch.float32)``: ``build(path, dtype)`` once per ``(path, dtype)``, then shared."""
     cache: dict[tuple[Path, torch.dtype], Any] = {}
 
     def load(path: Path, dtype: torch.dtype = torch.float32) -> Any:
-        from transformers import AutoModelForCausalLM
-
         key = (Path(path), dtype)
         if key not in cache:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
-            cache[key] = model.eval()  # type: ignore[no-untyped-call]
+            cache[key] = build(Path(path), dtype)
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def hf_model_factory() -> Callable[..., Any]:
+    def build(path: Path, dtype: torch.dtype) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+        return model.eval()  # type: ignore[no-untyped-call]
+
+    return _cached_per_checkpoint(build)
 
 
 @pytest.fixture(scope="session")
 def our_model_factory() -> Callable[..., Any]:
     from infer.loader.build import load_model
     from infer.loader.config import load_config
+    from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
-    cache: dict[tuple[Path, torch.dtype], Any] = {}
+    def build(path: Path, dtype: torch.dtype) -> Any:
+        return load_model(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype))
 
-    def load(path: Path, dtype: torch.dtype = torch.float32) -> Any:
-        key = (Path(path), dtype)
-        if key not in cache:
-            cache[key] = load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cpu")
-        return cache[key]
-
-    return load
+    return _cached_per_checkpoint(build)
 
 
 @pytest.fixture(scope="session")
@@ -219,3 +223,5 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return path
+
+

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 from infer.chat_template import check_unicode
-from infer.config import ModelConfig, load_config
 from infer.generate import (
     NonFiniteLogitsError,
     RowState,
@@ -26,31 +25,25 @@ from infer.generate import (
     run_to_end,
     stop_prefix,
 )
-from infer.loader.source import WeightSource
+from infer.loader.checkpoint import open_checkpoint
+from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
+from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
+from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
+from infer.loading import build_model
 from infer.models.base import DecoderLM
-from infer.models.common import fuse_projections, is_deterministic, set_deterministic
+from infer.models.common import is_deterministic
 from infer.step import Stepper
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
     from infer.engine import Engine, RequestHandle
-    from infer.loader.repack_cache import RepackCache
     from infer.perplexity import PerplexityResult
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
 Message = dict[str, Any]
 ProgressFn = Callable[[int, int], None]
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
 
 
 @dataclass
@@ -70,78 +63,6 @@ class GenerationResult:
 
     def __str__(self) -> str:
         return self.text
-
-
-def resolve_dtype(
-    dtype: torch.dtype | str | None, default: str | None = None, source: str = "the checkpoint"
-) -> torch.dtype:
-    """``dtype`` as a torch dtype; ``None`` means ``default`` (``source``'s), else float32.
-
-    Models compute in float32, float16 or bfloat16; anything else (``torch.int8``,
-    ``"float64"``, ...) is a `ValueError`.
-    """
-    choices = "float32, float16 or bfloat16 (a torch dtype or a name such as 'bf16')"
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}: models compute in {choices}")
-        return dtype
-    if dtype is not None and not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a torch.dtype or a string, got {dtype!r} ({type(dtype).__name__})")
-    name = dtype if dtype is not None else default
-    if name is None:
-        return torch.float32
-    name = str(name).removeprefix("torch.")
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        if dtype is None:
-            raise ValueError(
-                f"{source}: 'torch_dtype' = {default!r} is not a dtype models compute in; "
-                f"pass dtype= ({choices})"
-            ) from None
-        raise ValueError(f"unsupported dtype {name!r}: models compute in {choices}") from None
-
-
-def resolve_checkpoint(path_or_hub_id: str | os.PathLike[str]) -> Path:
-    """A local directory or .gguf file, or a hub id found in the local HF cache (or downloaded)."""
-    path = Path(path_or_hub_id).expanduser()
-    if path.exists():
-        if path.is_dir() and not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return ggufs[0]
-            raise FileNotFoundError(f"{path} has no config.json: not a HuggingFace checkpoint directory")
-        return path
-    hub_id = str(path_or_hub_id)
-    if hub_id.count("/") != 1 or hub_id.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"no such file or directory: {hub_id}")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-    try:
-        return Path(snapshot_download(hub_id, allow_patterns=patterns, local_files_only=True))
-    except Exception:  # not in the local cache: try the network below, if it can be a hub id
-        pass
-    if _looks_like_a_path(hub_id):
-        raise FileNotFoundError(f"{hub_id}: no such file or directory; not a hub id in the local cache")
-    try:
-        return Path(snapshot_download(hub_id, allow_patterns=patterns))
-    except Exception as e:
-        raise FileNotFoundError(
-            f"model {hub_id!r} is not on disk and could not be downloaded ({type(e).__name__}). "
-            f"On a machine with internet run `huggingface-cli download {hub_id}` (or pass a local "
-            f"directory with config.json + *.safetensors)."
-        ) from None
-
-
-# A name ending so is a file someone meant, never a hub repository worth asking the network about.
-_FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".bin", ".pt", ".pth", ".txt")
-
-
-def _looks_like_a_path(name: str) -> bool:
-    """Whether a missing ``a/b`` names a local file rather than a hub id: a file suffix, or ``a`` exists."""
-    first = name.split("/", 1)[0]
-    return name.lower().endswith(_FILE_SUFFIXES) or Path(first).expanduser().exists()
 
 
 class TextStream:
@@ -234,12 +155,12 @@ class LLM:
         return f"LLM({self.config.model_type}, {self.source}, dtype={m.dtype}, device={m.device})"
 
     @property
-    def streaming_stats(self) -> Any:
-        """Layer-streaming statistics (`infer.streaming.StreamingStats`; None when the model is resident)."""
-        from infer.streaming.executor import StreamingExecutor
+    def streaming_stats(self) -> Any:  # StreamingStats | None (Any: callers read its fields)
+        """Layer-streaming statistics (`infer.streaming.StreamingStats`; None when the model is resident).
 
-        executor = self.model.executor
-        return executor.stats if isinstance(executor, StreamingExecutor) else None
+        Under pipeline parallelism: this rank's stage's (each stage streams its own layers).
+        """
+        return self.model.executor.stats
 
     # ---- prompts --------------------------------------------------------------
 
@@ -566,59 +487,6 @@ class LLM:
         )
 
 
-def _load_parallel(
-    path: Path,
-    source: WeightSource,
-    config: ModelConfig,
-    tokenizer: Tokenizer,
-    device: torch.device,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None,
-    *,
-    quantize: str | None,
-    streaming: StreamingConfig | None,
-    validate: bool,
-    progress: ProgressFn | None,
-    tensor_parallel: int,
-    pipeline_parallel: int,
-    deterministic: bool,
-) -> LLM:
-    from infer.distributed import load_parallel
-    from infer.loader.build import Partition
-
-    def streamed(partition: Partition, on: torch.device) -> DecoderLM:
-        from infer.streaming import build_streamed
-
-        assert streaming is not None
-        return build_streamed(
-            source, config, device=on, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize,
-            streaming=streaming, validate=validate, partition=partition,
-        )  # fmt: skip
-
-    try:
-        model, parallel = load_parallel(
-            source, config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-            device=device, build=streamed if streaming is not None else None, dtype=dtype,
-            compute_dtype=compute_dtype, quantize=quantize, validate=validate, progress=progress,
-        )  # fmt: skip
-    except BaseException:
-        source.close()
-        raise
-    if streaming is None:
-        source.close()
-    if deterministic:
-        set_deterministic(model)
-    llm = LLM(config, tokenizer, model, path)
-    llm.parallel = parallel
-    return llm
-
-
-# GGUF files default to float32 activations with the packed matrix products in bfloat16:
-# torch's CPU int4/int8 kernels take bfloat16 and are 10-30x slower with float32
-# (docs/gguf.md has the numbers).
-GGUF_COMPUTE_DTYPE = torch.bfloat16
-
-
 def load(
     path_or_hub_id: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -683,82 +551,17 @@ def load(
         )
     use_compile = compile_by_default(device) if compile is None else compile
     use_compile = use_compile and streaming is None and not parallel
-    path = resolve_checkpoint(path_or_hub_id)
-    source: WeightSource
-    compute_dtype: torch.dtype | None = None
-    repack: RepackCache | None = None
-    if path.suffix == ".gguf":
-        from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
-        from infer.gguf.tokenizer import gguf_tokenizer
-
-        if quantize is not None:
-            raise ValueError(
-                f"{path}: quantize= applies to safetensors checkpoints; a GGUF file is already quantized"
-            )
-        gguf = GGUFFile(path)
-        config = config_from_gguf(gguf)
-        torch_dtype = torch.float32 if dtype is None else resolve_dtype(dtype)
-        compute_dtype = GGUF_COMPUTE_DTYPE if dtype is None else torch_dtype
-        config.torch_dtype = str(torch_dtype).removeprefix("torch.")
-        tokenizer = gguf_tokenizer(gguf, config)
-        source = GGUFSource(gguf)
-        if cache and streaming is None and not parallel:
-            from infer.loader.repack_cache import RepackCache
-
-            repack = RepackCache(
-                path, data_start=gguf.data_offset, compute_dtype=compute_dtype, device=device
-            )
-    else:
-        from infer.loader.weights import SafetensorsSource
-
-        config = load_config(path)
-        torch_dtype = resolve_dtype(dtype, config.torch_dtype, str(path / "config.json"))
-        tokenizer = Tokenizer(path, eos_token_id=config.eos_token_id)
-        source = SafetensorsSource(path)
-    if parallel:
-        return _load_parallel(
-            path, source, config, tokenizer, device, torch_dtype, compute_dtype,
-            quantize=quantize, streaming=streaming, validate=validate, progress=progress,
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-            deterministic=deterministic,
-        )  # fmt: skip
-    try:
-        if streaming is not None:
-            from infer.streaming import build_streamed
-
-            model = build_streamed(
-                source,
-                config,
-                device=device,
-                dtype=torch_dtype,
-                compute_dtype=compute_dtype,
-                quantize=quantize,
-                streaming=streaming,
-                validate=validate,
-            )
-        else:
-            from infer.loader.build import load_model
-
-            model = load_model(
-                source,
-                config,
-                device=device,
-                dtype=torch_dtype,
-                compute_dtype=compute_dtype,
-                quantize=quantize,
-                validate=validate,
-                progress=progress,
-                repack=repack,
-            )
-            source.close()
-    except BaseException:
-        source.close()
-        raise
-    if deterministic:
-        set_deterministic(model)
-    elif streaming is None:
-        fuse_projections(model)  # q/k/v and gate/up as one product each
-    return LLM(config, tokenizer, model, path, compile=use_compile)
+    checkpoint = open_checkpoint(path_or_hub_id)
+    options = checkpoint.options(
+        dtype, quantize=quantize, validate=validate, device=device, streaming=streaming,
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        deterministic=deterministic, repack_cache=cache, progress=progress,
+    )  # fmt: skip
+    tokenizer = checkpoint.tokenizer()
+    model, placed = build_model(checkpoint, options)
+    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, compile=use_compile)
+    llm.parallel = placed
+    return llm
 
 
 def compile_by_default(device: torch.device) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.config import SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
 KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
 
@@ -75,21 +75,6 @@ class LayerKV:
         self.ring = ring
         self.k = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
         self.v = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
-
-    @property
-    def key_limit(self) -> int | None:
-        """Slots in use before the step (eagerly; see `StepKV`), None for a ring or when compiling."""
-        return None if self.ring or torch.compiler.is_compiling() else self.cache.length
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`StepKV.update` with the cache's current step plan."""
-        plan = self.cache.plan
-        if plan is None:
-            raise RuntimeError("KVCache: update outside a step (no plan; see KVCache.make_plan)")
-        bound = StepKV(
-            self.k, self.v, self.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src, self.key_limit
-        )
-        return bound.update(k, v)
 
     @property
     def nbytes(self) -> int:

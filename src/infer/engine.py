@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -60,7 +60,20 @@ from infer.models.base import DecoderLM
 from infer.step import MIN_PREFILL, Sampling, SamplingValues, StepOutput, Stepper, sampling_inputs
 
 if TYPE_CHECKING:
-    from infer.api import LLM
+    from infer.loader.tokenizer import Tokenizer
+
+
+class LLM(Protocol):
+    """What the engine needs of a loaded model (`infer.api.LLM`, which makes the engine, has it;
+    the engine sits below the API and does not import it)."""
+
+    model: DecoderLM
+    stepper: Stepper
+    tokenizer: Tokenizer
+
+    def _eos_ids(self) -> Sequence[int]: ...
+
+    def _encode(self, prompt: str | list[int], what: str) -> list[int]: ...
 
 MIN_SLOTS = 256  # the KV capacity grows in powers of two from here (up to the context)
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -10,8 +11,9 @@ from pathlib import Path
 import torch
 
 from infer.cache import KVCache
-from infer.config import ModelConfig, load_config
-from infer.loader.weights import SafetensorsSource
+from infer.loader.checkpoint import open_checkpoint
+from infer.loader.config import ModelConfig
+from infer.loader.source import StoredTensor
 
 
 @dataclass(frozen=True)
@@ -23,10 +25,7 @@ class TensorRow:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _gib(n: float) -> str:
@@ -36,39 +35,22 @@ def _gib(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _rows_safetensors(path: Path) -> list[TensorRow]:
-    source = SafetensorsSource(path)
-    kinds = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    rows = [
-        TensorRow(t.name, t.shape, kinds.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.nbytes)
-        for t in source.tensors().values()
-    ]
-    source.close()
-    return rows
+_KINDS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def _rows_gguf(path: Path) -> tuple[ModelConfig, list[TensorRow]]:
-    from infer.gguf import GGUFFile, config_from_gguf
-
-    gguf = GGUFFile(path)
-    config = config_from_gguf(gguf)
-    return config, [TensorRow(t.name, t.shape, t.type_name, t.nbytes) for t in gguf.tensors.values()]
+def _row(t: StoredTensor) -> TensorRow:
+    kind = t.qtype.name if t.qtype is not None else _KINDS.get(t.dtype, str(t.dtype).removeprefix("torch."))
+    return TensorRow(t.name, t.shape, kind, t.nbytes)
 
 
 def inspect_checkpoint(
     model: str | Path, *, context: int | None = None, batch_size: int = 1, dtype: str | None = None
 ) -> str:
     """A human-readable report: architecture, parameters, per-layer tensors, memory estimates."""
-    from infer.api import resolve_checkpoint, resolve_dtype
-
-    path = resolve_checkpoint(model)
-    if path.suffix == ".gguf":
-        config, rows = _rows_gguf(path)
-    else:
-        config = load_config(path)
-        rows = _rows_safetensors(path)
-    config_file = path if path.is_file() else path / "config.json"
-    run_dtype = resolve_dtype(dtype, config.torch_dtype, str(config_file))
+    checkpoint = open_checkpoint(model)
+    path, config = checkpoint.path, checkpoint.config
+    rows = [_row(t) for t in checkpoint.stored_tensors()]
+    run_dtype = checkpoint.options(dtype).dtype
     context = context or config.max_position_embeddings
     params = sum(r.numel for r in rows)
     stored = sum(r.nbytes for r in rows)

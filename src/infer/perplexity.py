@@ -28,12 +28,23 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from infer.api import LLM
+    from infer.loader.config import ModelConfig
+    from infer.loader.tokenizer import Tokenizer
+    from infer.models.base import DecoderLM
+
+
+class LLM(Protocol):
+    """What perplexity needs of a loaded model (`infer.api.LLM`, which calls this module, has it)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: DecoderLM
+
 
 ProgressFn = Callable[[int, int, float], None]  # (chunks done, chunks in all, perplexity so far)
 

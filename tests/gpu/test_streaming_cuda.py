@@ -22,6 +22,7 @@ import torch
 from infer.generate import left_pad
 from infer.loader.build import load_model
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed
@@ -33,12 +34,16 @@ def build_streaming_model(
     path: Path, *, device: str, dtype: torch.dtype, streaming: StreamingConfig
 ) -> DecoderLM:
     return build_streamed(
-        SafetensorsSource(path), load_config(path), device=device, dtype=dtype, streaming=streaming
+        SafetensorsSource(path),
+        load_config(path),
+        LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming),
     )
 
 
 def load_resident(path: Path, dtype: torch.dtype) -> DecoderLM:
-    return load_model(SafetensorsSource(path), load_config(path), dtype=dtype, device="cuda")
+    return load_model(
+        SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype, device=torch.device("cuda"))
+    )
 
 
 pytestmark = [
@@ -95,7 +100,7 @@ def test_cuda_streamed_equals_resident(
         )
         assert all(torch.equal(w, g) for w, g in zip(want_logits, got_logits, strict=True))
         assert got_tokens == want_tokens
-    stats = model.executor.stats  # type: ignore[attr-defined]
+    stats = model.executor.stats
     if host_cache:
         assert stats.bytes_read < stats.bytes_loaded  # later passes came from pinned host memory
 
@@ -146,7 +151,7 @@ def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None
     rows = steps[-1]
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    stats = model.executor.stats  # type: ignore[attr-defined]
+    stats = model.executor.stats
     print(
         f"\ncheckpoint {size / 1e6:.0f} MB bf16, budget {budget / 1e6:.0f} MB, "
         f"planned {stats.planned_bytes / 1e6:.1f} MB,"
@@ -193,7 +198,7 @@ def test_cuda_copies_overlap_compute(big_checkpoint: Path) -> None:
         model.executor.reset_stats()  # type: ignore[attr-defined]
         for _ in range(3):
             model(ids)
-    stats = model.executor.stats  # type: ignore[attr-defined]
+    stats = model.executor.stats
     copy, covered = _overlap(stats.timeline)
     print(
         f"\ncopy {copy * 1e3:.1f} ms, of which {covered * 1e3:.1f} ms under compute "
@@ -239,7 +244,7 @@ def test_cuda_prefetch_wall_time(big_checkpoint: Path) -> None:
             ),
         )
         walls[prefetch] = _time_forwards(model, ids, 4)
-        stats[prefetch] = model.executor.stats  # type: ignore[attr-defined]
+        stats[prefetch] = model.executor.stats
     s, p = stats[False], stats[True]
     print(
         f"\nsync: wall {walls[False]:.3f}s (load {s.load_seconds:.3f}s, compute {s.compute_seconds:.3f}s); "

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFValueType, GGUFWriter
+from gguf_copy import copy_tensors_and_close
 from safetensors.torch import load_file, save_file
 
 import infer
@@ -198,18 +199,7 @@ def rewrite(src: Path, dst: Path, meta: dict[str, Any], arch: str | None = None)
             w.add_key_value(key, items, GGUFValueType.ARRAY, GGUFValueType(types[1]))
         else:
             w.add_key_value(key, value, GGUFValueType(types[0]))
-    for name, info in f.tensors.items():
-        raw = np.array(f.raw(name))
-        from gguf import GGMLQuantizationType
-
-        if info.ggml_type == GGMLQuantizationType.F32:
-            w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
-        else:
-            w.add_tensor(name, raw.reshape(info.shape[0], -1), raw_dtype=info.ggml_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_tensors_and_close(f, w)
     return dst
 
 
@@ -279,7 +269,7 @@ def test_llama3_rope_freqs_are_the_converters(good: Path) -> None:
     config = config_from_gguf(gguf)
     assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "freq_factors"
     hf = tiny_hf_model("llama")
-    from infer.config import config_from_dict
+    from infer.loader.config import config_from_dict
 
     expected = llama3_rope_factors(config_from_dict(hf.config.to_dict()))
     np.testing.assert_array_equal(np.array(config.rope_scaling["factors"], np.float32), expected)

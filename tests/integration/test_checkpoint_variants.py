@@ -13,6 +13,20 @@ from safetensors.torch import load_file, save_file
 import infer
 
 
+def variant(
+    src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict[str, object] | None = None
+) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``tensors`` stored instead (and ``config``, if given)."""
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if not (dst / f.name).exists():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 @pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
 def test_multimodal_gemma3_checkpoint_loads_its_language_model(
     prefix: str, tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
@@ -26,13 +40,7 @@ def test_multimodal_gemma3_checkpoint_loads_its_language_model(
         tensors[prefix + name.removeprefix("model.") if name.startswith("model.") else name] = t
     tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
     tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
-    dst = tmp_path / "mm"
-    dst.mkdir()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (dst / f.name).write_bytes(f.read_bytes())
+    dst = variant(src, tmp_path / "mm", tensors, config)
     ids = torch.randint(0, 260, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = infer.load(src).model(ids)
@@ -46,12 +54,7 @@ def test_nested_names_without_multimodal_layout_are_rejected(
     src = tiny_ckpt_factory("llama")
     tensors = load_file(src / "model.safetensors")
     tensors["vision_tower.patch.weight"] = torch.zeros(2)
-    dst = tmp_path / "extra"
-    dst.mkdir()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
+    dst = variant(src, tmp_path / "extra", tensors)
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\) for model_type 'llama': \['vision_tower"):
         infer.load(dst)
 
@@ -62,12 +65,7 @@ def test_stored_buffers_are_ignored(tiny_ckpt_factory: Callable[..., Path], tmp_
     tensors = load_file(src / "model.safetensors")
     for i in range(3):
         tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    dst = tmp_path / "buffers"
-    dst.mkdir()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
+    dst = variant(src, tmp_path / "buffers", tensors)
     ids = torch.randint(0, 260, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(infer.load(dst).model(ids), infer.load(src).model(ids))

@@ -20,6 +20,7 @@ import torch
 import infer
 from infer.loader.build import load_model
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import build_streamed
@@ -85,14 +86,20 @@ def test_every_mode_matches_the_file_source(tiny_ckpt_factory: Callable[..., Pat
     streaming = infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0, resident_embeddings=False)
     with torch.inference_mode():
         for quantize in (None, "int8"):
-            want = load_model(SafetensorsSource(path), config, dtype=torch.float32, quantize=quantize)(IDS)
+            want = load_model(
+                SafetensorsSource(path), config, LoadOptions(dtype=torch.float32, quantize=quantize)
+            )(IDS)
             source, _ = ranged(path)
-            resident = load_model(source, config, dtype=torch.float32, quantize=quantize)(IDS)
+            resident = load_model(source, config, LoadOptions(dtype=torch.float32, quantize=quantize))(IDS)
             assert torch.equal(resident, want), (arch, quantize)
         source, fetches = ranged(path)
-        model = build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
+        model = build_streamed(
+            source, config, LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
+        )
         header_only = len(fetches)
-        assert torch.equal(model(IDS), load_model(SafetensorsSource(path), config, dtype=torch.float32)(IDS))
+        assert torch.equal(
+            model(IDS), load_model(SafetensorsSource(path), config, LoadOptions(dtype=torch.float32))(IDS)
+        )
     per_forward = len(fetches) - header_only
     print(f"{arch}: {header_only} fetches at load, {per_forward} for one streamed forward")
     # A float checkpoint streams straight from the source: at load only the header (2 fetches)

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_env import free_port, rank_env
 from safetensors.torch import load_file, save_file
 
 import infer
@@ -63,6 +63,8 @@ try:
     batch = llm.generate([args["prompt"], args["prompt2"]], max_new_tokens=args["new"])
     out["batch"] = [r.token_ids for r in batch]  # pipeline stages: two micro-batches of one row
     out["kv_bytes"] = llm.model.make_cache(2, 64).nbytes
+    stats = llm.streaming_stats
+    out["streamed_bytes"] = None if stats is None else stats.bytes_loaded
     if args.get("sample"):
         sampled = llm.generate(args["prompt"], max_new_tokens=args["new"], temperature=1.0, top_k=20)
         out["sampled"] = sampled.token_ids
@@ -72,28 +74,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_ranks(world: int, args: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
     """Run `CHILD` as ``world`` ranks; return each rank's result (its error, if it raised)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(SRC),
-        }
+        env = rank_env(rank, world, port)
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", CHILD, json.dumps(args)],
@@ -193,6 +179,9 @@ def test_streaming_pipeline(tiny_ckpt_factory: Callable[..., Path]) -> None:
     streaming = {"memory_budget": "64MB", "max_resident_layers": 0, "layer_group_size": 1}
     results = run_ranks(2, args_for(path, 1, 2, kwargs={"streaming": streaming}))
     check(results, reference(path), "llama pp2 streamed", exact=True)
+    streamed = [r["streamed_bytes"] for r in results]
+    print("bytes streamed per stage:", streamed)
+    assert all(b is not None and b > 0 for b in streamed), streamed  # each stage reports its own
 
 
 def _expect_same_error(results: list[dict[str, Any]], *needles: str) -> str:
@@ -245,7 +234,7 @@ def _cli(args: list[str], stdin: str = "", ranks: int = 0, timeout: float = 240)
     launch = [sys.executable, "-m", "infer"]
     if ranks:
         torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        launch = [sys.executable, *torchrun, "--master-port", str(_free_port()), "-m", "infer"]
+        launch = [sys.executable, *torchrun, "--master-port", str(free_port()), "-m", "infer"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     try:
         proc = subprocess.run(

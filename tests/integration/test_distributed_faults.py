@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rank_env import free_port, rank_env
 
 pytestmark = pytest.mark.slow
 
@@ -47,26 +47,6 @@ except Exception as e:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(SRC),
-    }
-
-
 def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> None:
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -88,11 +68,11 @@ def test_a_stopped_rank_fails_the_others_in_time(
     path = tiny_ckpt_factory("llama")
     tp, pp = (2, 1) if mode == "tp2" else (1, 2)
     args = {"path": str(path), "tp": tp, "pp": pp, "timeout": TIMEOUT_S}
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, json.dumps(args)],
-            env=_env(rank, 2, port),
+            env=rank_env(rank, 2, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -132,7 +112,7 @@ print(rt.group_timeout(p.tp_group), rt.group_timeout(p.column_group))
 
 
 def test_every_group_carries_the_timeout() -> None:
-    env = {**_env(0, 1, _free_port()), "PORT": str(_free_port())}
+    env = {**rank_env(0, 1, free_port()), "PORT": str(free_port())}
     proc = subprocess.run(
         [sys.executable, "-c", GROUP_TIMEOUT], env=env, capture_output=True, text=True, timeout=120
     )
@@ -147,7 +127,7 @@ def test_rank_0_dies_under_torchrun(tiny_ckpt_factory: Callable[..., Path]) -> N
     argv = ["generate", path, "Hello", "--max-new-tokens", "2000", "--tensor-parallel", "2", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
-        [*torchrun, "--master-port", str(_free_port()), "-m", "infer", *argv],
+        [*torchrun, "--master-port", str(free_port()), "-m", "infer", *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -12,8 +12,6 @@ import infer
 from infer.generate import SamplingParams, generate_steps, run_to_end
 from infer.models.base import DecoderLM
 
-ARCHS = ("llama", "qwen3", "gemma3")
-
 
 @pytest.fixture(scope="module")
 def llm_factory(tiny_ckpt_factory: Callable[..., Path]) -> Callable[[str], infer.LLM]:
@@ -33,7 +31,6 @@ def _greedy(model: DecoderLM, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_generate(
     arch: str,
     llm_factory: Callable[[str], infer.LLM],
@@ -59,7 +56,6 @@ def test_greedy_matches_transformers_generate(
         assert ours == ref
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cached_decode_equals_full_forward(
     arch: str, batch: int, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Callable[..., DecoderLM]
@@ -81,7 +77,6 @@ def test_cached_decode_equals_full_forward(
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_equals_full_forward(
     arch: str, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Callable[..., DecoderLM]
 ) -> None:
@@ -97,7 +92,6 @@ def test_chunked_prefill_equals_full_forward(
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 def test_batched_generation_equals_single(arch: str, tiny_ckpt_factory: Callable[..., Path]) -> None:
     """In the deterministic mode a batched prompt's tokens are the prompt's alone (docs/numerics.md)."""
     llm = infer.load(tiny_ckpt_factory(arch), dtype=torch.float32, deterministic=True)
@@ -171,7 +165,6 @@ def test_stop_strings(llm_factory: Callable[[str], infer.LLM]) -> None:
     assert streamed == cut.text
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 def test_stream_concatenates_to_generate(arch: str, llm_factory: Callable[[str], infer.LLM]) -> None:
     llm = llm_factory(arch)
     pieces = list(llm.stream("Once upon", max_new_tokens=30))

@@ -20,10 +20,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 import infer
-from infer.api import GGUF_COMPUTE_DTYPE
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
 from infer.loader.build import load_model as build_model
+from infer.loader.checkpoint import GGUF_COMPUTE_DTYPE
+from infer.loader.options import LoadOptions
 from infer.models.base import DecoderLM
 from infer.quant import QuantizedEmbedding, QuantizedLinear
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -66,7 +67,9 @@ def load_model(path: Path, dtype: torch.dtype | None) -> DecoderLM:
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
     compute = GGUF_COMPUTE_DTYPE if dtype is None else dtype
-    return build_model(GGUFSource(gguf), config, dtype=dtype or torch.float32, compute_dtype=compute)
+    return build_model(
+        GGUFSource(gguf), config, LoadOptions(dtype=dtype or torch.float32, compute_dtype=compute)
+    )
 
 
 @pytest.fixture(scope="module")

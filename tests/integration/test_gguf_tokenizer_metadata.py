@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
+from gguf_copy import copy_tensors_and_close
 
 import infer
 from infer.gguf import GGUFFile, config_from_gguf
@@ -54,16 +54,7 @@ def with_metadata(src: Path, dst: Path, changes: dict[str, Change]) -> Path:
     for key, entry in entries.items():
         if key != "general.architecture" and entry is not None:
             w.add_key_value(key, entry[1], entry[0], entry[2])
-    for name, info in f.tensors.items():
-        raw = f.read(name)
-        if info.ggml_type == GGMLQuantizationType.F32:
-            w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
-        else:
-            w.add_tensor(name, raw.reshape(info.shape[0], -1), raw_dtype=info.ggml_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_tensors_and_close(f, w)
     return dst
 
 

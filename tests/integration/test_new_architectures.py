@@ -19,19 +19,22 @@ import torch
 import infer
 from infer.cli import main
 
-pytestmark = pytest.mark.slow
-
 NEW = ["qwen2", "mistral", "phi3"]
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("arch", NEW)]  # every test, each new architecture
 IDS = torch.randint(0, 260, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("arch", NEW)
-def test_logits_cache_and_padding(
+@pytest.fixture
+def ours_and_hf(
     tiny_ckpt_factory: Callable[..., Path], hf_model_factory: Callable[..., Any], arch: str
-) -> None:
+) -> tuple[infer.LLM, Any]:
+    """``arch``'s tiny checkpoint loaded by us and by transformers."""
     path = tiny_ckpt_factory(arch)
-    llm = infer.load(path)
-    hf = hf_model_factory(path)
+    return infer.load(path), hf_model_factory(path)
+
+
+def test_logits_cache_and_padding(ours_and_hf: tuple[infer.LLM, Any], arch: str) -> None:
+    llm, hf = ours_and_hf
     model = llm.model
     with torch.no_grad():
         want = hf(IDS).logits
@@ -51,13 +54,8 @@ def test_logits_cache_and_padding(
     assert err_cache <= 2e-5 and err_pad <= 1e-5  # measured up to 1.2e-5 (decode order of the sums)
 
 
-@pytest.mark.parametrize("arch", NEW)
-def test_greedy_generation_matches_transformers(
-    tiny_ckpt_factory: Callable[..., Path], hf_model_factory: Callable[..., Any], arch: str
-) -> None:
-    path = tiny_ckpt_factory(arch)
-    llm = infer.load(path)
-    hf = hf_model_factory(path)
+def test_greedy_generation_matches_transformers(ours_and_hf: tuple[infer.LLM, Any], arch: str) -> None:
+    llm, hf = ours_and_hf
     prompt = llm.tokenizer.encode("The quick brown fox")
     ours = llm.generate(prompt, max_new_tokens=24, stop=None)
     with torch.no_grad():
@@ -66,14 +64,13 @@ def test_greedy_generation_matches_transformers(
         )[0, len(prompt) :].tolist()
     print(f"{arch}: {len(set(ours.token_ids))} distinct tokens of {len(ours.token_ids)}")
     assert ours.token_ids == theirs
-    det = infer.load(path, deterministic=True)  # batch == alone holds by construction there
+    det = infer.load(llm.source, deterministic=True)  # batch == alone holds by construction there
     assert det.generate(prompt, max_new_tokens=24, stop=None).token_ids == theirs
     batch = det.generate(["The quick brown fox", "hi"], max_new_tokens=8)
     assert batch[0].token_ids == det.generate("The quick brown fox", max_new_tokens=8).token_ids
     assert batch[1].token_ids == det.generate("hi", max_new_tokens=8).token_ids
 
 
-@pytest.mark.parametrize("arch", NEW)
 def test_cli_inspect_and_generate(
     tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str], arch: str
 ) -> None:

@@ -36,13 +36,14 @@ from typing import Any
 
 import pytest
 import torch
+from mask_helpers import causal_mask, sliding_window_causal_mask
 from safetensors.torch import load_file, save_file
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig, load_config
 from infer.loader.weight_map import get_weight_map
 from infer.loader.weights import SafetensorsSource, load_weights
 from infer.models import model_class
-from infer.models.common import RotaryEmbedding, causal_mask, rope_tables, sliding_window_causal_mask
+from infer.models.common import RotaryEmbedding, rope_tables
 
 pytestmark = pytest.mark.slow  # parity with transformers: `pytest tests/integration/ -m slow` runs it
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, StreamingExecutor, build_streamed
 from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
@@ -40,6 +41,7 @@ from infer.generate import SamplingParams, generate_steps
 from infer.loader.build import build_empty
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
+from infer.loader.options import LoadOptions
 from infer.streaming import StreamingConfig, build_streamed
 
 path, budget, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
@@ -65,7 +67,7 @@ streaming = StreamingConfig(
     layer_group_size=2, memory_budget=budget, prefetch=prefetch, max_context=128, max_prefill_tokens=64
 )
 source = SafetensorsSource(path)
-model = build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
+model = build_streamed(source, config, LoadOptions(dtype=torch.float32, streaming=streaming))
 prompt = [[(7 * i + 3) % config.vocab_size for i in range(48)]]
 rows = None
 for rows in generate_steps(model, prompt, max_new_tokens=16, params=SamplingParams(), eos_ids=[]):
@@ -122,9 +124,7 @@ def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
         build_streamed(
             SafetensorsSource(big_checkpoint),
             load_config(big_checkpoint),
-            device="cpu",
-            dtype=torch.float32,
-            streaming=streaming,
+            LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
         )
     message = str(info.value)
     print(message)
@@ -141,9 +141,9 @@ def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
     model = build_streamed(
         SafetensorsSource(big_checkpoint),
         load_config(big_checkpoint),
-        device="cpu",
-        dtype=torch.float32,
-        streaming=StreamingConfig(memory_budget=budget),
+        LoadOptions(
+            device=torch.device("cpu"), dtype=torch.float32, streaming=StreamingConfig(memory_budget=budget)
+        ),
     )
     assert isinstance(model.executor, StreamingExecutor)
     plan = model.executor.plan

@@ -24,6 +24,7 @@ import torch
 from infer.generate import left_pad
 from infer.loader.build import load_model
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.models.common import set_deterministic
@@ -34,7 +35,7 @@ STEPS = 6
 
 
 def load_resident(path: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    model = load_model(SafetensorsSource(path), load_config(path), dtype=dtype)
+    model = load_model(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype))
     set_deterministic(model)
     return model
 
@@ -46,7 +47,9 @@ def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> 
     )
     settings.update(kw)
     model = build_streamed(
-        SafetensorsSource(path), config, device="cpu", dtype=dtype, streaming=StreamingConfig(**settings)
+        SafetensorsSource(path),
+        config,
+        LoadOptions(device=torch.device("cpu"), dtype=dtype, streaming=StreamingConfig(**settings)),
     )
     set_deterministic(model)
     return model
@@ -90,7 +93,7 @@ def test_streamed_equals_resident(tiny_ckpt_factory: Any, arch: str, group_size:
         -resident.config.num_hidden_layers // group_size
     )
     assert_identical(resident, streamed, f"{arch} group={group_size} prefetch={prefetch}")
-    stats = streamed.executor.stats  # type: ignore[attr-defined]
+    stats = streamed.executor.stats
     per_forward = sum(u.nbytes for u in plan.units)
     assert stats.forwards == STEPS + 1
     assert stats.bytes_loaded == stats.forwards * per_forward
@@ -128,7 +131,7 @@ def test_budget_decides_residency(tiny_ckpt_factory: Any) -> None:
     plan = streamed.executor.plan  # type: ignore[attr-defined]
     assert plan.units == [] and plan.num_buffers == 0
     assert_identical(load_resident(path), streamed, "qwen3 all resident")
-    assert streamed.executor.stats.bytes_loaded == 0  # type: ignore[attr-defined]
+    assert streamed.executor.stats.bytes_loaded == 0
 
 
 def test_sharded_checkpoint(tiny_ckpt_factory: Any) -> None:

@@ -70,7 +70,7 @@ def test_gguf_streamed_equals_resident(
     worst = max((w - g).abs().max().item() for w, g in zip(want, got, strict=True))
     print(f"{arch} {qtype} group={group_size} prefetch={prefetch}: max diff {worst:.3g}")
     assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
-    assert model.executor.stats.bytes_loaded > 0  # type: ignore[attr-defined]
+    assert model.executor.stats.bytes_loaded > 0
 
 
 def test_q4_moves_a_quarter_of_bf16(gguf_files: dict[tuple[str, str], Path]) -> None:
@@ -78,7 +78,7 @@ def test_q4_moves_a_quarter_of_bf16(gguf_files: dict[tuple[str, str], Path]) -> 
     for qtype in ("Q4_0", "BF16"):
         model = streamed(gguf_files["llama", qtype], torch.bfloat16, layer_group_size=3)
         trace(model)
-        stats = model.executor.stats  # type: ignore[attr-defined]
+        stats = model.executor.stats
         moved[qtype] = stats.bytes_loaded / stats.forwards
     ratio = moved["Q4_0"] / moved["BF16"]
     print(f"bytes per forward: Q4_0 {moved['Q4_0']:.0f}, BF16 {moved['BF16']:.0f} (ratio {ratio:.2f})")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
@@ -81,7 +82,9 @@ def build(path: Path, prefetch: bool, rate: float | None) -> DecoderLM:
         max_context=TOKENS,
         max_prefill_tokens=TOKENS,
     )
-    return build_streamed(source, config, device="cpu", dtype=torch.float32, streaming=streaming)
+    return build_streamed(
+        source, config, LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
+    )
 
 
 def run(model: DecoderLM) -> float:
@@ -98,16 +101,16 @@ def run(model: DecoderLM) -> float:
 def test_prefetch_overlaps_transfer_and_compute(checkpoint: Path, one_thread: None) -> None:
     fast = build(checkpoint, prefetch=False, rate=None)
     run(fast)
-    compute = fast.executor.stats.compute_seconds  # type: ignore[attr-defined]
+    compute = fast.executor.stats.compute_seconds
     per_forward = sum(u.nbytes for u in fast.executor.plan.units)  # type: ignore[attr-defined]
     rate = FORWARDS * per_forward / compute  # loading a forward's weights takes about one forward's compute
 
     sync = build(checkpoint, prefetch=False, rate=rate)
     wall_sync = run(sync)
-    s = sync.executor.stats  # type: ignore[attr-defined]
+    s = sync.executor.stats
     prefetch = build(checkpoint, prefetch=True, rate=rate)
     wall_prefetch = run(prefetch)
-    p = prefetch.executor.stats  # type: ignore[attr-defined]
+    p = prefetch.executor.stats
 
     c, t = s.compute_seconds, s.load_seconds
     print(

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from infer.config import load_config
+from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
@@ -54,7 +55,11 @@ class StallingSource:
 
 def build(path: Path, streaming: StreamingConfig) -> tuple[DecoderLM, StallingSource]:
     source = StallingSource(SafetensorsSource(path))
-    model = build_streamed(source, load_config(path), device="cpu", dtype=torch.float32, streaming=streaming)
+    model = build_streamed(
+        source,
+        load_config(path),
+        LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
+    )
     return model, source
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from infer.cache import KEY_CHUNK, KVCache, StepPlan, slot_mask
+from infer.cache import KEY_CHUNK, KVCache, StepKV, StepPlan, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, config_from_dict
 from infer.testing import SLIDING_WINDOW
 
@@ -189,7 +189,7 @@ def test_rows_advance_by_their_own_token_counts() -> None:
 
 @pytest.mark.parametrize("window", [3, 4, 8])
 def test_ring_contents_match_key_slots(window: int) -> None:
-    """What `LayerKV.update` returns holds, at every written key, the slot `key_slots` lists for it."""
+    """What `StepKV.update` returns holds, at every written key, the slot `key_slots` lists for it."""
     config = small_config(window=window)
     cache = KVCache(config, 2, 64, dtype=torch.float32)
     Hkv, D = config.num_key_value_heads, config.computed_head_dim
@@ -199,7 +199,9 @@ def test_ring_contents_match_key_slots(window: int) -> None:
         k = plan.slots.float()[:, None, :, None].expand(2, Hkv, T, D).clone()  # each key carries its slot
         for i, lt in enumerate([SLIDING_ATTENTION, FULL_ATTENTION]):
             expected = cache.key_slots(lt, plan).expand(2, -1)  # [B, S]
-            keys, values = cache.layers[i].update(k, -k)
+            kv = cache.layers[i]
+            bound = StepKV(kv.k, kv.v, kv.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src)
+            keys, values = bound.update(k, -k)
             assert keys.shape == (2, Hkv, expected.shape[1], D)
             for b in range(2):
                 seen = plan.slots[b, -1]  # keys up to the newest query matter; later ones are masked

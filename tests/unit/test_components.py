@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import torch.nn.functional as F
+from mask_helpers import causal_mask, sliding_window_causal_mask
 
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, config_from_dict
 from infer.models.common import (
@@ -26,12 +27,10 @@ from infer.models.common import (
     apply_rotary,
     attend,
     attention_from_config,
-    causal_mask,
     make_rotary_embeddings,
     rope_inv_freq,
     rope_tables,
     rotate_half,
-    sliding_window_causal_mask,
 )
 
 NEG_INF = float("-inf")

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
+import infer.models  # noqa: F401  (registers the architectures with the config reader)
 from infer.loader.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    SUPPORTED_MODEL_TYPES,
     ModelConfig,
     config_from_dict,
     load_config,
+    supported_model_types,
 )
 
 
@@ -28,98 +29,59 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
 # --------------------------------------------------------------------------- the dev models
 
 
-def test_llama_3_2_1b(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:
-    cfg = load_config(write_config(tmp_path, dev_configs["llama"]))
-    assert cfg.model_type == "llama"
-    assert cfg.hidden_size == 2048
-    assert cfg.intermediate_size == 8192
-    assert cfg.num_hidden_layers == 16
-    assert cfg.num_attention_heads == 32
-    assert cfg.num_key_value_heads == 8
-    assert cfg.vocab_size == 128256
-    assert cfg.max_position_embeddings == 131072
-    assert cfg.head_dim == 64
-    assert cfg.computed_head_dim == 64
-    assert cfg.rms_norm_eps == 1e-5
-    assert cfg.rope_theta == 500000.0
-    assert cfg.rope_scaling == {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-    }
-    assert cfg.rope_local_base_freq is None
-    assert cfg.attention_bias is False
-    assert cfg.mlp_bias is False
-    assert cfg.hidden_act == "silu"
-    assert cfg.query_pre_attn_scalar is None
-    assert cfg.attention_scale == 64**-0.5
-    assert cfg.sliding_window is None
-    assert cfg.sliding_window_pattern is None
-    assert cfg.layer_types is None
-    assert [cfg.layer_type(i) for i in range(16)] == [FULL_ATTENTION] * 16
-    assert cfg.tie_word_embeddings is True
-    assert cfg.bos_token_id == 128000
-    assert cfg.eos_token_id == [128001, 128008, 128009]
-    assert cfg.eos_token_ids == [128001, 128008, 128009]
-    assert cfg.torch_dtype == "bfloat16"
+# The dev models' config.json (conftest.DEV_CONFIGS) -> the fields we expect, each checked.
+# fmt: off
+DEV_EXPECTED: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+        head_dim=64, computed_head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rope_local_base_freq=None, attention_bias=False, mlp_bias=False, hidden_act="silu",
+        query_pre_attn_scalar=None, attention_scale=64**-0.5, sliding_window=None,
+        sliding_window_pattern=None, layer_types=None, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009], eos_token_ids=[128001, 128008, 128009], torch_dtype="bfloat16",
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960,
+        head_dim=128, computed_head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,  # the JSON has the integer 1000000
+        rope_scaling=None, sliding_window=None,  # JSON nulls
+        layer_types=None, hidden_act="silu", tie_word_embeddings=True, attention_scale=128**-0.5,
+        eos_token_id=151645, eos_token_ids=[151645],
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, vocab_size=262144, max_position_embeddings=32768,
+        head_dim=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling=None,
+        hidden_act="gelu_pytorch_tanh",  # from hidden_activation
+        query_pre_attn_scalar=256.0, attention_scale=256**-0.5, sliding_window=512, sliding_window_pattern=6,
+        # gemma-3-1b-it's config.json has no tie_word_embeddings: transformers' default (True) applies.
+        tie_word_embeddings=True,
+        final_logit_softcapping=None, attn_logit_softcapping=None, eos_token_id=[1, 106], pad_token_id=0,
+    ),
+}
+# fmt: on
+# Global (full-attention) layers of each dev model.
+DEV_FULL_LAYERS = {"llama": list(range(16)), "qwen3": list(range(28)), "gemma3": [5, 11, 17, 23]}
 
 
-def test_qwen3_1_7b(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:
-    cfg = load_config(write_config(tmp_path, dev_configs["qwen3"]))
-    assert cfg.model_type == "qwen3"
-    assert cfg.hidden_size == 2048
-    assert cfg.intermediate_size == 6144
-    assert cfg.num_hidden_layers == 28
-    assert cfg.num_attention_heads == 16
-    assert cfg.num_key_value_heads == 8
-    assert cfg.vocab_size == 151936
-    assert cfg.max_position_embeddings == 40960
-    assert cfg.head_dim == 128
-    assert cfg.computed_head_dim == 128
-    assert cfg.rms_norm_eps == 1e-6
-    assert cfg.rope_theta == 1_000_000.0
-    assert isinstance(cfg.rope_theta, float)  # the JSON has the integer 1000000
-    assert cfg.rope_scaling is None  # JSON null
-    assert cfg.sliding_window is None  # JSON null
-    assert cfg.layer_types is None
-    assert cfg.hidden_act == "silu"
-    assert cfg.tie_word_embeddings is True
-    assert cfg.attention_scale == 128**-0.5
-    assert cfg.eos_token_id == 151645
-    assert cfg.eos_token_ids == [151645]
-
-
-def test_gemma_3_1b_it(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:
-    cfg = load_config(write_config(tmp_path, dev_configs["gemma3"]))
-    assert cfg.model_type == "gemma3_text"
-    assert cfg.hidden_size == 1152
-    assert cfg.intermediate_size == 6912
-    assert cfg.num_hidden_layers == 26
-    assert cfg.num_attention_heads == 4
-    assert cfg.num_key_value_heads == 1
-    assert cfg.vocab_size == 262144
-    assert cfg.max_position_embeddings == 32768
-    assert cfg.head_dim == 256
-    assert cfg.rms_norm_eps == 1e-6
-    assert cfg.rope_theta == 1_000_000.0
-    assert cfg.rope_local_base_freq == 10_000.0
-    assert isinstance(cfg.rope_local_base_freq, float)
-    assert cfg.rope_scaling is None
-    assert cfg.hidden_act == "gelu_pytorch_tanh"  # from hidden_activation
-    assert cfg.query_pre_attn_scalar == 256.0
-    assert cfg.attention_scale == 256**-0.5
-    assert cfg.sliding_window == 512
-    assert cfg.sliding_window_pattern == 6
-    assert cfg.layer_types is not None and len(cfg.layer_types) == 26
-    assert [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION] == [5, 11, 17, 23]
-    # gemma-3-1b-it's config.json has no tie_word_embeddings: transformers' default (True) applies.
-    assert cfg.tie_word_embeddings is True
-    assert cfg.final_logit_softcapping is None
-    assert cfg.attn_logit_softcapping is None
-    assert cfg.eos_token_id == [1, 106]
-    assert cfg.pad_token_id == 0
+@pytest.mark.parametrize("model", list(DEV_EXPECTED))
+def test_dev_model_configs(tmp_path: Path, dev_configs: dict[str, dict[str, Any]], model: str) -> None:
+    cfg = load_config(write_config(tmp_path, dev_configs[model]))
+    expected = DEV_EXPECTED[model]
+    got = {key: getattr(cfg, key) for key in expected}
+    wrong = {key: (got[key], value) for key, value in expected.items() if got[key] != value}
+    assert not wrong, f"{model}: (got, expected) {wrong}"
+    for key in ("rope_theta", "rope_local_base_freq"):  # typed float even when JSON writes an integer
+        assert getattr(cfg, key) is None or isinstance(getattr(cfg, key), float), key
+    full = [i for i in range(cfg.num_hidden_layers) if cfg.layer_type(i) == FULL_ATTENTION]
+    assert full == DEV_FULL_LAYERS[model]
 
 
 def test_str_and_path_inputs(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:
@@ -145,7 +107,7 @@ def test_unsupported_model_type_names_file_and_supported_set(
     assert str(path / "config.json") in message
     for supported in ("llama", "qwen3", "gemma3_text"):
         assert supported in message
-    assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "qwen3", "gemma3_text"}
+    assert set(supported_model_types()) >= {"llama", "qwen3", "gemma3_text"}
 
 
 def test_missing_model_type(tmp_path: Path, dev_configs: dict[str, dict[str, Any]]) -> None:

@@ -13,38 +13,45 @@ from infer.gguf.config import config_from_gguf
 from infer.gguf.reader import GGUFFile
 from infer.realmodels import gemma3_270m_path, smollm2_path
 
+# fmt: off
+# The shipped real GGUF files -> the values of their hub config.json (and their tensor types).
+REAL_EXPECTED: dict[str, dict[str, Any]] = {
+    "smollm2": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, computed_head_dim=64, vocab_size=49152,
+        max_position_embeddings=8192, rope_theta=100000.0, rope_scaling=None, tie_word_embeddings=True,
+        hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    ),
+    "gemma3_270m": dict(  # google/gemma-3-270m
+        model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, computed_head_dim=256, vocab_size=262144,
+        max_position_embeddings=32768, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
+        rope_scaling=None, sliding_window=512, query_pre_attn_scalar=256.0, tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
+}
+# fmt: on
+REAL_PATHS = {"smollm2": smollm2_path, "gemma3_270m": gemma3_270m_path}
+REAL_EPS = {"smollm2": 1e-5, "gemma3_270m": 1e-6}
+REAL_FULL_LAYERS = {"smollm2": list(range(30)), "gemma3_270m": [5, 11, 17]}
+
 
 @pytest.mark.realmodel
-def test_smollm2_config() -> None:
-    # Values of HuggingFaceTB/SmolLM2-135M-Instruct's config.json.
-    c = config_from_gguf(GGUFFile(smollm2_path()))
-    assert c.model_type == "llama"
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (576, 1536, 30)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.computed_head_dim) == (9, 3, 64)
-    assert (c.vocab_size, c.max_position_embeddings) == (49152, 8192)
-    assert c.rope_theta == 100000.0 and c.rope_scaling is None
-    assert c.rms_norm_eps == pytest.approx(1e-5)
-    assert c.tie_word_embeddings and c.hidden_act == "silu"
-    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (1, 2, 2)
-    assert c.extra["gguf"]["tensor_types"] == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
-
-
-@pytest.mark.realmodel
-def test_gemma3_270m_config() -> None:
-    # Values of google/gemma-3-270m's config.json.
-    c = config_from_gguf(GGUFFile(gemma3_270m_path()))
-    assert c.model_type == "gemma3_text"
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (640, 2048, 18)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.computed_head_dim) == (4, 1, 256)
-    assert (c.vocab_size, c.max_position_embeddings) == (262144, 32768)
-    assert c.rope_theta == 1_000_000.0 and c.rope_local_base_freq == 10000.0 and c.rope_scaling is None
-    assert c.sliding_window == 512 and c.query_pre_attn_scalar == 256.0
-    assert c.layer_types is not None
-    assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [5, 11, 17]
-    assert c.rms_norm_eps == pytest.approx(1e-6)
-    assert c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh"
-    assert c.final_logit_softcapping is None and c.attn_logit_softcapping is None
-    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (2, 1, 0)
+@pytest.mark.parametrize("model", list(REAL_EXPECTED))
+def test_real_model_config(model: str) -> None:
+    c = config_from_gguf(GGUFFile(REAL_PATHS[model]()))
+    expected = REAL_EXPECTED[model]
+    got = {key: getattr(c, key) for key in expected}
+    wrong = {key: (got[key], value) for key, value in expected.items() if got[key] != value}
+    assert not wrong, f"{model}: (got, expected) {wrong}"
+    assert c.rms_norm_eps == pytest.approx(REAL_EPS[model])
+    full = [i for i in range(c.num_hidden_layers) if c.layer_type(i) == "full_attention"]
+    assert full == REAL_FULL_LAYERS[model]
+    if model == "smollm2":
+        assert c.extra["gguf"]["tensor_types"] == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+    else:
+        assert c.layer_types is not None
 
 
 def _write(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> Path:
@@ -106,14 +113,9 @@ def test_eot_token_is_a_stop_token(tmp_path: Path) -> None:
 
 
 def test_gpt2(tmp_path: Path) -> None:
-    meta = {
-        "gpt2.context_length": 128,
-        "gpt2.embedding_length": 64,
-        "gpt2.block_count": 3,
-        "gpt2.feed_forward_length": 256,
-        "gpt2.attention.head_count": 4,
-        "gpt2.attention.layer_norm_epsilon": 1e-5,
-    }
+    sizes = {"context_length": 128, "embedding_length": 64, "block_count": 3, "feed_forward_length": 256}
+    meta: dict[str, Any] = {f"gpt2.{k}": v for k, v in (sizes | {"attention.head_count": 4}).items()}
+    meta["gpt2.attention.layer_norm_epsilon"] = 1e-5
     c = config_from_gguf(GGUFFile(_write(tmp_path / "g.gguf", "gpt2", meta)))
     assert c.model_type == "gpt2" and c.num_key_value_heads == 4 and c.computed_head_dim == 16
     assert c.attention_bias and c.mlp_bias and c.hidden_act == "gelu_new" and c.layer_types is None

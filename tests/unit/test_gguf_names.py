@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from infer.config import ModelConfig, architecture
 from infer.loader.build import build_empty
+from infer.loader.config import ModelConfig
 from infer.loader.names import map_names
 from infer.loader.place import unpermute_rows
 from infer.loader.source import StoredTensor
+from infer.models import architecture
 from infer.models.arch import Fix
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import infer
 from infer.cache import KVCache
 from infer.loader.config import load_config
+from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, plan_streamed
 from infer.streaming.build import _host_cache_units
@@ -24,7 +25,9 @@ def plan_for(path: Path, **kw: Any) -> Any:
     settings: dict[str, Any] = dict(max_context=64)
     settings.update(kw)
     return plan_streamed(
-        SafetensorsSource(path), load_config(path), StreamingConfig(**settings), dtype=torch.float32
+        SafetensorsSource(path),
+        load_config(path),
+        LoadOptions(streaming=StreamingConfig(**settings), dtype=torch.float32),
     )
 
 

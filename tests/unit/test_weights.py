@@ -147,37 +147,36 @@ def test_index_takes_precedence_over_single_file(tmp_path: Path) -> None:
     assert sorted(SafetensorsSource(path).keys()) == sorted(known_tensors())
 
 
-def test_tensor_in_index_but_not_in_shards(tmp_path: Path) -> None:
+SHARD_2 = "model-00002-of-00002.safetensors"
+# How an index can disagree with its shards: (change to a correct index, the tensor named, what is said)
+INDEX_FAULTS: dict[str, tuple[Callable[[dict[str, str]], dict[str, str]], str, str]] = {
+    "in the index but in no shard": (
+        lambda index: index | {"model.layers.0.mlp.up_proj.weight": SHARD_2},
+        r"model\.layers\.0\.mlp\.up_proj\.weight",
+        "not in any shard",
+    ),
+    "in a shard but not in the index": (
+        lambda index: {n: f for n, f in index.items() if n != "model.norm.weight"},
+        r"model\.norm\.weight",
+        "not listed",
+    ),
+    "in another shard than the index says": (
+        lambda index: index | {"model.norm.weight": "model-00001-of-00002.safetensors"},
+        r"model\.norm\.weight",
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(INDEX_FAULTS))
+def test_index_that_disagrees_with_the_shards(tmp_path: Path, fault: str) -> None:
+    change, name, says = INDEX_FAULTS[fault]
     shards = two_shards()
-    index = {n: f for f, ts in shards.items() for n in ts} | {
-        "model.layers.0.mlp.up_proj.weight": "model-00002-of-00002.safetensors"
-    }
-    path = write_sharded(tmp_path, shards, index)
+    path = write_sharded(tmp_path, shards, change({n: f for f, ts in shards.items() for n in ts}))
     for load in (load_weights, SafetensorsSource):
-        with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight") as info:
+        with pytest.raises(ValueError, match=name) as info:
             load(path)
-        assert "not in any shard" in str(info.value)
-
-
-def test_tensor_in_shards_but_not_in_index(tmp_path: Path) -> None:
-    shards = two_shards()
-    index = {n: f for f, ts in shards.items() for n in ts}
-    del index["model.norm.weight"]
-    path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsSource):
-        with pytest.raises(ValueError, match=r"model\.norm\.weight") as info:
-            load(path)
-        assert "not listed" in str(info.value)
-
-
-def test_tensor_in_wrong_shard(tmp_path: Path) -> None:
-    shards = two_shards()
-    index = {n: f for f, ts in shards.items() for n in ts}
-    index["model.norm.weight"] = "model-00001-of-00002.safetensors"
-    path = write_sharded(tmp_path, shards, index)
-    for load in (load_weights, SafetensorsSource):
-        with pytest.raises(ValueError, match=r"model\.norm\.weight"):
-            load(path)
+        assert says in str(info.value)
 
 
 def test_missing_shard_names_the_shard(tmp_path: Path) -> None:

@@ -12,12 +12,12 @@ on each. See docs/distributed.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from infer.config import ModelConfig
 from infer.distributed.modules import (
     PipelineExecutor,
     PipelineHead,
@@ -28,7 +28,9 @@ from infer.distributed.modules import (
 )
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
-from infer.loader.build import Partition, ProgressFn, load_model
+from infer.loader.build import Partition, load_model
+from infer.loader.config import ModelConfig
+from infer.loader.options import LoadOptions
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM, SequentialExecutor
 
@@ -88,45 +90,36 @@ def parallelize(
     return model
 
 
+Build = Callable[[WeightSource, ModelConfig, LoadOptions, Partition], DecoderLM]
+
+
+def resident(
+    source: WeightSource, config: ModelConfig, options: LoadOptions, partition: Partition
+) -> DecoderLM:
+    """This rank's part, resident on its device (`infer.loader.build.load_model`)."""
+    return load_model(source, config, options, partition=partition)
+
+
 def load_parallel(
     source: WeightSource,
     config: ModelConfig,
+    options: LoadOptions,
     *,
-    tensor_parallel: int,
-    pipeline_parallel: int,
-    device: torch.device,
-    build: Callable[[Partition, torch.device], DecoderLM] | None = None,
-    dtype: torch.dtype = torch.float32,
-    compute_dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-    validate: bool = True,
-    progress: ProgressFn | None = None,
+    build: Build = resident,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[DecoderLM, Parallel]:
     """This rank's part of the model from ``source``, parallelized; every rank fails together.
 
-    ``build(partition, device)`` builds the part (default: a resident `load_model`);
-    streaming passes its own.
+    ``options.tensor_parallel`` x ``options.pipeline_parallel`` ranks; ``build`` builds
+    this rank's part on its device (default: resident; `infer.streaming.build_streamed`
+    streams it).
     """
-    parallel = setup(tensor_parallel, pipeline_parallel, device, timeout_s)
+    parallel = setup(options.tensor_parallel, options.pipeline_parallel, options.device, timeout_s)
 
     def work() -> DecoderLM:
         partition = plan_partition(config, parallel, source.description)
-        if build is not None:
-            model = build(partition, parallel.device)
-        else:
-            model = load_model(
-                source,
-                config,
-                device=parallel.device,
-                dtype=dtype,
-                compute_dtype=compute_dtype,
-                quantize=quantize,
-                validate=validate,
-                progress=progress,
-                partition=partition,
-            )
-        return parallelize(model, config, parallel, partition, dtype)
+        model = build(source, config, dataclasses.replace(options, device=parallel.device), partition)
+        return parallelize(model, config, parallel, partition, options.dtype)
 
     return agree(parallel, work), parallel
 
@@ -139,6 +132,7 @@ __all__ = [
     "load_parallel",
     "parallelize",
     "plan_partition",
+    "resident",
     "setup",
     "shared_seed",
     "split_layers",

@@ -18,6 +18,7 @@ executor from outside.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,6 +149,11 @@ class PipelineExecutor:
     @property
     def limits(self) -> ExecutorLimits | None:
         return self.inner.limits if self.inner is not None else None
+
+    @property
+    def stats(self) -> Any:  # StreamingStats | None
+        """The streaming counters of this stage's layers (None when they are resident)."""
+        return self.inner.stats if self.inner is not None else None
 
     def row_slices(self, batch: int) -> list[tuple[int, int]]:
         """``[start, stop)`` of each micro-batch: ``min(batch, micro_batches)`` near-equal slices."""

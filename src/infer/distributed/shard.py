@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from infer.config import ModelConfig, architecture
+from infer.loader.config import ModelConfig
 from infer.loader.source import Slice
+from infer.models import architecture
 
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 

@@ -27,6 +27,7 @@ Layout (little-endian, versions 2 and 3)::
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 from array import array
@@ -114,10 +115,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class GGUFFile:

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from infer.config import ModelConfig
 from infer.gguf.reader import GGUFFile
+from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import SPECIAL_TOKENS, FastTokenizer, Tokenizer
 
 CACHE_VERSION = 1

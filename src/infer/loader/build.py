@@ -21,25 +21,24 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from infer.config import ModelConfig, architecture
+from infer.loader.config import ModelConfig
 from infer.loader.names import Entry, check_dimensions, map_names, stored_name
+from infer.loader.options import LoadOptions, ProgressFn
 from infer.loader.place import PlaceOptions, place_module, tied_head
 from infer.loader.repack_cache import RepackCache
 from infer.loader.source import WeightSource
+from infer.models import architecture
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
 
 if TYPE_CHECKING:
     from infer.distributed.shard import TensorParallel
-
-ProgressFn = Callable[[int, int], None]  # (modules done, modules total)
 
 NONLAYER = ("embed_tokens", "embed_positions", "norm", "lm_head")
 
@@ -140,17 +139,11 @@ class ModelBuilder:
         self,
         source: WeightSource,
         config: ModelConfig,
+        options: LoadOptions,
         *,
-        dtype: torch.dtype,
-        compute_dtype: torch.dtype | None = None,
-        quantize: str | None = None,
-        validate: bool = True,
         partition: Partition | None = None,
+        repack: RepackCache | None = None,
     ) -> None:
-        from infer.quant.convert import check_scheme
-
-        if quantize is not None:
-            check_scheme(quantize)
         self.source = source
         self.config = config
         desc = source.description
@@ -180,14 +173,16 @@ class ModelBuilder:
             )
         if tp is not None:
             entries = {n: dataclasses.replace(e, part=tp.slice_for(n)) for n, e in entries.items()}
+        self.options = options
         self.opts = PlaceOptions(
-            dtype=dtype,
-            compute_dtype=compute_dtype if compute_dtype is not None else dtype,
-            quantize=quantize,
-            validate=validate,
+            dtype=options.dtype,
+            compute_dtype=options.products_dtype,
+            quantize=options.quantize,
+            validate=options.validate,
             tie=config.tie_word_embeddings,
             num_heads=local.num_attention_heads,
             num_kv_heads=local.num_key_value_heads,
+            repack=repack,
         )
         # module path -> {"weight": Entry, "bias": Entry}, in the model's order
         by_module: dict[str, dict[str, Entry]] = {}
@@ -243,36 +238,22 @@ class ModelBuilder:
 def load_model(
     source: WeightSource,
     config: ModelConfig,
+    options: LoadOptions,
     *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-    validate: bool = True,
-    progress: ProgressFn | None = None,
     partition: Partition | None = None,
     repack: RepackCache | None = None,
 ) -> DecoderLM:
-    """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``device``.
+    """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``options.device``.
 
-    ``quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as its
-    tensors are in; ``validate`` refuses weights with NaN or inf. ``partition``: only the
-    part one rank of a parallel run holds (`infer.distributed`). ``repack``: the on-disk
-    cache of converted GGUF matrices (`infer.loader.repack_cache`), written at the end
-    when a matrix had to be converted.
+    ``options.quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as
+    its tensors are in; ``options.validate`` refuses weights with NaN or inf;
+    ``options.progress(done, total)`` is called per module. ``partition``: only the part
+    one rank of a parallel run holds (`infer.distributed`). ``repack``: the on-disk cache
+    of converted GGUF matrices (`infer.loader.repack_cache`), written at the end when a
+    matrix had to be converted.
     """
-    device = torch.device(device)
-    builder = ModelBuilder(
-        source,
-        config,
-        dtype=dtype,
-        compute_dtype=compute_dtype,
-        quantize=quantize,
-        validate=validate,
-        partition=partition,
-    )
-    if repack is not None:
-        builder.opts = dataclasses.replace(builder.opts, repack=repack)
+    device, progress = options.device, options.progress
+    builder = ModelBuilder(source, config, options, partition=partition, repack=repack)
     model = builder.model
     done = 0
     # The embedding and head first: theirs are the largest temporaries (a packed head's

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from infer.config import ModelConfig
+from infer.loader.config import ModelConfig
 from infer.loader.source import Slice, StoredTensor, WeightSource
 from infer.models.arch import Architecture, Fix, fix_for
 

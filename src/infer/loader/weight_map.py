@@ -11,7 +11,8 @@ it when embeddings are tied; reusing ``embed_tokens.weight`` is the model's deci
 
 from __future__ import annotations
 
-from infer.config import ModelConfig, architecture
+from infer.loader.config import ModelConfig
+from infer.models import architecture
 
 
 def _config(model_type: str, num_layers: int) -> ModelConfig:

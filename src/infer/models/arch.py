@@ -18,8 +18,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from infer.config import ModelConfig
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
+    from infer.loader.config import ModelConfig
     from infer.models.base import DecoderLM
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from infer.cache import KVCache, StepKV, slot_mask
-from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import Linear, make_rotary_embeddings
 from infer.quant.linear import QuantizedLinear
 
@@ -65,10 +65,16 @@ class LayerExecutor(Protocol):
 
     ``limits`` is None when the executor takes any shape (resident layers); a streaming
     executor planned its memory for `ExecutorLimits` and generation respects them.
+    ``stats``: the layer-streaming counters (`infer.streaming.StreamingStats`) of the
+    layers it streams, also through a wrapping executor (a pipeline stage); None when
+    nothing streams.
     """
 
     @property
     def limits(self) -> ExecutorLimits | None: ...
+
+    @property
+    def stats(self) -> Any: ...  # StreamingStats | None
 
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor: ...
 
@@ -78,6 +84,10 @@ class SequentialExecutor:
 
     @property
     def limits(self) -> ExecutorLimits | None:
+        return None
+
+    @property
+    def stats(self) -> Any:  # StreamingStats | None
         return None
 
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -93,8 +103,8 @@ _NO_KV = (None, None, False, None, None, None, None, None)
 def _run_block(
     layer: nn.Module,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     mask: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
@@ -228,8 +238,12 @@ class DecoderLM(nn.Module):
         return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache)
 
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """Layer ``index`` on ``x``, its K/V bound to the step's plan: the one KV-binding path.
+
+        An architecture without RoPE (GPT-2: no ``rotary`` tables) gets ``cos = sin = None``.
+        """
         lt = self.layer_types[index]
-        cos, sin = step.rope[lt]
+        cos, sin = step.rope.get(lt, (None, None))
         cache = step.cache
         if cache is None or cache.plan is None:
             out: torch.Tensor = _run_block(layer, x, cos, sin, step.masks[lt], *_NO_KV)

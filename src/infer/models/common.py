@@ -1,11 +1,11 @@
-"""Building blocks shared by every architecture: norms, RoPE, attention, MLP, masks.
+"""Building blocks shared by every architecture: norms, RoPE, attention, MLP.
 
 Conventions:
 * activations are ``[B, T, D]`` (batch, tokens, hidden); attention works on
   ``[B, H, T, hd]``;
-* masks passed to attention are either float additive (``0`` attend, ``-inf`` masked,
-  as `causal_mask` builds them) or boolean (``True`` attend), broadcastable to
-  ``[B, 1, T, S]``; ``None`` means every key is visible;
+* masks passed to attention are either float additive (``0`` attend, ``-inf`` masked)
+  or boolean (``True`` attend), broadcastable to ``[B, 1, T, S]``; ``None`` means every
+  key is visible (the models build boolean ones from the cache's slots: `infer.cache`);
 * RoPE uses HF's ``rotate_half`` layout, so HF checkpoints need no Q/K permutation.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infer import rows
-from infer.config import FREQ_FACTORS, FULL_ATTENTION, ROPE_TYPES, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import FREQ_FACTORS, FULL_ATTENTION, ROPE_TYPES, SLIDING_ATTENTION, ModelConfig
 from infer.quant.linear import QuantizedLinear
 
 
@@ -275,34 +275,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         rot, rest = x[..., :rd], x[..., rd:]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
     return x * cos + rotate_half(x) * sin
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def causal_mask(
-    seq_len: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Additive causal mask ``[1, 1, T, T]``: 0 where key <= query, -inf above the diagonal."""
-    return sliding_window_causal_mask(seq_len, None, dtype=dtype, device=device)
-
-
-def sliding_window_causal_mask(
-    seq_len: int,
-    window_size: int | None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Additive ``[1, 1, T, T]`` mask: query i sees key j iff ``j <= i`` and ``i - j < window_size``."""
-    q = torch.arange(seq_len, device=device)[:, None]
-    k = torch.arange(seq_len, device=device)[None, :]
-    visible = k <= q
-    if window_size is not None:
-        visible &= (q - k) < window_size
-    mask = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
-    return mask[None, None]
 
 
 # --------------------------------------------------------------------------- attention

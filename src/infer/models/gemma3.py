@@ -9,26 +9,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.arch import Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM
-from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
-from infer.models.llama import GGUF_ATTENTION, GGUF_MLP
+from infer.models.common import RMSNorm, attention_from_config, mlp_from_config
+from infer.models.llama import GGUF_ATTENTION, GGUF_MLP, LlamaTransformerBlock
 from infer.models.qwen3 import GGUF_QK_NORM
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
-class Gemma3TransformerBlock(nn.Module):
-    """Post-sub-layer norms are applied before the residual add (sandwich norm).
+class Gemma3TransformerBlock(LlamaTransformerBlock):
+    """Post-sub-layer norms are applied before the residual add (sandwich norm):
+    ``x + norm(attn(norm(x)))`` then ``x + norm(mlp(norm(x)))``.
 
     Which mask and RoPE table a layer gets is the model's decision
     (``config.layer_types[i]``: sliding-window layers use ``rope_local_base_freq``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.self_attn = attention_from_config(config, qk_norm=True, norm_unit_offset=True)
@@ -37,18 +38,16 @@ class Gemma3TransformerBlock(nn.Module):
         self.mlp = mlp_from_config(config)
         self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=True)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVStore | None = None,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        out: torch.Tensor = x + self.post_feedforward_layernorm(h)
+    def attention_out(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post_attention_layernorm(h)
+        return out
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.pre_feedforward_layernorm(x)
+        return out
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post_feedforward_layernorm(h)
         return out
 
 

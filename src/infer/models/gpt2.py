@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FULL_ATTENTION, ModelConfig
+from infer.loader.config import FULL_ATTENTION, ModelConfig
 from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
-from infer.models.base import DecoderLM, StepInputs
+from infer.models.base import DecoderLM
 from infer.models.common import KVStore, Linear, activation, attend_any
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class GPT2Attention(nn.Module):
@@ -103,11 +103,6 @@ class GPT2LMHeadModel(DecoderLM):
         # positions < max_position_embeddings: checked on the host before the step (DecoderLM.forward_hidden)
         x: torch.Tensor = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [B, T, D]
         return x
-
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        kv = step.cache.layers[index] if step.cache is not None else None
-        out: torch.Tensor = layer(x, None, None, step.masks[self.layer_types[index]], kv)
-        return out
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import FREQ_FACTORS, ModelConfig
+from infer.loader.config import FREQ_FACTORS, ModelConfig
 from infer.models.arch import Architecture, Fix, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class LlamaTransformerBlock(nn.Module):
@@ -37,9 +37,20 @@ class LlamaTransformerBlock(nn.Module):
         mask: torch.Tensor | None,
         cache: KVStore | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_out(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+        out: torch.Tensor = x + self.mlp_out(self.mlp(self.mlp_in(x)))
         return out
+
+    # Where the norms sit around the two sub-layers (Gemma 3 overrides them: sandwich norms).
+    def attention_out(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post_attention_layernorm(x)
+        return out
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
 
 class LlamaForCausalLM(DecoderLM):

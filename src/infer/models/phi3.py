@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.config import ModelConfig
+from infer.loader.config import ModelConfig
 from infer.models.arch import Architecture, GGUFRules, sliding_everywhere
 from infer.models.common import (
     Attention,
@@ -22,7 +22,7 @@ from infer.models.common import (
 from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
 
 if TYPE_CHECKING:
-    from infer.gguf.config import GGUFMetadata
+    from infer.gguf.metadata import GGUFMetadata
 
 
 class Phi3Attention(Attention):

@@ -11,14 +11,16 @@ buffers, and the `StreamingExecutor` takes over the layer stack.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from infer.config import ModelConfig
 from infer.loader.build import ModelBuilder, Partition, release_freed_memory, reset_buffers
+from infer.loader.config import ModelConfig
 from infer.loader.names import Entry
+from infer.loader.options import LoadOptions
 from infer.loader.place import assign_parameter
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
@@ -118,27 +120,16 @@ class _Walk:
 def _walk(
     source: WeightSource,
     config: ModelConfig,
+    options: LoadOptions,
     streaming: StreamingConfig,
-    *,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None,
-    quantize: str | None,
-    validate: bool,
     partition: Partition | None = None,
 ) -> _Walk:
     """Place every layer lazily into the stream store, then the modules outside the layers."""
     streaming.validate()
-    builder = ModelBuilder(
-        source,
-        config,
-        dtype=dtype,
-        compute_dtype=compute_dtype,
-        quantize=quantize,
-        validate=validate,
-        partition=partition,
-    )
+    builder = ModelBuilder(source, config, options, partition=partition)
     model = builder.model
-    store = StreamStore(source, validate=validate)
+    dtype, quantize = options.dtype, options.quantize
+    store = StreamStore(source, validate=options.validate)
     try:
         layer_refs: dict[int, dict[str, TensorRef]] = {}
         for i, group in enumerate(builder.layer_groups):
@@ -180,26 +171,24 @@ def _walk(
     return _Walk(builder, store, layer_refs, deferred_nonlayer)
 
 
+def _streaming(options: LoadOptions) -> StreamingConfig:
+    if options.streaming is None:
+        raise ValueError("a streamed build needs LoadOptions.streaming (a StreamingConfig)")
+    return options.streaming
+
+
 def plan_streamed(
-    source: WeightSource,
-    config: ModelConfig,
-    streaming: StreamingConfig,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-    max_context: int | None = None,
+    source: WeightSource, config: ModelConfig, options: LoadOptions, *, max_context: int | None = None
 ) -> MemoryPlan:
     """The memory plan `build_streamed` would make, without building (``source`` is closed after).
 
-    Float checkpoints are not read at all; a packed or quantized one is converted once.
+    Float checkpoints are not read at all (``options.validate`` is not applied); a packed
+    or quantized one is converted once.
     """
-    walk = _walk(
-        source, config, streaming, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, validate=False
-    )
+    streaming = _streaming(options)
+    walk = _walk(source, config, dataclasses.replace(options, validate=False), streaming)
     try:
-        return _plan(walk, streaming, dtype, torch.device(device), max_context)
+        return _plan(walk, streaming, options.dtype, options.device, max_context)
     finally:
         walk.store.close()
 
@@ -207,37 +196,25 @@ def plan_streamed(
 def build_streamed(
     source: WeightSource,
     config: ModelConfig,
+    options: LoadOptions,
     *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    streaming: StreamingConfig,
-    compute_dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-    validate: bool = True,
     max_context: int | None = None,
     partition: Partition | None = None,
 ) -> DecoderLM:
-    """A `DecoderLM` whose layers stream from ``source`` under ``streaming.memory_budget``.
+    """A `DecoderLM` whose layers stream from ``source`` under ``options.streaming.memory_budget``.
 
-    The same arguments as `infer.loader.build.load_model`, plus the streaming settings;
-    ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError` (a
-    `ValueError`) when settings the user gave cannot fit the budget, with what would fit.
-    On success the model owns ``source``: it is closed with the executor. ``partition``:
-    only one pipeline stage's layers (`infer.distributed`), streamed under this budget.
+    The same walk as `infer.loader.build.load_model`, with the stream store as its
+    destination; ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError`
+    (a `ValueError`) when settings the user gave cannot fit the budget, with what would
+    fit. On success the model owns ``source``: it is closed with the executor.
+    ``partition``: only one pipeline stage's layers (`infer.distributed`), streamed under
+    this budget.
     """
-    device = torch.device(device)
+    streaming = _streaming(options)
+    device, dtype = options.device, options.dtype
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    walk = _walk(
-        source,
-        config,
-        streaming,
-        dtype=dtype,
-        compute_dtype=compute_dtype,
-        quantize=quantize,
-        validate=validate,
-        partition=partition,
-    )
+    walk = _walk(source, config, options, streaming, partition)
     model, store = walk.builder.model, walk.store
     try:
         plan = _plan(walk, streaming, dtype, device, max_context)

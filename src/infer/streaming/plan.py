@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infer.cache import KVCache
-from infer.config import ModelConfig
+from infer.loader.config import ModelConfig
 from infer.models.base import ExecutorLimits
 from infer.rows import COLUMN_TILE
 from infer.streaming.config import StreamingConfig, format_bytes

@@ -18,6 +18,7 @@ of each head (Phi-3); learned positions, LayerNorm and Conv1D weights (GPT-2); t
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -55,111 +56,49 @@ SMOLLM2_SHAPE: dict[str, Any] = dict(
 )
 
 
-def tiny_hf_config(arch: str, **overrides: Any) -> Any:
-    """A transformers config object for a tiny model of ``arch`` (one of `ARCHITECTURES`)."""
-    from transformers import (
-        Gemma3TextConfig,
-        GPT2Config,
-        LlamaConfig,
-        MistralConfig,
-        Phi3Config,
-        Qwen2Config,
-        Qwen3Config,
-    )
+# Fields every tiny config shares (GPT-2 names its fields differently: it takes none of them),
+# then what each architecture's tiny model changes.
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS, eos_token_id=[EOS, EOT],
+    pad_token_id=PAD, num_hidden_layers=3, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)  # fmt: skip
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
+_GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=BOS,
-        eos_token_id=[EOS, EOT],
-        pad_token_id=PAD,
-    )
-    if arch == "llama":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-        kw.update(overrides)
-        return LlamaConfig(**kw)
-    if arch == "qwen3":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            head_dim=24,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            use_sliding_window=False,
-        )
-        kw.update(overrides)
-        return Qwen3Config(**kw)
-    if arch == "gemma3":
-        kw = dict(
-            common,
-            num_hidden_layers=4,
-            head_dim=32,
-            query_pre_attn_scalar=24,
-            rms_norm_eps=1e-6,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            tie_word_embeddings=True,
-            final_logit_softcapping=30.0,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            },
-        )
-        kw.update(overrides)
-        return Gemma3TextConfig(**kw)
-    if arch == "qwen2":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            use_sliding_window=False,
-        )
-        kw.update(overrides)
-        return Qwen2Config(**kw)
-    if arch == "mistral":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=SLIDING_WINDOW,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        )
-        kw.update(overrides)
-        return MistralConfig(**kw)
-    if arch == "phi3":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=SLIDING_WINDOW,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        )
-        kw.update(overrides)
-        return Phi3Config(**kw)
-    if arch == "gpt2":
-        kw = dict(
+# arch -> (transformers config class, model class, the fields of its tiny model)
+TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        _COMMON
+        | {
+            "rope_parameters": _LLAMA3_ROPE
+            | {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        },
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        _COMMON | dict(head_dim=24, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _COMMON
+        | dict(num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, rms_norm_eps=1e-6)
+        | dict(sliding_window=SLIDING_WINDOW, layer_types=[_SLIDING, _FULL, _SLIDING, _FULL])
+        | dict(tie_word_embeddings=True, final_logit_softcapping=30.0, rope_parameters=_GEMMA3_ROPE),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
             vocab_size=VOCAB_SIZE,
             n_embd=64,
             n_layer=3,
@@ -167,37 +106,45 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
             n_positions=256,
             bos_token_id=BOS,
             eos_token_id=EOS,
-        )
-        kw.update(overrides)
-        return GPT2Config(**kw)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _COMMON | dict(rms_norm_eps=1e-6, use_sliding_window=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _COMMON | dict(sliding_window=SLIDING_WINDOW)),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        _COMMON
+        | dict(sliding_window=SLIDING_WINDOW)
+        | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),
+}
+assert tuple(TINY) == ARCHITECTURES
+
+
+def _tiny(arch: str) -> tuple[str, str, dict[str, Any]]:
+    try:
+        return TINY[arch]
+    except KeyError:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}") from None
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> Any:
+    """A transformers config object for a tiny model of ``arch`` (one of `ARCHITECTURES`)."""
+    import transformers
+
+    config_class, _, fields = _tiny(arch)
+    return getattr(transformers, config_class)(**{**copy.deepcopy(fields), **overrides})
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     """A perturbed transformers model (float32, eval mode) of a tiny ``arch`` config."""
-    from transformers import (
-        Gemma3ForCausalLM,
-        GPT2LMHeadModel,
-        LlamaForCausalLM,
-        MistralForCausalLM,
-        Phi3ForCausalLM,
-        Qwen2ForCausalLM,
-        Qwen3ForCausalLM,
-    )
+    import transformers
 
-    classes = {
-        "llama": LlamaForCausalLM,
-        "qwen3": Qwen3ForCausalLM,
-        "gemma3": Gemma3ForCausalLM,
-        "gpt2": GPT2LMHeadModel,
-        "qwen2": Qwen2ForCausalLM,
-        "mistral": MistralForCausalLM,
-        "phi3": Phi3ForCausalLM,
-    }
+    model_class = getattr(transformers, _tiny(arch)[1])
     config = tiny_hf_config(arch, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = classes[arch](config).eval()
+    model = model_class(config).eval()
     perturb_(model, seed)
     if config.tie_word_embeddings:
         untangle_tied_embeddings_(model, arch)

@@ -620,9 +620,9 @@ def run_case(
     import torch
 
     import infer
-    from infer.config import load_config
     from infer.gguf.reader import GGUFFile
     from infer.inspect import inspect_checkpoint
+    from infer.loader.config import load_config
     from infer.streaming import StreamingConfig
 
     start = time.perf_counter()
