@@ -19,12 +19,12 @@ from infer.generate import (
     NonFiniteLogitsError,
     RowState,
     SamplingParams,
+    TextStream,
     check_max_new_tokens,
     cut_at_stop,
     generate_steps,
     row_seed,
     run_to_end,
-    stop_prefix,
 )
 from infer.loader.source import WeightSource
 from infer.loader.tokenizer import Tokenizer
@@ -142,34 +142,6 @@ def _looks_like_a_path(name: str) -> bool:
     """Whether a missing ``a/b`` names a local file rather than a hub id: a file suffix, or ``a`` exists."""
     first = name.split("/", 1)[0]
     return name.lower().endswith(_FILE_SUFFIXES) or Path(first).expanduser().exists()
-
-
-class TextStream:
-    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens)
-
-    def push(self, tokens: list[int], stops: Sequence[str] = ()) -> str:
-        """Replace the tokens and return the new safe text.
-
-        The text's end is kept back while it could be the start of one of the ``stops``
-        strings: at most ``L - 1`` characters for a longest stop string of ``L``, and
-        only as long as they match a stop string's beginning.
-        """
-        self.tokens = tokens
-        full = self.text()
-        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            full = full.rstrip("\ufffd")
-        safe = full[: max(len(self.emitted), len(full) - stop_prefix(full, stops))]
-        piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
-        self.emitted += piece
-        return piece
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:

@@ -398,7 +398,9 @@ def test_async_iteration(llama: infer.LLM) -> None:
     assert tokens_of(got) == want and got[-1].finish_reason == "length"
 
 
-def test_close_drains_or_cancels(llama: infer.LLM) -> None:
+def test_close_drains_or_cancels(llama: infer.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
     from infer.engine import EngineClosed
 
     params = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -408,6 +410,13 @@ def test_close_drains_or_cancels(llama: infer.LLM) -> None:
     assert [drain(h)[-1].finish_reason for h in handles] == ["length", "length"]
     with pytest.raises(EngineClosed):
         engine.submit(PROMPT, params)
+    head = llama.model.head
+
+    def slow(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        time.sleep(0.02)  # 200 tokens take 4 s: the close comes first
+        return head(h, greedy=greedy)
+
+    monkeypatch.setattr(llama.model, "head", slow)
     engine = Engine(llama, max_batch=1)
     handles = [engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
     engine.close(drain=False, timeout=TIMEOUT)
