@@ -378,7 +378,14 @@ class KVSlots:
         view = self.view(lo, hi)
         view.length = max(len(self.held[r]) for r in range(lo, hi))
         assert view.batch_size == B
-        out = self.stepper(view, ids, n_new, last, mode, values, noise)
+        try:
+            out = self.stepper(view, ids, n_new, last, mode, values, noise)
+        except BaseException:
+            # A step that failed after the cache advanced (in the head, say) must not leave the
+            # rows' slots past what `held` lists: put them back.
+            lengths = [len(self.held[r]) for r in range(lo, hi)]
+            view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
+            raise
         for r, t in feeds.items():
             self.held[r].extend(t)
         return out
