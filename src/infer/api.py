@@ -18,12 +18,12 @@ from infer.generate import (
     NonFiniteLogitsError,
     RowState,
     SamplingParams,
+    TextStream,
     check_max_new_tokens,
     cut_at_stop,
     generate_steps,
     row_seed,
     run_to_end,
-    stop_prefix,
 )
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
@@ -65,32 +65,6 @@ class GenerationResult:
         return self.text
 
 
-class TextStream:
-    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens)
-
-    def push(self, tokens: list[int], stops: Sequence[str] = ()) -> str:
-        """Replace the tokens and return the new safe text.
-
-        The text's end is kept back while it could be the start of one of the ``stops``
-        strings: at most ``L - 1`` characters for a longest stop string of ``L``, and
-        only as long as they match a stop string's beginning.
-        """
-        self.tokens = tokens
-        full = self.text()
-        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            full = full.rstrip("\ufffd")
-        safe = full[: max(len(self.emitted), len(full) - stop_prefix(full, stops))]
-        piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
-        self.emitted += piece
-        return piece
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:

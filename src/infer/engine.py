@@ -47,11 +47,11 @@ import torch
 from infer.cache import KVCache
 from infer.generate import (
     NonFiniteLogitsError,
+    TextStream,
     check_int,
     cut_at_stop,
     row_generator,
     row_noise,
-    stop_prefix,
 )
 from infer.generate import (
     SamplingParams as _Values,
@@ -241,7 +241,7 @@ class _Request:
     row: int = -1
     pending: list[int] = field(default_factory=list)  # tokens to feed next
     generated: list[int] = field(default_factory=list)
-    emitted: str = ""  # text sent so far
+    stream: TextStream | None = None  # the text sent so far (with `text`)
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
 
@@ -391,7 +391,14 @@ class KVSlots:
         view = self.view(lo, hi)
         view.length = max(len(self.held[r]) for r in range(lo, hi))
         assert view.batch_size == B
-        out = self.stepper(view, ids, n_new, last, mode, values, noise)
+        try:
+            out = self.stepper(view, ids, n_new, last, mode, values, noise)
+        except BaseException:
+            # A step that failed after the cache advanced (in the head, say) must not leave the
+            # rows' slots past what `held` lists: put them back.
+            lengths = [len(self.held[r]) for r in range(lo, hi)]
+            view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
+            raise
         for r, t in feeds.items():
             self.held[r].extend(t)
         return out
@@ -470,6 +477,7 @@ class Engine:
         self._running: dict[int, _Request] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._abort = False  # close(drain=False): end everything
         self._parked = False  # the loop thread waits for work, holding no reference to the engine
         self._ids = itertools.count()
         self._used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
@@ -510,7 +518,7 @@ class Engine:
             eos = frozenset(p.stop_token_ids) if p.ignore_eos else self._eos | set(p.stop_token_ids)
             requests.append(
                 _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
-                         time.perf_counter())
+                         time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None)
             )  # fmt: skip
         with self._cond:
             for r in requests:
@@ -562,6 +570,7 @@ class Engine:
         with self._cond:
             self._closed = True
             if not drain:
+                self._abort = True  # also ends requests being admitted right now (in no list)
                 for r in [*self._waiting, *self._running.values()]:
                     r.handle._cancelled = True
             self._cond.notify_all()
@@ -616,7 +625,7 @@ class Engine:
         out: list[_Request] = []
         while self._waiting and len(self._running) + len(out) < self.max_batch:
             r = self._waiting.popleft()
-            if r.handle._cancelled:
+            if r.handle._cancelled or self._abort:
                 self._emit(r, [], None, "cancelled")
                 continue
             out.append(r)
@@ -654,7 +663,7 @@ class Engine:
 
     def _iteration(self) -> None:
         for r in list(self._running.values()):
-            if r.handle._cancelled:
+            if r.handle._cancelled or self._abort:
                 self._finish(r, "cancelled")
         if not self._running:
             return
@@ -771,22 +780,11 @@ class Engine:
         if reason is None:
             r.pending = [token]
             text = ""
-            if r.text:
-                text = self._text_piece(r)
+            if r.stream is not None:
+                text = r.stream.push(r.generated, r.params.stop)
             self._emit(r, [token], logprobs, None, text=text)
             return
         self._finish(r, reason, None, [token], logprobs, detail)
-
-    def _text_piece(self, r: _Request) -> str:
-        """New text of a running request, holding back an incomplete character or a possible stop
-        string's beginning (`infer.api.TextStream`)."""
-        full = self.llm.tokenizer.decode(r.generated)
-        if full.endswith("\ufffd"):
-            full = full.rstrip("\ufffd")
-        safe = full[: max(len(r.emitted), len(full) - stop_prefix(full, r.params.stop))]
-        piece = safe[len(r.emitted) :] if safe.startswith(r.emitted) else ""
-        r.emitted += piece
-        return piece
 
     def _finish(
         self,
@@ -808,7 +806,8 @@ class Engine:
         h.prefill_seconds = (r.first or now) - start
         h.decode_seconds = now - r.first if r.first else 0.0
         final = cut_at_stop(self.llm.tokenizer.decode(r.generated), r.params.stop)[0]
-        text = final[len(r.emitted) :] if final.startswith(r.emitted) else ""
+        emitted = r.stream.emitted if r.stream is not None else ""
+        text = final[len(emitted) :] if final.startswith(emitted) else ""
         self._stats["finished"] += 1
         self._emit(r, tokens or [], logprobs, reason, text=text, error=None if error is None else str(error))
 

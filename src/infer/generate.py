@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from infer.cache import KVCache
+from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
 from infer.step import (
     Sampling,
@@ -147,6 +148,34 @@ def stop_prefix(text: str, stops: Sequence[str]) -> int:
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens)
+
+    def push(self, tokens: list[int], stops: Sequence[str] = ()) -> str:
+        """Replace the tokens and return the new safe text.
+
+        The text's end is kept back while it could be the start of one of the ``stops``
+        strings: at most ``L - 1`` characters for a longest stop string of ``L``, and
+        only as long as they match a stop string's beginning.
+        """
+        self.tokens = tokens
+        full = self.text()
+        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            full = full.rstrip("\ufffd")
+        safe = full[: max(len(self.emitted), len(full) - stop_prefix(full, stops))]
+        piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
+        self.emitted += piece
+        return piece
 
 
 @dataclass

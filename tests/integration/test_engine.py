@@ -398,7 +398,9 @@ def test_async_iteration(llama: infer.LLM) -> None:
     assert tokens_of(got) == want and got[-1].finish_reason == "length"
 
 
-def test_close_drains_or_cancels(llama: infer.LLM) -> None:
+def test_close_drains_or_cancels(llama: infer.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
     from infer.engine import EngineClosed
 
     params = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -408,8 +410,41 @@ def test_close_drains_or_cancels(llama: infer.LLM) -> None:
     assert [drain(h)[-1].finish_reason for h in handles] == ["length", "length"]
     with pytest.raises(EngineClosed):
         engine.submit(PROMPT, params)
+    head = llama.model.head
+
+    def slow(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        time.sleep(0.02)  # 200 tokens take 4 s: the close comes first
+        return head(h, greedy=greedy)
+
+    monkeypatch.setattr(llama.model, "head", slow)
     engine = Engine(llama, max_batch=1)
     handles = [engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
     engine.close(drain=False, timeout=TIMEOUT)
     assert [drain(h)[-1].finish_reason for h in handles] == ["cancelled", "cancelled"]
     assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(
+    llama: infer.LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception in the head (after the cache advanced) ends that step's request with "error";
+    the rows stay consistent, so the next request gets what it gets alone."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = tokens_of(alone(llama, PROMPT, params))
+    head = llama.model.head
+    calls = []
+
+    def failing(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return head(h, greedy=greedy)
+
+    monkeypatch.setattr(llama.model, "head", failing)
+    engine = Engine(llama)
+    try:
+        failed = drain(engine.submit(PROMPT, params))
+        assert failed[-1].finish_reason == "error" and failed[-1].error == "boom"
+        assert tokens_of(drain(engine.submit(PROMPT, params))) == want  # the prefix cache reused the row
+    finally:
+        engine.close(drain=False)
