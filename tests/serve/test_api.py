@@ -371,7 +371,7 @@ class _FullEngine:
         self.llm = llm
 
     def submit(self, prompt: Any, params: Any) -> Any:
-        from infer.serve.engine_api import EngineFull
+        from infer.engine import EngineFull
 
         raise EngineFull("64 requests are waiting (max_waiting=64)")
 

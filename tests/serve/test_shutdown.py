@@ -94,7 +94,7 @@ class _FailingEngine:
     """An engine whose requests for a prompt holding token 7 fail; others stream three tokens."""
 
     def __init__(self, llm: Any) -> None:
-        from infer.serve.engine_api import Delta
+        from infer.engine import Delta
 
         self.llm, self.Delta = llm, Delta
         self.context = 256
@@ -167,7 +167,7 @@ class _SlowEngine:
     """An engine whose requests produce a token every 50 ms until cancelled; it records cancels."""
 
     def __init__(self, llm: Any) -> None:
-        from infer.serve.engine_api import Delta
+        from infer.engine import Delta
 
         self.llm, self.Delta = llm, Delta
         self.context = 256
