@@ -277,15 +277,102 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def _command(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose first positional is the (optional) model."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description, epilog=EXIT_CODES)
+    p.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
+    return p
+
+
+def _load_options(
+    p: argparse.ArgumentParser, *, deterministic: str, parallel: str | None, compile: bool
+) -> None:
+    """The options `_load` reads, shared by generate, chat, perplexity and serve.
+
+    ``deterministic``: what --deterministic buys for this command; ``parallel``: a note for the
+    --tensor-parallel / --pipeline-parallel help (None: the command runs in one process, so the
+    options are absent and default to 1); ``compile``: whether --compile is offered (else None).
+    """
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype",
+        type=_dtype_option,
+        default=None,
+        help="float32, bfloat16, float16 (default: the checkpoint's)",
+    )
+    p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
+    p.add_argument(
+        "--memory-budget", type=_bytes_option, default=None, help="stream layers under this budget, e.g. 2GB"
+    )
+    p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
+    if parallel is not None:
+        p.add_argument(
+            "--tensor-parallel",
+            type=_int_option(1),
+            default=1,
+            help=f"split each layer across this many processes ({parallel}; >= 1)",
+        )
+        p.add_argument(
+            "--pipeline-parallel",
+            type=_int_option(1),
+            default=1,
+            help=f"split the layers into this many stages of processes ({parallel}; >= 1)",
+        )
+    else:
+        p.set_defaults(tensor_parallel=1, pipeline_parallel=1)
+    if compile:
+        p.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="compile the generation step with torch.compile (resident models; default: off)",
+        )
+    else:
+        p.set_defaults(compile=None)
+    p.add_argument("--deterministic", action="store_true", help=f"fixed-shape products: {deterministic}")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    """The options `_sampling` reads (generate and chat)."""
+    p.add_argument("--max-new-tokens", type=_int_option(1), default=256, help="tokens to generate (>= 1)")
+    p.add_argument(
+        "--temperature",
+        type=_float_option(0.0),
+        default=0.0,
+        help="0 is greedy (the default); finite, >= 0",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_int_option(0, TOP_K_MAX),
+        default=0,
+        help="keep the k most likely tokens (0: all; at most 2**63-1)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_float_option(0.0, 1.0, open_min=True),
+        default=1.0,
+        help="nucleus sampling, in (0, 1]",
+    )
+    p.add_argument("--seed", type=_int_option(0, SEED_MAX), default=None, help="sampling seed, 0 to 2**64-1")
+    p.add_argument(
+        "--stop",
+        type=_stop_option,
+        action="append",
+        default=[],
+        help="stop string (non-empty; repeatable)",
+    )
+
+
 def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "serve",
         help="OpenAI-compatible HTTP server with a chat page (docs/serving.md)",
         description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a "
         "chat page at /. SIGTERM or Ctrl-C: stop admitting, finish running requests, exit 0.",
-        epilog=EXIT_CODES,
     )
-    p.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -316,35 +403,11 @@ def _serve_parser(sub: Any) -> None:
         help="seconds running requests get to finish after SIGTERM before they are ended (default 30)",
     )
     p.add_argument("--verbose", action="store_true", help="uvicorn's info log (one line per request)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", type=_dtype_option, default=None, help="float32, bfloat16, float16")
-    p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
-    p.add_argument("--memory-budget", type=_bytes_option, default=None, help="stream layers, e.g. 2GB")
-    p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile the generation step with torch.compile (resident models; default: off)",
-    )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="fixed-shape products: a request's tokens and logprobs do not depend on the other requests",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
-    p.add_argument(
-        "--tensor-parallel",
-        type=_int_option(1),
-        default=1,
-        help="split each layer across this many processes (under torchrun; rank 0 serves HTTP)",
-    )
-    p.add_argument(
-        "--pipeline-parallel",
-        type=_int_option(1),
-        default=1,
-        help="split the layers into this many stages of processes (under torchrun; rank 0 serves HTTP)",
+    _load_options(
+        p,
+        deterministic="a request's tokens and logprobs do not depend on the other requests",
+        parallel="under torchrun; rank 0 serves HTTP",
+        compile=True,
     )
     p.set_defaults(func=cmd_serve)
 
@@ -397,14 +460,13 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def _perplexity_parser(sub: Any) -> None:
     from infer.perplexity import DEFAULT_CONTEXT
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "perplexity",
         help="perplexity over a text file, as llama-perplexity -c N -b N computes it",
         description="Chunks of --context tokens; the second half of each chunk is scored; "
         "ppl = exp(mean negative log-likelihood). Prints PPL +/- its standard error.",
-        epilog=EXIT_CODES,
     )
-    p.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     p.add_argument("file", nargs="?", default=None, help="UTF-8 text file")
     p.add_argument(
         "--context",
@@ -419,19 +481,10 @@ def _perplexity_parser(sub: Any) -> None:
     p.add_argument(
         "--bytes", type=_int_option(1), default=None, help="read only the first BYTES bytes (>= 1)"
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", type=_dtype_option, default=None, help="float32, bfloat16, float16")
-    p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
-    p.add_argument("--memory-budget", type=_bytes_option, default=None, help="stream layers, e.g. 2GB")
-    p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="fixed-shape products: the same figure whatever --batch is (slower)",
+    _load_options(
+        p, deterministic="the same figure whatever --batch is (slower)", parallel=None, compile=False
     )
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
-    p.set_defaults(func=cmd_perplexity, tensor_parallel=1, pipeline_parallel=1, compile=None)
+    p.set_defaults(func=cmd_perplexity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,84 +495,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--device", default="cpu")
-        p.add_argument(
-            "--dtype",
-            type=_dtype_option,
-            default=None,
-            help="float32, bfloat16, float16 (default: the checkpoint's)",
+        _sampling_options(p)
+        _load_options(
+            p,
+            deterministic="output bitwise the same in any batch (slower at batch 1)",
+            parallel="run under torchrun",
+            compile=True,
         )
-        p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
-        p.add_argument(
-            "--memory-budget",
-            type=_bytes_option,
-            default=None,
-            help="stream layers under this budget, e.g. 2GB",
-        )
-        p.add_argument(
-            "--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)"
-        )
-        p.add_argument("--max-new-tokens", type=_int_option(1), default=256, help="tokens to generate (>= 1)")
-        p.add_argument(
-            "--temperature",
-            type=_float_option(0.0),
-            default=0.0,
-            help="0 is greedy (the default); finite, >= 0",
-        )
-        p.add_argument(
-            "--top-k",
-            type=_int_option(0, TOP_K_MAX),
-            default=0,
-            help="keep the k most likely tokens (0: all; at most 2**63-1)",
-        )
-        p.add_argument(
-            "--top-p",
-            type=_float_option(0.0, 1.0, open_min=True),
-            default=1.0,
-            help="nucleus sampling, in (0, 1]",
-        )
-        p.add_argument(
-            "--seed", type=_int_option(0, SEED_MAX), default=None, help="sampling seed, 0 to 2**64-1"
-        )
-        p.add_argument(
-            "--stop",
-            type=_stop_option,
-            action="append",
-            default=[],
-            help="stop string (non-empty; repeatable)",
-        )
-        p.add_argument(
-            "--tensor-parallel",
-            type=_int_option(1),
-            default=1,
-            help="split each layer across this many processes (run under torchrun; >= 1)",
-        )
-        p.add_argument(
-            "--pipeline-parallel",
-            type=_int_option(1),
-            default=1,
-            help="split the layers into this many stages of processes (run under torchrun; >= 1)",
-        )
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.add_argument(
-            "--compile",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="compile the generation step with torch.compile (resident models; default: off)",
-        )
-        p.add_argument(
-            "--deterministic",
-            action="store_true",
-            help="fixed-shape products: output bitwise the same in any batch (slower at batch 1)",
-        )
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
-    g = sub.add_parser(
+    g = _command(
+        sub,
         "generate",
         help="answer a prompt (as a chat turn when the model has a chat template; --raw continues it)",
-        epilog=EXIT_CODES,
     )
-    g.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument(
         "--raw",
@@ -531,18 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser(
-        "chat", help="interactive chat (keeps the conversation; /reset, /exit)", epilog=EXIT_CODES
-    )
-    c.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
+    c = _command(sub, "chat", help="interactive chat (keeps the conversation; /reset, /exit)")
     c.add_argument("--system", default=None, help="system prompt")
     common(c)
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser(
-        "inspect", help="architecture, parameters, tensors, memory estimates", epilog=EXIT_CODES
-    )
-    i.add_argument("model", nargs="?", default=None, help=DEFAULT_MODEL_HELP)
+    i = _command(sub, "inspect", help="architecture, parameters, tensors, memory estimates")
     i.add_argument(
         "--context", type=_int_option(1), default=None, help="context length for the KV-cache estimate (>= 1)"
     )

@@ -23,7 +23,6 @@ newline dropped).
 from __future__ import annotations
 
 import math
-import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from infer.generate import check_int
 
 if TYPE_CHECKING:
     from infer.loader.config import ModelConfig
@@ -81,7 +82,7 @@ def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str
     """The UTF-8 text of ``path`` as ``llama-perplexity -f`` reads it: at most ``max_bytes`` bytes
     (an incomplete character at the cut is dropped), one trailing newline removed."""
     if max_bytes is not None:
-        _check_int("max_bytes", max_bytes, 1)
+        check_int("max_bytes", max_bytes, 1)
     p = Path(path)
     with p.open("rb") as f:
         data = f.read() if max_bytes is None else f.read(max_bytes)
@@ -94,16 +95,6 @@ def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str
         else:
             raise ValueError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     return text[:-1] if text.endswith("\n") else text
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    number = operator.index(value)
-    if number < minimum or (maximum is not None and number > maximum):
-        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {allowed}, got {number}")
-    return number
 
 
 def adds_bos(tokenizer: Any) -> bool:
@@ -163,10 +154,10 @@ def perplexity(
     if not text:
         raise ValueError("text is empty (an empty string)")
     limit = llm.config.max_position_embeddings
-    context = _check_int("context", context, MIN_CONTEXT, limit)
-    batch = _check_int("batch", batch, 1)
+    context = check_int("context", context, MIN_CONTEXT, limit)
+    batch = check_int("batch", batch, 1)
     if max_chunks is not None:
-        max_chunks = _check_int("max_chunks", max_chunks, 1)
+        max_chunks = check_int("max_chunks", max_chunks, 1)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable, got {type(progress).__name__}")
 

@@ -31,12 +31,13 @@ from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 
 def build_streaming_model(
-    path: Path, *, device: str, dtype: torch.dtype, streaming: StreamingConfig
+    path: Path, streaming: StreamingConfig, dtype: torch.dtype = torch.bfloat16
 ) -> DecoderLM:
+    """``path`` streamed to the GPU under ``streaming``."""
     return build_streamed(
         SafetensorsSource(path),
         load_config(path),
-        LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming),
+        LoadOptions(device=torch.device("cuda"), dtype=dtype, streaming=streaming),
     )
 
 
@@ -63,7 +64,7 @@ def streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> Decod
         memory_budget="256MB", max_resident_layers=0, max_batch_size=2, max_context=64
     )
     settings.update(kw)
-    return build_streaming_model(path, device="cuda", dtype=dtype, streaming=StreamingConfig(**settings))
+    return build_streaming_model(path, StreamingConfig(**settings), dtype)
 
 
 @torch.inference_mode()
@@ -136,9 +137,7 @@ def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None
     torch.cuda.reset_peak_memory_stats()
     model = build_streaming_model(
         big_checkpoint,
-        device="cuda",
-        dtype=torch.bfloat16,
-        streaming=StreamingConfig(
+        StreamingConfig(
             layer_group_size=2,
             memory_budget=budget,
             prefetch=prefetch,
@@ -179,9 +178,7 @@ def test_cuda_copies_overlap_compute(big_checkpoint: Path) -> None:
     """Prefill-sized forwards: each group's compute outlasts the next group's copy, so copies hide."""
     model = build_streaming_model(
         big_checkpoint,
-        device="cuda",
-        dtype=torch.bfloat16,
-        streaming=StreamingConfig(
+        StreamingConfig(
             layer_group_size=1,
             memory_budget="8GB",
             max_resident_layers=0,
@@ -231,9 +228,7 @@ def test_cuda_prefetch_wall_time(big_checkpoint: Path) -> None:
     for prefetch in (False, True):
         model = build_streaming_model(
             big_checkpoint,
-            device="cuda",
-            dtype=torch.bfloat16,
-            streaming=StreamingConfig(
+            StreamingConfig(
                 layer_group_size=2,
                 memory_budget="16GB",
                 prefetch=prefetch,

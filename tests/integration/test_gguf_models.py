@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from model_checks import assert_cache_and_padding_match
 
 import infer
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
@@ -122,16 +123,7 @@ def test_cache_and_padding_with_packed_weights(
     """KV-cache decode and left padding give the full-sequence logits with packed (Q8_0) modules."""
     path = write_gguf(tmp_path / f"{arch}.gguf", hf_models[arch], tokenizer, qtype="Q8_0")
     model = load_model(path, torch.float32)
-    with torch.no_grad():
-        full = model(IDS)
-        cache = model.make_cache(2, IDS.shape[1])
-        first = model(IDS[:, :10], cache=cache)
-        steps = [model(IDS[:, t : t + 1], cache=cache) for t in range(10, IDS.shape[1])]
-        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), IDS[:1]], dim=1)
-        mask = torch.cat([torch.zeros(1, 3), torch.ones(1, IDS.shape[1])], dim=1)
-        left = model(padded, attention_mask=mask)[:, 3:]
-    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(left, full[:1], atol=1e-4, rtol=1e-4)
+    assert_cache_and_padding_match(model, IDS, prefill=10, pad=3)
 
 
 def test_infer_load_generates(

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from model_checks import assert_cache_and_padding_match
 from safetensors.torch import load_file, save_file
 
 import infer
@@ -82,16 +83,7 @@ def test_checkpoint_without_transformer_prefix(checkpoint: Path, hf_gpt2: Any, t
 def test_cached_decode_and_padding(checkpoint: Path) -> None:
     """Absolute positions come from the cache (decode) and from the left padding (batch)."""
     model = _safetensors_model(checkpoint)
-    with torch.no_grad():
-        full = model(IDS)
-        cache = model.make_cache(2, IDS.shape[1])
-        first = model(IDS[:, :12], cache=cache)
-        steps = [model(IDS[:, t : t + 1], cache=cache) for t in range(12, IDS.shape[1])]
-        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), IDS[:1]], dim=1)
-        mask = torch.cat([torch.zeros(1, 4), torch.ones(1, IDS.shape[1])], dim=1)
-        left = model(padded, attention_mask=mask)[:, 4:]
-    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(left, full[:1], atol=1e-4, rtol=1e-4)
+    assert_cache_and_padding_match(model, IDS, prefill=12, pad=4)
     with pytest.raises(ValueError, match="more than the model's 1024 positions"):
         model(torch.zeros(1, 1025, dtype=torch.long))
     cache = model.make_cache(1, 1100)

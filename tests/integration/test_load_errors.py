@@ -66,42 +66,58 @@ def test_directory_without_config(tmp_path: Path) -> None:
         infer.load(tmp_path)
 
 
-def test_wrong_shape_tensor(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
-    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "ckpt")
-    tensors = load_file(path / "model.safetensors")
-    name = "model.layers.1.self_attn.k_proj.weight"
-    tensors[name] = torch.zeros(8, 64)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \[8, 64\], expected \[32, 64\]"):
-        infer.load(path)
-
-
-def test_missing_and_unexpected_tensors(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
-    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "missing")
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.2.mlp.up_proj.weight"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(
-        ValueError,
-        match=r"missing tensor\(s\) \['model.layers.2.mlp.up_proj.weight'\] "
+# (what is changed, tensors set, tensors deleted, the error)
+EDITED_TENSORS: list[tuple[str, dict[str, torch.Tensor], list[str], str]] = [
+    (
+        "wrong-shape",
+        {"model.layers.1.self_attn.k_proj.weight": torch.zeros(8, 64)},
+        [],
+        r"tensor 'model.layers.1.self_attn.k_proj.weight' has shape \[8, 64\], expected \[32, 64\]",
+    ),
+    (
+        "missing",
+        {},
+        ["model.layers.2.mlp.up_proj.weight"],
+        r"missing tensor\(s\) \['model.layers.2.mlp.up_proj.weight'\] "
         r"\(for parameters \['layers.2.mlp.up_proj.weight'\]",
-    ):
-        infer.load(path)
+    ),
+    (
+        "unexpected",
+        {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+        [],
+        r"unexpected tensor\(s\).*q_proj.bias",
+    ),
+    (
+        "untied-without-lm-head",
+        {},
+        ["lm_head.weight"],
+        r"model.safetensors: no 'lm_head.weight' and tie_word_embeddings",
+    ),
+]
 
-    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "extra")
+
+def _edited_copy(src: Path, dst: Path, set_: dict[str, torch.Tensor], delete: list[str]) -> Path:
+    """Checkpoint ``src`` copied to ``dst``, with tensors ``set_`` added or replaced and ``delete`` gone."""
+    path = _copy(src, dst)
     tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    for name in delete:
+        del tensors[name]
+    tensors.update(set_)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"unexpected tensor\(s\).*q_proj.bias"):
-        infer.load(path)
+    return path
 
 
-def test_untied_checkpoint_without_lm_head(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
-    path = _copy(tiny_ckpt_factory("llama"), tmp_path / "nohead")
-    tensors = load_file(path / "model.safetensors")
-    del tensors["lm_head.weight"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model.safetensors: no 'lm_head.weight' and tie_word_embeddings"):
+@pytest.mark.parametrize("case,set_,delete,message", EDITED_TENSORS, ids=[c[0] for c in EDITED_TENSORS])
+def test_edited_checkpoint_is_refused(
+    case: str,
+    set_: dict[str, torch.Tensor],
+    delete: list[str],
+    message: str,
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    path = _edited_copy(tiny_ckpt_factory("llama"), tmp_path / case, set_, delete)
+    with pytest.raises(ValueError, match=message):
         infer.load(path)
 
 
@@ -109,10 +125,9 @@ def test_tied_checkpoint_with_stored_lm_head_reuses_embedding(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     """Like Qwen3-1.7B: tied, yet lm_head.weight stored; the head is the embedding regardless."""
-    path = _copy(tiny_ckpt_factory("qwen3"), tmp_path / "tied")
-    tensors = load_file(path / "model.safetensors")
-    tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    src = tiny_ckpt_factory("qwen3")
+    embedding = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    path = _edited_copy(src, tmp_path / "tied", {"lm_head.weight": torch.zeros_like(embedding)}, [])
     llm = infer.load(path)
     assert llm.model.lm_head.weight is llm.model.embed_tokens.weight
     assert llm.model.lm_head.weight.abs().sum() > 0

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_gguf import write_gguf_files
 
 import infer
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -189,16 +190,7 @@ GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    from infer.gguf.writer import write_gguf
-
-    root = tmp_path_factory.mktemp("matrix-gguf")
-    tokenizer = build_tokenizer(root / "tokenizer")
-    files = {}
-    for arch, overrides in GGUF_OVERRIDES.items():
-        model = tiny_hf_model(arch, **overrides)
-        for qtype in ("F16", "Q8_0", "Q4_0"):
-            files[arch, qtype] = write_gguf(root / f"{arch}-{qtype}.gguf", model, tokenizer, qtype=qtype)
-    return files
+    return write_gguf_files(tmp_path_factory.mktemp("matrix-gguf"), GGUF_OVERRIDES, ("F16", "Q8_0", "Q4_0"))
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0"])

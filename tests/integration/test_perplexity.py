@@ -115,12 +115,12 @@ def test_batches_and_max_chunks(tiny_ckpt_factory: Callable[..., Path]) -> None:
 
 
 BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
-    ({"context": 2}, ValueError, "context must be in [3, 256], got 2"),
-    ({"context": 257}, ValueError, "context must be in [3, 256], got 257"),
+    ({"context": 2}, ValueError, "context must be an int in [3, 256], got 2"),
+    ({"context": 257}, ValueError, "context must be an int in [3, 256], got 257"),
     ({"context": True}, TypeError, "context must be an int, got True (bool)"),
     ({"context": 32.0}, TypeError, "context must be an int, got 32.0 (float)"),
-    ({"batch": 0}, ValueError, "batch must be >= 1, got 0"),
-    ({"max_chunks": 0}, ValueError, "max_chunks must be >= 1, got 0"),
+    ({"batch": 0}, ValueError, "batch must be an int >= 1, got 0"),
+    ({"max_chunks": 0}, ValueError, "max_chunks must be an int >= 1, got 0"),
     ({"text": ""}, ValueError, "text is empty"),
     ({"text": b"bytes"}, TypeError, "text must be a string, got bytes"),
     ({"text": "short", "context": 4}, ValueError, "the text tokenizes to 6 tokens; a context of 4 needs"),
@@ -149,7 +149,7 @@ def test_read_text(tmp_path: Path) -> None:
     (tmp_path / "bad.txt").write_bytes(b"ab\xffcd")
     with pytest.raises(ValueError, match=r"bad.txt: not UTF-8 text \(byte 2: invalid start byte\)"):
         read_text(tmp_path / "bad.txt")
-    with pytest.raises(ValueError, match="max_bytes must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1, got 0"):
         read_text(f, 0)
 
 
@@ -188,7 +188,7 @@ def test_cli_errors(
     assert main(["perplexity", path, str(tmp_path / "missing.txt"), "--quiet"]) == 1
     assert "No such file or directory" in capsys.readouterr().err
     assert main(["perplexity", path, str(short), "--context", "300", "--quiet"]) == 1
-    assert capsys.readouterr().err == "infer: error: context must be in [3, 256], got 300\n"
+    assert capsys.readouterr().err == "infer: error: context must be an int in [3, 256], got 300\n"
 
 
 @pytest.mark.parametrize(

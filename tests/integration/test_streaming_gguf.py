@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_gguf import write_gguf_files
 
 import infer
-from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig
-from infer.testing import build_tokenizer, tiny_hf_model
 
 # What GGUF can express of each tiny config (no Gemma soft-capping).
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -31,14 +30,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("gguf-stream")
-    tokenizer = build_tokenizer(root / "tokenizer")
-    files = {}
-    for arch, overrides in OVERRIDES.items():
-        model = tiny_hf_model(arch, **overrides)
-        for qtype in ("Q4_0", "Q8_0", "BF16"):
-            files[arch, qtype] = write_gguf(root / f"{arch}-{qtype}.gguf", model, tokenizer, qtype=qtype)
-    return files
+    return write_gguf_files(tmp_path_factory.mktemp("gguf-stream"), OVERRIDES, ("Q4_0", "Q8_0", "BF16"))
 
 
 def streamed(path: Path, dtype: torch.dtype | None = None, **kw: Any) -> DecoderLM:

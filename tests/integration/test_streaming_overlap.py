@@ -11,19 +11,16 @@ intra-op thread so that the reader and the compute each have a core.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from wrapped_source import WrappedSource, stream_every_layer
 
-from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
-from infer.loader.source import StoredTensor, WeightSource
+from infer.loader.source import WeightSource
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.streaming import StreamingConfig, build_streamed
 from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(hidden_size=256, intermediate_size=768, num_hidden_layers=8, vocab_size=1024)
@@ -31,28 +28,15 @@ TOKENS = 512
 FORWARDS = 8
 
 
-class SlowSource:
-    """A `WeightSource`, written from the Protocol alone, whose reads take ``nbytes / rate`` longer."""
-
-    naming = "hf"
+class SlowSource(WrappedSource):
+    """A `WeightSource` whose reads take ``nbytes / rate`` longer."""
 
     def __init__(self, inner: WeightSource, bytes_per_second: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rate = bytes_per_second
-        self.description = inner.description
 
-    def tensors(self) -> Mapping[str, StoredTensor]:
-        return self.inner.tensors()
-
-    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    def before_read(self, out: torch.Tensor) -> None:
         time.sleep(out.numel() * out.element_size() / self.rate)
-        self.inner.read_into(name, out, rows)
-
-    def prefetch_hint(self, name: str) -> None:
-        self.inner.prefetch_hint(name)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture
@@ -70,21 +54,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def build(path: Path, prefetch: bool, rate: float | None) -> DecoderLM:
-    config = load_config(path)
     source: WeightSource = SafetensorsSource(path)
     if rate is not None:
         source = SlowSource(source, rate)
-    streaming = StreamingConfig(
-        layer_group_size=1,
-        memory_budget="1GB",
-        prefetch=prefetch,
-        max_resident_layers=0,
-        max_context=TOKENS,
-        max_prefill_tokens=TOKENS,
-    )
-    return build_streamed(
-        source, config, LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
-    )
+    return stream_every_layer(source, path, prefetch=prefetch, max_context=TOKENS, max_prefill_tokens=TOKENS)
 
 
 def run(model: DecoderLM) -> float:

@@ -11,56 +11,35 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from wrapped_source import WrappedSource, stream_every_layer
 
-from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
-from infer.loader.source import StoredTensor
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.streaming import StreamingConfig, build_streamed
 
 TIMEOUT = 0.5
 
 
-class StallingSource:
+class StallingSource(WrappedSource):
     """A `WeightSource` whose reads block while ``stall`` is set, until ``release`` is."""
 
     def __init__(self, inner: SafetensorsSource) -> None:
-        self.inner = inner
-        self.description = inner.description
-        self.naming = inner.naming
+        super().__init__(inner)
         self.stall = threading.Event()
         self.release = threading.Event()
 
-    def tensors(self) -> Mapping[str, StoredTensor]:
-        return self.inner.tensors()
-
-    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    def before_read(self, out: torch.Tensor) -> None:
         if self.stall.is_set():
             self.release.wait()
-        self.inner.read_into(name, out, rows)
-
-    def prefetch_hint(self, name: str) -> None:
-        self.inner.prefetch_hint(name)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
-def build(path: Path, streaming: StreamingConfig) -> tuple[DecoderLM, StallingSource]:
+def build(path: Path, **settings: Any) -> tuple[DecoderLM, StallingSource]:
     source = StallingSource(SafetensorsSource(path))
-    model = build_streamed(
-        source,
-        load_config(path),
-        LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
-    )
-    return model, source
+    return stream_every_layer(source, path, **settings), source
 
 
 def timed_forward(model: DecoderLM, ids: torch.Tensor) -> tuple[BaseException | None, float]:
@@ -76,14 +55,7 @@ def timed_forward(model: DecoderLM, ids: torch.Tensor) -> tuple[BaseException | 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "sync"])
 def test_stalled_reader_times_out_then_recovers(tiny_ckpt_factory: Any, prefetch: bool) -> None:
     path = tiny_ckpt_factory("llama")
-    streaming = StreamingConfig(
-        layer_group_size=1,
-        memory_budget="1GB",
-        prefetch=prefetch,
-        max_resident_layers=0,
-        read_timeout=TIMEOUT,
-    )
-    model, source = build(path, streaming)
+    model, source = build(path, prefetch=prefetch, read_timeout=TIMEOUT)
     ids = torch.tensor([[1, 5, 9, 200, 3]])
     try:
         with torch.inference_mode():
@@ -106,10 +78,7 @@ def test_stalled_reader_times_out_then_recovers(tiny_ckpt_factory: Any, prefetch
 
 def test_read_timeout_reaches_the_pipeline(tiny_ckpt_factory: Any) -> None:
     path = tiny_ckpt_factory("llama")
-    streaming = StreamingConfig(
-        layer_group_size=1, memory_budget="1GB", max_resident_layers=0, read_timeout=TIMEOUT
-    )
-    model, source = build(path, streaming)
+    model, source = build(path, read_timeout=TIMEOUT)
     ids = torch.tensor([[1, 5, 9]])
     timer = threading.Timer(5.0, source.release.set)  # without the setting, the forward waits for this
     try:

@@ -14,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from .fake_engine import FakeEngine
+
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
 TIMEOUT = httpx.Timeout(60.0)
 
@@ -364,22 +366,16 @@ def _model_with_key(base: str) -> str:
     return name
 
 
-class _FullEngine:
+class _FullEngine(FakeEngine):
     """An engine whose queue is always full."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
     def submit(self, prompt: Any, params: Any) -> Any:
-        from infer.serve.engine_api import EngineFull
+        from infer.engine import EngineFull
 
         raise EngineFull("64 requests are waiting (max_waiting=64)")
 
     def stats(self) -> dict[str, int]:
         return {"running": 16, "waiting": 64}
-
-    def close(self, drain: bool = True) -> None:
-        pass
 
 
 def test_full_queue_is_429_with_retry_after(live_server: LiveServer, tiny_llm: Any) -> None:

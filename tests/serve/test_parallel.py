@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,22 +14,14 @@ from typing import Any
 import httpx
 import psutil  # type: ignore[import-untyped]
 import pytest
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from rank_env import SRC, free_port
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--tensor-parallel"])  # --pipeline-parallel passes too (kept out: time)
 def test_parallel_server_answers_as_one_process(tiny_path: Path, tiny_llm: Any, flag: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", flag, "2"]
     argv = [sys.executable, *torchrun, "-m", "infer", *serve]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

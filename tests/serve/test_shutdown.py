@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from .fake_engine import FakeEngine
+
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
 SRC = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT = httpx.Timeout(60.0)
@@ -90,13 +92,14 @@ def test_shutdown_timeout_ends_streams_with_a_final_event(live_server: LiveServe
     assert httpx.get(base + "/health", timeout=TIMEOUT).json() == {"status": "draining"}
 
 
-class _FailingEngine:
+class _FailingEngine(FakeEngine):
     """An engine whose requests for a prompt holding token 7 fail; others stream three tokens."""
 
     def __init__(self, llm: Any) -> None:
-        from infer.serve.engine_api import Delta
+        from infer.engine import Delta
 
-        self.llm, self.Delta = llm, Delta
+        super().__init__(llm)
+        self.Delta = Delta
         self.context = 256
 
     def submit(self, prompt: list[int], params: Any) -> Any:
@@ -119,12 +122,6 @@ class _FailingEngine:
                 pass
 
         return Handle()
-
-    def stats(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0}
-
-    def close(self, drain: bool = True) -> None:
-        pass
 
 
 def test_one_failing_request_ends_alone(live_server: LiveServer, tiny_llm: Any) -> None:
@@ -163,13 +160,14 @@ def test_one_failing_request_ends_alone(live_server: LiveServer, tiny_llm: Any) 
     assert status == 200 and body["choices"][0]["text"] == "ABC"
 
 
-class _SlowEngine:
+class _SlowEngine(FakeEngine):
     """An engine whose requests produce a token every 50 ms until cancelled; it records cancels."""
 
     def __init__(self, llm: Any) -> None:
-        from infer.serve.engine_api import Delta
+        from infer.engine import Delta
 
-        self.llm, self.Delta = llm, Delta
+        super().__init__(llm)
+        self.Delta = Delta
         self.context = 256
         self.cancelled = threading.Event()
         self.submitted = threading.Event()
@@ -195,9 +193,6 @@ class _SlowEngine:
                 engine.cancelled.set()
 
         return Handle()
-
-    def stats(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0}
 
 
 def test_a_client_that_hangs_up_on_a_whole_response_cancels_it(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from infer.quant.dequant import dequantize
-from infer.quant.ggml import QType, check_supported, row_bytes
+from infer.quant.ggml import QType, as_rows, check_supported
 from infer.quant.linear import QuantizedLinear
 from infer.quant.planes import GROUP
 
@@ -57,12 +57,7 @@ class QuantizedEmbedding(nn.Module):
         """From a GGUF embedding's bytes, ``shape = (num_embeddings, embedding_dim)``; kept, not copied."""
         qt = check_supported(qtype, name)
         n, d = (int(s) for s in shape)
-        expected = n * row_bytes(qt, d, name)
-        if raw.numel() != expected:
-            raise ValueError(
-                f"{name}: {qt.name} tensor of shape {[n, d]} needs {expected} bytes, got {raw.numel()}"
-            )
-        return cls(n, d, raw=raw.reshape(n, -1), qtype=qt, dtype=dtype)
+        return cls(n, d, raw=as_rows(raw, qt, n, d, name), qtype=qt, dtype=dtype)
 
     @classmethod
     def from_linear(

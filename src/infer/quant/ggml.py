@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+if TYPE_CHECKING:
+    import torch
 
 QType = GGMLQuantizationType
 
@@ -73,6 +77,19 @@ def row_bytes(qtype: int | QType, cols: int, what: str = "tensor") -> int:
     if cols % bs != 0:
         raise ValueError(f"{what}: row length {cols} is not a multiple of the {qt.name} block size {bs}")
     return cols // bs * ts
+
+
+def as_rows(raw: torch.Tensor, qtype: QType, rows: int, cols: int, what: str = "tensor") -> torch.Tensor:
+    """``raw`` (the bytes of a ``[rows, cols]`` tensor of ``qtype``) as ``[rows, row_bytes]``.
+
+    A ValueError naming ``what`` when the byte count is not that shape's.
+    """
+    expected = rows * row_bytes(qtype, cols, what)
+    if raw.numel() != expected:
+        raise ValueError(
+            f"{what}: {qtype.name} tensor of shape {[rows, cols]} needs {expected} bytes, got {raw.numel()}"
+        )
+    return raw.reshape(rows, -1)
 
 
 def tensor_bytes(qtype: int | QType, shape: Sequence[int], what: str = "tensor") -> int:

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from infer.quant.operands import INT32_LIMIT, plain_cpu_operands
+
 BLOCK_N = 64  # rows per packing block
 ROW_MULTIPLE = 16  # the kernel needs N % 16 == 0
 
@@ -143,8 +145,6 @@ def cpu_kernel_usable() -> bool:
 
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INT32_LIMIT = 2**31  # the kernel indexes with 32-bit ints
 
 
 def cpu_kernel_accepts(
@@ -168,26 +168,17 @@ def cpu_kernel_accepts(
     free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`;
     ``usable_checked``: the caller already knows, e.g. inside a compiled graph).
     """
-    if x.dim() != 2 or packed.dim() != 2 or scale_zero.dim() != 3:
+    if not plain_cpu_operands(x, packed, torch.uint8, scale_zero, 3):
         return False
     m, k = x.shape
     n = packed.shape[0]
     return (
-        x.is_cpu
-        and packed.is_cpu
-        and scale_zero.is_cpu
-        and x.dtype in _KERNEL_DTYPES
-        and packed.dtype == torch.uint8
-        and scale_zero.dtype == x.dtype
-        and group_size in KERNEL_GROUP_SIZES
+        group_size in KERNEL_GROUP_SIZES
         and k % group_size == 0
         and packed.shape[1] * 2 == k
         and n % ROW_MULTIPLE == 0
         and scale_zero.shape == (k // group_size, n, 2)
-        and x.is_contiguous()
-        and packed.is_contiguous()
-        and scale_zero.is_contiguous()
-        and max(m * k, n * k, m * n, 2 * n * (k // group_size)) < _INT32_LIMIT
+        and max(m * k, n * k, m * n, 2 * n * (k // group_size)) < INT32_LIMIT
         and (usable_checked or cpu_kernel_usable())
     )
 

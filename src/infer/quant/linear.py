@@ -28,7 +28,8 @@ from torch import nn
 from infer import rows as row_rules
 from infer.quant import int4
 from infer.quant.dequant import dequantize
-from infer.quant.ggml import FLOAT_TYPES, QType, check_supported, row_bytes
+from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
+from infer.quant.operands import INT32_LIMIT, plain_cpu_operands
 from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes, to_planes
 from infer.quant.quantize import quantize_int8_per_channel
 
@@ -46,9 +47,6 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-_INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def int8_kernel_accepts(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, pointers_checked: bool = False
 ) -> bool:
@@ -63,25 +61,16 @@ def int8_kernel_accepts(
     ``pointers_checked``: the caller vouches for the alignment (inside a compiled graph,
     where pointers cannot be read).
     """
-    if x.dim() != 2 or qweight.dim() != 2 or scales.dim() != 1:
+    if not plain_cpu_operands(x, qweight, torch.int8, scales, 1):
         return False
     m, k = x.shape
     n = qweight.shape[0]
     return (
-        x.is_cpu
-        and qweight.is_cpu
-        and scales.is_cpu
-        and x.dtype in _INT8_KERNEL_DTYPES
-        and qweight.dtype == torch.int8
-        and scales.dtype == x.dtype
-        and qweight.shape[1] == k
+        qweight.shape[1] == k
         and scales.shape[0] == n
         and k % 16 == 0
-        and x.is_contiguous()
-        and qweight.is_contiguous()
-        and scales.is_contiguous()
         and (pointers_checked or (x.data_ptr() % 32 == 0 and qweight.data_ptr() % 16 == 0))
-        and max(m * k, n * k, m * n) < 2**31
+        and max(m * k, n * k, m * n) < INT32_LIMIT
     )
 
 
@@ -168,13 +157,7 @@ class QuantizedLinear(nn.Module):
         if qt in FLOAT_TYPES or qt not in PLANE_DECODERS:
             w = dequantize(raw, qt, (n, k), name=name).to(device=device, dtype=compute_dtype)
             return cls(k, n, "dense", {"weight": w}, bias=bias, source=qt.name, compute_dtype=compute_dtype)
-        rows = raw.reshape(-1)
-        expected = n * row_bytes(qt, k, name)
-        if rows.numel() != expected:
-            raise ValueError(
-                f"{name}: {qt.name} tensor of shape {[n, k]} needs {expected} bytes, got {rows.numel()}"
-            )
-        rows = rows.reshape(n, -1)
+        rows = as_rows(raw, qt, n, k, name)
         p = num_planes(qt)
         n_pad = _round_up(n, int4.ROW_MULTIPLE)
         kp = p * k

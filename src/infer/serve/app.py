@@ -29,8 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.chat_template import check_unicode
-from infer.prompts import chat_ids, has_chat_template
-from infer.serve.engine_api import (
+from infer.engine import (
     Delta,
     Engine,
     EngineClosed,
@@ -39,6 +38,7 @@ from infer.serve.engine_api import (
     SamplingParams,
     TokenLogprob,
 )
+from infer.prompts import chat_ids, has_chat_template
 from infer.serve.metrics import Metrics
 from infer.serve.schemas import ChatCompletionRequest, CompletionRequest
 

@@ -22,9 +22,9 @@ import threading
 from collections.abc import Generator, Iterator
 from typing import Any
 
+from infer.engine import Delta, EngineClosed, EngineFull, SamplingParams
 from infer.generate import SamplingParams as StepParams
 from infer.generate import cut_at_stop, stop_prefix
-from infer.serve.engine_api import Delta, EngineClosed, EngineFull, SamplingParams
 
 KEEPALIVE_S = 60.0
 _STOP = "stop"
