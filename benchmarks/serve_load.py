@@ -70,12 +70,13 @@ class Outcome:
 @dataclass
 class Report:
     outcomes: list[Outcome]
-    rss_after_100: int | None
+    rss_after_100: int | None  # after the first `first_count` requests (100, or half a short run)
     rss_end: int | None
     running_end: float | None
     waiting_end: float | None
     seconds: float
     violations: list[str]
+    first_count: int
     prompts: list[list[int]]  # the pool (a job's ``prompt`` indexes it)
     alone: dict[int, list[int]]  # prompt index -> its tokens served alone (the largest max_tokens asked)
 
@@ -96,7 +97,7 @@ class Report:
         rss = ""
         if self.rss_after_100 and self.rss_end:
             rss = (
-                f"RSS {self.rss_after_100 / 2**20:.0f} MiB after the first 100 requests, "
+                f"RSS {self.rss_after_100 / 2**20:.0f} MiB after the first {self.first_count} requests, "
                 f"{self.rss_end / 2**20:.0f} MiB at the end ({self.rss_end / self.rss_after_100 - 1:+.1%}); "
             )
         return (
@@ -313,7 +314,7 @@ async def run_load(
     if rss_after_100 and rss_end and rss_end > rss_after_100 * (1 + rss_tolerance):
         violations.append(
             f"RSS {rss_end / 2**20:.0f} MiB at the end > {1 + rss_tolerance:.2f} x "
-            f"{rss_after_100 / 2**20:.0f} MiB after the first 100 requests"
+            f"{rss_after_100 / 2**20:.0f} MiB after the first {burst_at} requests"
         )
     if not any(o.status == 200 and not o.disconnected for o in outcomes):
         violations.append("no request completed")
@@ -325,6 +326,7 @@ async def run_load(
         waiting,
         time.monotonic() - t0,
         violations,
+        burst_at,
         prompts,
         {k: o.tokens for k, o in alone.items() if o.status == 200},
     )
