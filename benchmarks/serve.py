@@ -111,6 +111,25 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def matmul_gflops(threads: int, seconds: float = 2.0) -> float:
+    """float32 GFLOP/s of a 1024^3 matrix product on ``threads`` threads: the compute ceiling the
+    table's 16-stream figures are set against (a token of a model of P parameters costs ~2P FLOPs)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        a @ b
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            n += 1
+        return 2 * 1024**3 * n / (time.perf_counter() - t0) / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
 class RssSampler:
     """Peak RSS of a process and its children, sampled every ``interval`` s in a thread."""
 
@@ -532,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "cpu": cpu_name(),
         "load_average_before": os.getloadavg(),
+        "matmul_gflops": matmul_gflops(args.threads),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "models": {},
     }
@@ -547,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nMachine: {results['cpu']}, {os.cpu_count()} logical CPUs, {args.threads} threads per server; "
         f"load average {results['load_average_before'][0]:.2f} before, "
         f"{results['load_average_after'][0]:.2f} after; "
-        f"{results['seconds']:.0f} s. JSON: {args.json}"
+        f"{results['seconds']:.0f} s; a float32 1024^3 matmul on {args.threads} threads: "
+        f"{results['matmul_gflops']:.0f} GFLOP/s. JSON: {args.json}"
     )
     if args.chart:
         chart(results, args, Path(args.chart))
