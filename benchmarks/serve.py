@@ -402,9 +402,12 @@ async def bench_server(server: Server, args: argparse.Namespace) -> dict[str, An
     return {"levels": levels, "prefix": prefix}
 
 
-def run_model(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run_model(model: str, args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Both servers on ``model``; ``results`` (with this model's part so far) goes to ``--json``
+    after each server, so a run cut short keeps what it measured."""
     path = model_path(model)
     out: dict[str, Any] = {"path": str(path)}
+    results["models"][model] = out
     for kind in args.servers:
         print(f"{MODELS[model]}: {kind}", file=sys.stderr, flush=True)
         server = start_server(kind, path, args, log_dir)
@@ -415,6 +418,8 @@ def run_model(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         result["peak_rss"] = result_rss
         result["notes"] = server.notes
         out[kind] = result
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
     return out
 
 
@@ -557,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.perf_counter()
     for model in args.models:
-        results["models"][model] = run_model(model, args, log_dir)
+        run_model(model, args, log_dir, results)
     results["load_average_after"] = os.getloadavg()
     results["seconds"] = time.perf_counter() - t0
     args.json.parent.mkdir(parents=True, exist_ok=True)
