@@ -1,7 +1,7 @@
 """`infer serve` against llama.cpp's `llama-server`: concurrent streaming clients over loopback.
 
-    uv run python benchmarks/serve.py                                  # both real models, 1/4/16 streams
-    uv run python benchmarks/serve.py --models smollm2 --levels 1,16 --per-client 1 --chart ""
+    uv run python benchmarks/serving.py                                  # both real models, 1/4/16 streams
+    uv run python benchmarks/serving.py --models smollm2 --levels 1,16 --per-client 1 --chart ""
 
 For SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (`infer.realmodels`) each server runs in
 its own process, started here on a free 127.0.0.1 port:
