@@ -12,7 +12,6 @@ import torch
 
 from infer.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
-from infer.loader.config import ModelConfig
 from infer.loader.source import StoredTensor
 
 
@@ -55,10 +54,10 @@ def inspect_checkpoint(
     params = sum(r.numel for r in rows)
     stored = sum(r.nbytes for r in rows)
     as_float = params * torch.empty((), dtype=run_dtype).element_size()
-    kv = KVCache.bytes_needed(config, batch_size, context, run_dtype)
-    kv_full = KVCache.bytes_needed(
-        ModelConfig(**{**config.__dict__, "layer_types": None}), batch_size, context, run_dtype
-    )
+    # What generation allocates (the engine keeps every slot: rows can roll back), and what
+    # ring buffers on the sliding-window layers would need.
+    kv = KVCache.bytes_needed(config, batch_size, context, run_dtype, rings=False)
+    kv_ring = KVCache.bytes_needed(config, batch_size, context, run_dtype)
     kinds: dict[str, int] = defaultdict(int)
     for r in rows:
         kinds[r.kind] += r.nbytes
@@ -77,7 +76,7 @@ def inspect_checkpoint(
         f"{str(run_dtype).removeprefix('torch.')}",
         f"KV cache      {_gib(kv)} for batch {batch_size} x {context} tokens at "
         f"{str(run_dtype).removeprefix('torch.')}"
-        + (f" (ring buffers on sliding layers; {_gib(kv_full)} without)" if kv != kv_full else ""),
+        + (f" (ring buffers on sliding layers would need {_gib(kv_ring)})" if kv != kv_ring else ""),
         "",
     ]
     layer_re = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")

@@ -209,8 +209,9 @@ def _candidate(
         units.extend(head_units(len(units), pi.head, rows))
     buffer = max((u.nbytes for u in units), default=0)
     num_buffers = (2 if prefetch else 1) if units else 0
+    # The engine's KV keeps every slot of sliding-window layers too (no rings: rows can roll back).
     kv = KVCache.bytes_needed(
-        pi.config, limits.max_batch_size, limits.max_context, pi.dtype, layers=pi.layer_indices
+        pi.config, limits.max_batch_size, limits.max_context, pi.dtype, layers=pi.layer_indices, rings=False
     )
     ws = workspace_bytes(
         pi.config, pi.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
