@@ -274,7 +274,7 @@ class LLM:
             )  # fmt: skip
 
         requests = [request(i) for i in range(len(prompts))]
-        return self.engine._submit(prompts, requests, text=text, wait=True)
+        return self.engine._submit(prompts, requests, text=text, wait=True, drive=True)
 
     def _result(self, h: RequestHandle, text: str, row: int) -> GenerationResult:
         if h.finish_detail == "error":

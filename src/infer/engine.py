@@ -1,7 +1,14 @@
 """The generation engine: one loop owns a loaded model and steps every running request together.
 
-`Engine` runs a background thread (started on demand, gone after `IDLE_EXIT_S` idle) that
-owns the model, its KV slots (`KVSlots`) and every request. Each iteration:
+`Engine` owns the model, its KV slots (`KVSlots`) and every request; one thread at a time runs
+its loop (the **driver**). A caller that waits for its tokens in plain Python (iterating a
+`RequestHandle`: `LLM.generate`, `stream`, `chat`, the CLI) drives the loop itself while
+nobody else does, so the model runs on the caller's thread: torch's OpenMP workers spin
+between the regions of the thread that last used them, and a step issued from another thread
+paid ~2x per small op at 2 threads (docs/performance.md). Callers that cannot block
+(`Engine.submit`, asyncio's `RequestHandle.aiter`: the server) get a background thread
+(started on demand, gone after `IDLE_EXIT_S` idle) that drives whenever no caller does.
+Each iteration:
 
 1. requests cancelled since the last step leave (their rows are free at once);
 2. waiting requests join, each on a free row — preferably the one whose kept tokens share
@@ -77,6 +84,7 @@ class LLM(Protocol):
 
 MIN_SLOTS = 256  # the KV capacity grows in powers of two from here (up to the context)
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
+HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
 
 
@@ -183,8 +191,10 @@ class RequestHandle:
         self.cached = 0
 
     def __iter__(self) -> Iterator[Delta]:
+        """The events in order. While nobody else runs the engine's loop, the iterating thread
+        runs it (every running request advances, not only this one)."""
         while not self.done:
-            delta = self._events.get()
+            delta = self._engine._next_event(self)
             if delta.finish_reason is not None:
                 self.done = True
             yield delta
@@ -200,6 +210,8 @@ class RequestHandle:
                 except queue.Empty:
                     break
             self._async = (asyncio.get_running_loop(), events)
+        with self._engine._cond:
+            self._engine._start_locked()  # never run the model on the event loop's thread
         try:
             while not self.done:
                 delta = await events.get()
@@ -244,6 +256,7 @@ class _Request:
     stream: TextStream | None = None  # the text sent so far (with `text`)
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
+    ended: bool = False  # its final event is sent
 
     @property
     def decoding(self) -> bool:
@@ -476,6 +489,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
         self._thread: threading.Thread | None = None
+        self._driver: threading.Thread | None = None  # the thread running an iteration now
         self._closed = False
         self._abort = False  # close(drain=False): end everything
         self._parked = False  # the loop thread waits for work, holding no reference to the engine
@@ -493,13 +507,20 @@ class Engine:
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request (thread-safe). `ValueError` for a bad prompt or one too long for the
         context, `EngineFull` when the waiting queue is full, `EngineClosed` after `close`."""
-        return self._submit([prompt], [params or SamplingParams()], text=True, wait=False)[0]
+        return self._submit([prompt], [params or SamplingParams()], text=True, wait=False, drive=False)[0]
 
     def _submit(
-        self, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], *, text: bool, wait: bool
+        self,
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+        *,
+        text: bool,
+        wait: bool,
+        drive: bool = False,
     ) -> list[RequestHandle]:
         """Queue ``prompts`` in order; those that fit join the same step. ``wait``: block for room
-        instead of raising `EngineFull`."""
+        instead of raising `EngineFull`. ``drive``: the caller will iterate the handles (and so
+        run the loop itself), so no background thread is started for them."""
         if params and not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("params must be infer.engine.SamplingParams")
         ids = [
@@ -520,9 +541,13 @@ class Engine:
                 _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
                          time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None)
             )  # fmt: skip
-        with self._cond:
-            for r in requests:
+        for r in requests:
+            while wait and drive and self._full(max(1, self.max_waiting)):
+                self._drive_once()  # make room by running the loop (or wait while another does)
+            with self._cond:
                 while not self._closed and self._full_locked(max(1, self.max_waiting)) and wait:
+                    if drive:
+                        break  # filled since the check above by another caller: one more waits
                     self._start_locked()
                     self._cond.wait(0.5)
                 if self._closed:
@@ -534,9 +559,14 @@ class Engine:
                 self._waiting.append(r)
                 self._stats["requests"] += 1
                 self._stats["prompt_tokens"] += len(r.prompt)
-            self._start_locked()
-            self._cond.notify_all()
+                if not drive:
+                    self._start_locked()
+                self._cond.notify_all()
         return [r.handle for r in requests]
+
+    def _full(self, bound: int) -> bool:
+        with self._cond:
+            return not self._closed and self._full_locked(bound)
 
     def _full_locked(self, bound: int) -> bool:
         """Whether the queue is at ``bound`` waiting requests (those free rows will take at the
@@ -573,6 +603,8 @@ class Engine:
                 self._abort = True  # also ends requests being admitted right now (in no list)
                 for r in [*self._waiting, *self._running.values()]:
                     r.handle._cancelled = True
+            if self._waiting or self._running:
+                self._start_locked()  # ends them even if no caller is iterating them
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -591,6 +623,7 @@ class Engine:
     def _settle(self, timeout: float = 5.0) -> None:
         """When nothing else is queued: wait until the loop thread has let go of the engine (so a
         caller that drops its `LLM` right after frees the model at once)."""
+        self._reap()
         deadline = time.monotonic() + timeout
         with self._cond:
             while (
@@ -602,6 +635,51 @@ class Engine:
             ):
                 self._cond.wait(0.01)
 
+    def _next_event(self, handle: RequestHandle) -> Delta:
+        """``handle``'s next event, running the loop on this thread while nobody else does."""
+        while True:
+            try:
+                return handle._events.get_nowait()
+            except queue.Empty:
+                pass
+            if not self._drive_once():
+                try:  # another thread is running the loop: it hands this request's events over
+                    return handle._events.get(timeout=HANDOVER_S)
+                except queue.Empty:
+                    continue
+
+    def _drive_once(self) -> bool:
+        """One iteration on this thread, when no other thread is running one and there is work;
+        whether it ran. An interrupt (Ctrl-C) ends the requests of the step it broke and is raised."""
+        with self._cond:
+            if self._driver is not None:
+                self._cond.wait(HANDOVER_S)  # until that iteration ends
+                return False
+            admitted = self._poll_locked()
+            if admitted is None:
+                return False
+            self._driver = threading.current_thread()
+        try:
+            with torch.inference_mode():
+                self._work(admitted, interruptible=True)
+        finally:
+            with self._cond:
+                self._driver = None
+                self._cond.notify_all()
+        return True
+
+    def _reap(self) -> None:
+        """End cancelled requests now when no thread is running the loop, so a caller that stopped
+        iterating early does not leave its row held until somebody runs the next step."""
+        with self._cond:
+            if self._driver is not None or (self._thread is not None and self._thread.is_alive()):
+                return  # the running loop ends them at its next iteration
+            for r in [r for r in self._waiting if r.handle._cancelled]:
+                self._waiting.remove(r)
+                self._emit(r, [], None, "cancelled")
+            for r in [r for r in self._running.values() if r.handle._cancelled]:
+                self._finish(r, "cancelled")
+
     def _exit_locked(self) -> bool:
         """Whether the loop should end now (closed or idle, nothing waiting or running)."""
         if self._waiting or self._running:
@@ -609,17 +687,20 @@ class Engine:
         self._thread = None
         return True
 
-    def _work(self, admitted: list[_Request]) -> None:
-        for r in admitted:
-            try:
-                self._admit(r)
-            except Exception as e:
-                self._finish(r, "error", e)
+    def _work(self, admitted: list[_Request], interruptible: bool = False) -> None:
         try:
+            for r in admitted:
+                try:
+                    self._admit(r)
+                except Exception as e:
+                    self._finish(r, "error", e)
             self._iteration()
         except BaseException as e:  # a bug or a failing model: end what ran, keep serving
-            for r in list(self._running.values()):
-                self._finish(r, "error", e)
+            for r in [*admitted, *self._running.values()]:
+                if not r.ended:
+                    self._finish(r, "error", e)
+            if interruptible and not isinstance(e, Exception):
+                raise  # Ctrl-C in a caller driving the loop is the caller's
 
     def _take_waiting_locked(self) -> list[_Request]:
         out: list[_Request] = []
@@ -821,6 +902,7 @@ class Engine:
         error: str | None = None,
     ) -> None:
         if reason is not None:
+            r.ended = True
             r.handle.token_ids = list(r.generated)
             if r.handle.finish_detail is None:
                 r.handle.finish_detail = reason
@@ -836,19 +918,26 @@ def _loop(ref: weakref.ref[Engine], cond: threading.Condition) -> None:
             if engine is None:
                 return
             with cond:
-                admitted = engine._poll_locked()
+                driven = engine._driver is not None  # by a caller (`Engine._drive_once`)
+                admitted = None if driven else engine._poll_locked()
                 if admitted is None:
-                    if engine._closed and engine._exit_locked():
+                    if not driven and engine._closed and engine._exit_locked():
                         return
                     engine._parked = True
                     cond.notify_all()  # `Engine._settle` waits for this
                     del engine  # wait without holding the engine
                     woke = cond.wait(IDLE_EXIT_S)
                     engine = ref()
-                    if engine is None or (not woke and engine._exit_locked()):
+                    if engine is None or (not woke and engine._driver is None and engine._exit_locked()):
                         return
                     continue
-            engine._work(admitted)
+                engine._driver = threading.current_thread()
+            try:
+                engine._work(admitted)
+            finally:
+                with cond:
+                    engine._driver = None
+                    cond.notify_all()
             del engine
 
 

@@ -448,3 +448,63 @@ def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(
         assert tokens_of(drain(engine.submit(PROMPT, params))) == want  # the prefix cache reused the row
     finally:
         engine.close(drain=False)
+
+
+def test_generate_runs_the_model_on_the_callers_thread(
+    llama: infer.LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LLM.generate` drives the engine's loop itself (no background thread): torch's OpenMP
+    regions issued from another thread cost ~2x per small op (docs/performance.md)."""
+    head = llama.model.head
+    threads: set[str] = set()
+
+    def recording(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        return head(h, greedy=greedy)
+
+    monkeypatch.setattr(llama.model, "head", recording)
+    llama.generate([PROMPT, PROMPT[:3]], max_new_tokens=4)
+    list(llama.stream(PROMPT, max_new_tokens=3))
+    assert threads == {threading.current_thread().name}
+    assert llama.engine._thread is None
+
+
+def test_an_interrupt_in_a_driven_step_reaches_the_caller_and_the_engine_goes_on(
+    llama: infer.LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `generate` runs the step on the caller's thread: KeyboardInterrupt reaches the
+    caller, the interrupted request ends, and the next request gets what it gets alone."""
+    want = llama.generate(PROMPT, max_new_tokens=6).token_ids
+    head = llama.model.head
+    calls = []
+
+    def interrupted(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return head(h, greedy=greedy)
+
+    monkeypatch.setattr(llama.model, "head", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llama.generate(PROMPT, max_new_tokens=6)
+    stats = llama.engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert llama.generate(PROMPT, max_new_tokens=6).token_ids == want
+
+
+def test_a_caller_waiting_on_another_callers_step_takes_over(llama: infer.LLM) -> None:
+    """Two threads generate at once: one drives, the other gets its tokens from that thread's
+    steps and drives itself once the first is done; both get what they get alone."""
+    want = {n: llama.generate(PROMPT, max_new_tokens=n).token_ids for n in (3, 24)}
+    got: dict[int, list[int]] = {}
+
+    def run(n: int) -> None:
+        got[n] = llama.generate(PROMPT, max_new_tokens=n).token_ids
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in (3, 24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+    assert got == want
