@@ -767,8 +767,12 @@ class Engine:
 
     def _decode(self, rows: list[int]) -> None:
         lo, hi = rows[0], rows[-1] + 1
-        if self.slots.stepper.compiled:  # every allocated row (a power of two): few graphs
-            lo, hi = 0, self.slots.rows
+        if self.slots.stepper.compiled:
+            # A power-of-two window of rows around the decoding ones (few graphs, one per size),
+            # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
+            width = min(self.slots.rows, 1 << (hi - lo - 1).bit_length())
+            lo = min(lo, self.slots.rows - width)
+            hi = lo + width
         requests = [self._running.get(i) if i in rows else None for i in range(lo, hi)]
         feeds = {i: self._running[i].pending for i in rows}
         mode, values, noise = self._sampling(requests)

@@ -90,7 +90,7 @@ def test_packed_gguf_default_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     compare(llm.model, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams())
 
 
-def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path]) -> None:
+def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """``infer.load(compile=True)`` generates what the eager `LLM` does (same graphs as above: cached)."""
     path = tiny_ckpt_factory("gemma3")
     llm = infer.load(path, dtype=torch.float32, compile=True)
@@ -108,3 +108,19 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path]) -> None:
     assert ["".join(a), "".join(b)] == [r.text for r in eager.generate(prompts, max_new_tokens=8)]
     with pytest.raises(ValueError, match="resident"):
         infer.load(path, compile=True, streaming=infer.StreamingConfig(memory_budget="1GB"))
+
+    # One request decoding among rows kept for the prefix cache computes a window of one row.
+    sizes: list[int] = []
+    step = Stepper.__call__
+
+    def recording(self: Stepper, cache: Any, ids: torch.Tensor, *args: Any) -> Any:
+        sizes.append(ids.shape[0])
+        return step(self, cache, ids, *args)
+
+    monkeypatch.setattr(Stepper, "__call__", recording)
+    for k in range(3):  # prompts sharing no prefix with a kept row take new rows
+        llm.generate([200 + k, 17, 30, 41], max_new_tokens=3)
+    monkeypatch.undo()
+    assert llm.engine.slots.rows >= 4
+    print(f"\ncompiled step batch sizes with {llm.engine.slots.rows} rows allocated: {sorted(set(sizes))}")
+    assert set(sizes) == {1}
