@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import operator
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -92,7 +94,7 @@ class LLM:
         model: DecoderLM,
         source: Path,
         *,
-        compile: bool = False,
+        compile: bool | Literal["auto"] = False,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -472,7 +474,7 @@ def load(
     validate: bool = True,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
-    compile: bool | None = None,
+    compile: bool | Literal["auto"] | None = None,
     deterministic: bool = False,
     cache: bool = True,
 ) -> LLM:
@@ -497,10 +499,13 @@ def load(
     docs/distributed.md.
 
     ``compile`` runs generation through ``torch.compile`` of the whole step (resident
-    models only; `infer.step`): the first request of each new (batch, length) bucket
-    compiles it (cached on disk under the user's cache directory, so later processes
-    load it). ``None`` means `compile_by_default` (off: a short generation does not win
-    back even a warm compile).
+    models only; `infer.step`): ``True`` compiles every step from the first (the first
+    request of each new (batch, length) bucket compiles it; inductor caches it on disk, so
+    later processes compile faster); ``"auto"`` runs eagerly and compiles the decode step in
+    the background once a long generation, a chat or a server has decoded eagerly for
+    `infer.step.AUTO_AFTER_S` seconds; ``False`` never compiles. ``None`` means
+    `compile_by_default`: ``"auto"`` where inductor can build code, off in the deterministic
+    mode.
 
     ``deterministic`` runs every matrix product on fixed tiles of rows and attention on
     fixed tiles of queries and keys, so a prompt's logits are bitwise the same whatever
@@ -517,14 +522,17 @@ def load(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     device = torch.device(device)
     parallel = tensor_parallel != 1 or pipeline_parallel != 1
-    if compile and streaming is not None:
+    if compile not in (True, False, "auto", None):
+        raise ValueError(f"compile must be True, False, 'auto' or None, got {compile!r}")
+    if compile is True and streaming is not None:
         raise ValueError("compile=True applies to resident models; a streamed model runs eagerly")
-    if compile and parallel:
+    if compile is True and parallel:
         raise ValueError(
             "compile=True applies to one process; tensor- and pipeline-parallel models run eagerly"
         )
-    use_compile = compile_by_default(device) if compile is None else compile
-    use_compile = use_compile and streaming is None and not parallel
+    use_compile = compile_by_default(device, deterministic) if compile is None else compile
+    if streaming is not None or parallel:
+        use_compile = False
     checkpoint = open_checkpoint(path_or_hub_id)
     options = checkpoint.options(
         dtype, quantize=quantize, validate=validate, device=device, streaming=streaming,
@@ -538,13 +546,20 @@ def load(
     return llm
 
 
-def compile_by_default(device: torch.device) -> bool:
-    """Whether `load` compiles when ``compile`` is not given: off on every device.
+def compile_by_default(device: torch.device, deterministic: bool = False) -> bool | Literal["auto"]:
+    """What `load` compiles when ``compile`` is not given: ``"auto"`` where a compiler is there.
 
-    On this project's CPU benchmark (docs/performance.md, *Compiled step*) a compiled step
-    saves ~15 ms a token on SmolLM2 but a warm compile takes ~10 s, so a short generation
-    (128 tokens) does not win it back; on CUDA it is not measured here. Pass
-    ``compile=True`` (``--compile``) for long or repeated generations in one process.
+    ``"auto"`` (`infer.step`): generation starts eagerly, and the decode step is compiled on a
+    background thread once a process has decoded eagerly for `infer.step.AUTO_AFTER_S` seconds
+    with more work ahead (a long generation, a chat, a server), so a short generation never
+    waits for or competes with a compiler (docs/performance.md has the figures). Off in the
+    deterministic mode (its bitwise contract is the eager step's) and where inductor cannot
+    build code: on CPU it needs a C++ compiler (``$CXX`` or ``g++``), on CUDA triton.
     """
-    del device
+    if deterministic:
+        return False
+    if device.type == "cpu":
+        return "auto" if shutil.which(os.environ.get("CXX", "g++")) else False
+    if device.type == "cuda":
+        return "auto" if importlib.util.find_spec("triton") is not None else False
     return False

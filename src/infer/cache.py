@@ -190,6 +190,13 @@ class KVCache:
             self.layers.append(LayerKV(self, capacity, ring, shape, dtype=dtype, device=self.device))
         self.plan: StepPlan | None = None
 
+    def empty_like(self) -> KVCache:
+        """A new empty cache of this one's shape (rows, slots, layers kept, rings), dtype and device."""
+        held = [i for i, layer in enumerate(self.layers) if layer.capacity]
+        dtype = self.layers[held[0]].k.dtype if held else torch.float32
+        return KVCache(self.config, self.batch_size, self.max_len, dtype=dtype, device=self.device,
+                       layers=held, rings=self.ring_size is not None)  # fmt: skip
+
     @staticmethod
     def bytes_needed(
         config: ModelConfig,

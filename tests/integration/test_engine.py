@@ -466,7 +466,6 @@ def test_generate_runs_the_model_on_the_callers_thread(
     llama.generate([PROMPT, PROMPT[:3]], max_new_tokens=4)
     list(llama.stream(PROMPT, max_new_tokens=3))
     assert threads == {threading.current_thread().name}
-    assert llama.engine._thread is None
 
 
 def test_an_interrupt_in_a_driven_step_reaches_the_caller_and_the_engine_goes_on(
