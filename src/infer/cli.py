@@ -208,6 +208,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
         sys.stdin.reconfigure(errors="surrogateescape")
     llm = _load(args)
+    if llm.parallel is None:
+        llm.engine.long_running = True  # compile="auto": a chat's turns pay for compiling
     context = llm.config.max_position_embeddings
     room = context - min(args.max_new_tokens, context // 2)  # prompt tokens that leave room to reply
     messages: list[dict[str, str]] = []
@@ -325,7 +327,9 @@ def _load_options(
             "--compile",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="compile the generation step with torch.compile (resident models; default: off)",
+            help="compile every generation step with torch.compile from the start (resident models); "
+            "--no-compile: never; default: decode steps compiled in the background once a long "
+            "generation, a chat or a server has decoded for a while",
         )
     else:
         p.set_defaults(compile=None)
@@ -552,10 +556,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun ends the others when one rank fails
             signal.signal(signal.SIGTERM, _on_terminate)
     try:
-        return _run(argv)
+        try:
+            return _run(argv)
+        except Exception as e:
+            if _interrupt["signalled"]:  # an interrupt that surfaced as another error before the
+                raise KeyboardInterrupt from e  # command ran (an import it cut short)
+            raise
     except KeyboardInterrupt:
         _interrupt["raise"] = False
         _say_interrupted()
+        if program:
+            # A Ctrl-C that landed while CPython ran code through PyRun_String (inside some
+            # extension's import) leaves a flag by which CPython ends the process by SIGINT at
+            # exit although it was handled here: leave now with the promised 130.
+            sys.stdout.flush()
+            os._exit(130)
         return 130
     finally:
         _interrupt["raise"] = False  # from here until the process ends Ctrl-C exits 130 at once

@@ -64,7 +64,11 @@ def _interrupt_after(argv: list[str], delay: float | None) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.05, 0.3, 1.0, None], ids=["0.05s", "0.3s", "1s", "generating"])
+@pytest.mark.parametrize(
+    "delay",
+    [0.05, 0.3, 0.8, 1.0, 1.2, 1.5, None],
+    ids=["0.05s", "0.3s", "0.8s", "1s", "1.2s", "1.5s", "generating"],
+)
 def test_interrupt_at_any_moment_exits_130_with_one_line(
     tiny_ckpt_factory: Callable[..., Path], delay: float | None
 ) -> None:
