@@ -29,7 +29,26 @@ from infer.distributed.runtime import Parallel
 from infer.models.base import DecoderLM, Executor, ExecutorLimits, ResidentExecutor, StepInputs
 
 
-class TensorParallelExecutor(ResidentExecutor):
+class Wrapping:
+    """An executor around ``inner``: its ``limits``, ``stats`` and layers are the inner executor's."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+
+    @property
+    def limits(self) -> ExecutorLimits | None:
+        return self.inner.limits
+
+    @property
+    def stats(self) -> Any:  # StreamingStats | None
+        """The streaming counters of the layers it runs (None when they are resident)."""
+        return self.inner.stats
+
+    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        return self.inner.run_layers(model, x, step)
+
+
+class TensorParallelExecutor(Wrapping, ResidentExecutor):
     """A vocabulary-parallel embedding and head around ``inner``'s layers.
 
     This rank holds the vocabulary rows ``vocab_range`` of the embedding and of the head
@@ -40,22 +59,10 @@ class TensorParallelExecutor(ResidentExecutor):
     def __init__(
         self, inner: Executor, vocab_range: tuple[int, int], size: int, group: dist.ProcessGroup
     ) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.start, self.stop = vocab_range
         self.size = size
         self.group = group
-
-    @property
-    def limits(self) -> ExecutorLimits | None:
-        return self.inner.limits
-
-    @property
-    def stats(self) -> Any:  # StreamingStats | None
-        return self.inner.stats
-
-    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        return self.inner.run_layers(model, x, step)
 
     def lookup(self, model: DecoderLM, input_ids: torch.Tensor) -> torch.Tensor:
         """Lookups of the rows this rank holds; zeros elsewhere; all-reduced."""
@@ -74,7 +81,7 @@ class TensorParallelExecutor(ResidentExecutor):
         return torch.cat(parts, dim=-1)  # [..., V]
 
 
-class PipelineExecutor:
+class PipelineExecutor(Wrapping):
     """Runs this stage's layers between a receive from the previous stage and a send to the next.
 
     Every rank of every stage calls it with the same shapes (generation runs in lockstep);
@@ -99,21 +106,12 @@ class PipelineExecutor:
         streamed: bool = False,
         micro_batches: int | None = None,
     ) -> None:
+        super().__init__(inner)
         self.parallel = parallel
-        self.inner = inner
         self.dtype = dtype
         self.streamed = streamed
         # Default: as many slices as stages, the fewest that keep every stage busy in the middle.
         self.micro_batches = parallel.pipeline_parallel if micro_batches is None else micro_batches
-
-    @property
-    def limits(self) -> ExecutorLimits | None:
-        return self.inner.limits
-
-    @property
-    def stats(self) -> Any:  # StreamingStats | None
-        """The streaming counters of this stage's layers (None when they are resident)."""
-        return self.inner.stats
 
     def row_slices(self, batch: int) -> list[tuple[int, int]]:
         """``[start, stop)`` of each micro-batch: ``min(batch, micro_batches)`` near-equal slices."""

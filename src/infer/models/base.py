@@ -108,6 +108,8 @@ class ResidentExecutor:
     `infer.distributed.TensorParallelExecutor`); the architecture's parts around them stay.
     """
 
+    layers: range | None = None
+
     def __init__(self, layers: range | None = None) -> None:
         self.layers = layers
 
