@@ -85,15 +85,16 @@ def test_streamed_embedding_rows_after_truncation(tmp_path: Path) -> None:
         )
         llm = infer.load({str(path)!r}, dtype=torch.float32, streaming=streaming)
         ids = torch.tensor([[3, 4000, 17, 4000]])
+        positions = torch.arange(4)[None]
         with torch.inference_mode():
-            before = llm.model.embed_tokens(ids)
+            before = llm.model.embed(ids, positions)
         print("rows", tuple(before.shape))
         print("generated", len(llm.generate("hello", max_new_tokens=2).token_ids))
         os.truncate({str(file)!r}, {PAGE})
         for attempt in range(2):
             try:
                 with torch.inference_mode():
-                    llm.model.embed_tokens(ids)
+                    llm.model.embed(ids, positions)
                 print("embed: no error")
             except OSError as e:
                 print("OSError:", e)

@@ -4,8 +4,9 @@ Under ``torchrun --nproc-per-node N`` (or any initialized default process group)
 ``infer.load(path, tensor_parallel=T, pipeline_parallel=P)`` with ``T x P == N`` builds
 on every rank the part of the model that rank holds — its pipeline stage's layers, and
 within them its tensor-parallel share of every weight, read straight from the checkpoint
-(`infer.loader.build.Partition`) — and swaps in the modules that make the parts compute
-the whole (`infer.distributed.modules`). Every rank then returns the same `LLM`:
+(`infer.loader.build.Partition`) — and installs the executor that makes the parts compute
+the whole (`infer.distributed.executor`; row-parallel linears all-reduce inside the
+layers, `infer.distributed.modules`). Every rank then returns the same `LLM`:
 ``generate`` / ``stream`` / ``chat`` run in lockstep on all ranks and give the same result
 on each. See docs/distributed.md.
 """
@@ -18,21 +19,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from infer.distributed.modules import (
-    PipelineExecutor,
-    PipelineHead,
-    RowParallel,
-    StageInput,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-)
+from infer.distributed.executor import PipelineExecutor, TensorParallelExecutor
+from infer.distributed.modules import RowParallel
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
 from infer.loader.build import Partition, load_model
 from infer.loader.config import ModelConfig
 from infer.loader.options import LoadOptions
 from infer.loader.source import WeightSource
-from infer.models.base import DecoderLM, SequentialExecutor
+from infer.models.base import DecoderLM, Executor, ResidentExecutor
 
 
 def plan_partition(config: ModelConfig, parallel: Parallel, source: str) -> Partition:
@@ -55,38 +50,41 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def parallelize(
-    model: DecoderLM, config: ModelConfig, parallel: Parallel, partition: Partition, dtype: torch.dtype
+    model: DecoderLM,
+    config: ModelConfig,
+    parallel: Parallel,
+    partition: Partition,
+    dtype: torch.dtype,
+    *,
+    streamed: bool = False,
 ) -> DecoderLM:
-    """Swap in the modules that make this rank's part of ``model`` compute the whole model."""
+    """Install the executor that makes this rank's part of ``model`` compute the whole model.
+
+    ``model.executor`` runs this rank's layers (a resident one, or a streaming one when
+    ``streamed``); tensor parallelism wraps it in a `TensorParallelExecutor` (and the
+    row-parallel linears of the layers in `RowParallel`), pipeline parallelism in a
+    `PipelineExecutor`.
+    """
     tp = partition.tensor_parallel
     model.vocab_size = config.vocab_size  # the whole vocabulary: the head gathers every slice
+    executor: Executor = model.executor if streamed else ResidentExecutor(partition.layers)
     if tp is not None:
         for i in partition.layers:
             layer = model.layers[i]
             for name, module in list(layer.named_modules()):
                 if name and tp.row_parallel(f"layers.{i}.{name}"):
                     _set(layer, name, RowParallel(module, parallel.tp_group))
-        if partition.embed:
-            start, stop = tp.vocab_range
-            model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, stop, parallel.tp_group)  # type: ignore[assignment]
-        if partition.head:
-            model.lm_head = VocabParallelHead(model.lm_head, tp.size, parallel.tp_group)  # type: ignore[assignment]
+        executor = TensorParallelExecutor(executor, tp.vocab_range, tp.size, parallel.tp_group)
     if parallel.pipeline_parallel > 1:
-        if not parallel.first_stage:
-            model.embed_tokens = StageInput(config.hidden_size, dtype, parallel.device)  # type: ignore[assignment]
-            if hasattr(model, "embed_positions"):
-                model.embed_positions = StageInput(config.hidden_size, dtype, parallel.device)
         if not parallel.last_stage:
             # The final norm runs on the last stage; here it only tells the model its dtype and device.
             for name, t in list(model.norm.named_parameters()):
                 setattr(
                     model.norm, name, nn.Parameter(torch.ones(t.shape, dtype=dtype, device=parallel.device))
                 )
-        head = model.lm_head if parallel.last_stage else None
-        model.lm_head = PipelineHead(head, parallel, config.vocab_size, dtype)  # type: ignore[assignment]
-        streamed = None if isinstance(model.executor, SequentialExecutor) else model.executor
-        model.executor = PipelineExecutor(parallel, partition.layers, streamed)
+        executor = PipelineExecutor(parallel, executor, dtype, streamed=streamed)
         model.kv_layers = partition.layers  # the K/V cache holds this stage's layers only
+    model.executor = executor
     return model
 
 
@@ -119,7 +117,8 @@ def load_parallel(
     def work() -> DecoderLM:
         partition = plan_partition(config, parallel, source.description)
         model = build(source, config, dataclasses.replace(options, device=parallel.device), partition)
-        return parallelize(model, config, parallel, partition, options.dtype)
+        streamed = options.streaming is not None
+        return parallelize(model, config, parallel, partition, options.dtype, streamed=streamed)
 
     return agree(parallel, work), parallel
 
@@ -127,7 +126,9 @@ def load_parallel(
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Parallel",
+    "PipelineExecutor",
     "TensorParallel",
+    "TensorParallelExecutor",
     "agree",
     "load_parallel",
     "parallelize",

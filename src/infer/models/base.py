@@ -2,10 +2,11 @@
 
 A model is walkable from outside: `prepare` computes what every layer of a step
 needs (positions, RoPE tables and masks per layer type), `embed`, ``layers[i]`` and
-`head` are the pieces, and ``self.executor`` decides how ``layers`` are run. The
-default executor runs them in order; the layer-streaming executor
-(`infer.streaming`) replaces it to bring weights in and out around each group, so no
-model file knows about streaming.
+`head` are the pieces. ``self.executor`` (an `Executor`, chosen at load) decides how
+the whole walk runs — where the embedding rows come from, how the layers run, how the
+vocabulary projection is computed: `ResidentExecutor` by default; layer streaming
+(`infer.streaming`) and tensor / pipeline parallelism (`infer.distributed`) install
+their own, so no model file knows about any of them.
 """
 
 from __future__ import annotations
@@ -60,14 +61,23 @@ class ExecutorLimits:
     max_prefill_tokens: int
 
 
-class LayerExecutor(Protocol):
-    """Runs ``model.layers`` for one forward (`DecoderLM.forward_hidden` calls it).
+class Executor(Protocol):
+    """Runs one forward of a whole `DecoderLM`: the embedding, the layer stack and the head.
+
+    `DecoderLM.embed`, `hidden` and `head` delegate to ``model.executor``, chosen at load:
+    `ResidentExecutor` (everything on the device, in order), or a mode's implementation —
+    layer streaming (`infer.streaming.StreamingExecutor`), tensor parallelism
+    (`infer.distributed.TensorParallelExecutor`), pipeline parallelism
+    (`infer.distributed.PipelineExecutor`) — which may wrap another executor (a pipeline
+    stage around a tensor-parallel or streamed one). Every implementation runs a layer
+    through `DecoderLM.run_layer` (the one KV-binding path), and leaves what is the
+    architecture's to the model: `DecoderLM.embed_rows` after the token lookup, the final
+    norm and `DecoderLM.cap_logits` around the vocabulary projection.
 
     ``limits`` is None when the executor takes any shape (resident layers); a streaming
     executor planned its memory for `ExecutorLimits` and generation respects them.
     ``stats``: the layer-streaming counters (`infer.streaming.StreamingStats`) of the
-    layers it streams, also through a wrapping executor (a pipeline stage); None when
-    nothing streams.
+    layers it streams, also through a wrapping executor; None when nothing streams.
     """
 
     @property
@@ -76,11 +86,32 @@ class LayerExecutor(Protocol):
     @property
     def stats(self) -> Any: ...  # StreamingStats | None
 
-    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor: ...
+    def embed(self, model: DecoderLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, T]`` -> the first layer's input ``[B, T, D]``."""
+        ...
+
+    def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """The layer stack on ``x [B, T, D]``: hidden states ``[B, T, D]`` before the final norm."""
+        ...
+
+    def head(self, model: DecoderLM, h: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """Final norm + vocabulary projection (+ soft-capping): ``[B, T, D] -> [B, T, V]``."""
+        ...
 
 
-class SequentialExecutor:
-    """Runs the resident layers in order."""
+class ResidentExecutor:
+    """Everything on the device: the embedding table, the layers in order, the head.
+
+    ``layers``: the layer indices this process runs (a pipeline stage's), None for all.
+    The token lookup (`lookup`) and the vocabulary projection (`project`) are the parts a
+    mode may replace (`infer.streaming.StreamingExecutor`,
+    `infer.distributed.TensorParallelExecutor`); the architecture's parts around them stay.
+    """
+
+    layers: range | None = None
+
+    def __init__(self, layers: range | None = None) -> None:
+        self.layers = layers
 
     @property
     def limits(self) -> ExecutorLimits | None:
@@ -90,10 +121,37 @@ class SequentialExecutor:
     def stats(self) -> Any:  # StreamingStats | None
         return None
 
+    def embed(self, model: DecoderLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.embed_rows(self.lookup(model, input_ids), positions)
+
     def run_layers(self, model: DecoderLM, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        for i, layer in enumerate(model.layers):
-            x = model.run_layer(i, layer, x, step)
+        if self.layers is None:
+            for i, layer in enumerate(model.layers):
+                x = model.run_layer(i, layer, x, step)
+        else:
+            for i in self.layers:
+                x = model.run_layer(i, model.layers[i], x, step)
         return x
+
+    def head(self, model: DecoderLM, h: torch.Tensor, greedy: bool) -> torch.Tensor:
+        return model.cap_logits(self.project(model, model.norm(h), greedy))
+
+    def lookup(self, model: DecoderLM, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token rows ``[B, T, D]`` of ``input_ids [B, T]``."""
+        rows: torch.Tensor = model.embed_tokens(input_ids)
+        return rows
+
+    def project(self, model: DecoderLM, x: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """``lm_head``: normed ``x [..., D] -> [..., V]`` logits.
+
+        ``greedy``: only each row's argmax must be exact (`QuantizedLinear.greedy`: a
+        packed head may then scan fewer bytes); the other logits may be approximate.
+        """
+        lm_head = model.lm_head
+        logits: torch.Tensor = (
+            lm_head.greedy(x) if greedy and isinstance(lm_head, QuantizedLinear) else lm_head(x)
+        )
+        return logits
 
 
 _NO_KV = (None, None, False, None, None, None, None, None)
@@ -176,7 +234,7 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = nn.ModuleDict(make_rotary_embeddings(config))
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
-        self.executor: LayerExecutor = SequentialExecutor()
+        self.executor: Executor = ResidentExecutor()
         self.kv_layers: range | None = None  # the layers whose K/V this process keeps (None: all)
         self.vocab_size = (
             config.vocab_size
@@ -199,11 +257,15 @@ class DecoderLM(nn.Module):
         return weight.device
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x: torch.Tensor = self.embed_tokens(input_ids)  # [B, T, D]
+        """The first layer's input ``[B, T, D]`` for ``input_ids [B, T]`` (the executor's lookup)."""
+        return self.executor.embed(self, input_ids, positions)
+
+    def embed_rows(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The architecture's embedding of looked-up token ``rows [B, T, D]`` (Gemma: scaled)."""
         if self.embed_scale is not None:
             # Like transformers: the scale is rounded to the weight dtype before multiplying.
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        return x
+            rows = rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
+        return rows
 
     def prepare(
         self,
@@ -261,14 +323,12 @@ class DecoderLM(nn.Module):
     def head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """Final norm + lm_head (+ soft-capping): ``[B, T, D] -> [B, T, V]`` logits.
 
-        ``greedy``: only each row's argmax must be exact (`QuantizedLinear.greedy`: a
-        packed head may then scan fewer bytes); the other logits may be approximate.
+        ``greedy``: only each row's argmax must be exact (`ResidentExecutor.project`).
         """
-        x = self.norm(h)
-        lm_head = self.lm_head
-        logits: torch.Tensor = (
-            lm_head.greedy(x) if greedy and isinstance(lm_head, QuantizedLinear) else lm_head(x)
-        )
+        return self.executor.head(self, h, greedy)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The architecture's final-logit soft-capping (Gemma), if its config has one."""
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -347,8 +407,8 @@ __all__ = [
     "FULL_ATTENTION",
     "SLIDING_ATTENTION",
     "DecoderLM",
+    "Executor",
     "ExecutorLimits",
-    "LayerExecutor",
-    "SequentialExecutor",
+    "ResidentExecutor",
     "StepInputs",
 ]

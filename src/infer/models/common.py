@@ -114,7 +114,7 @@ def set_deterministic(model: nn.Module, on: bool = True) -> None:
         if on and isinstance(m, Fusable):
             m._fused = []
     head = getattr(model, "lm_head", None)
-    if head is not None and hasattr(head, "column_tile"):  # a streamed head computes it in chunks
+    if head is not None and hasattr(head, "column_tile"):  # a streamed head's chunks use its tiles too
         setattr(head, "column_tile", rows.COLUMN_TILE if on else 0)  # noqa: B010
 
 

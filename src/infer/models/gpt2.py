@@ -4,7 +4,7 @@ Per-layer modules keep the HF checkpoint's names (``ln_1``, ``attn.c_attn``,
 ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``), as ``nn.Linear`` modules:
 HF stores their weights in its `Conv1D` layout ``[in, out]``, which the loader
 transposes once (`Fix.TRANSPOSE`); llama.cpp's converter already wrote them
-``[out, in]``. No RoPE: `embed` adds the position embedding of each token's position
+``[out, in]``. No RoPE: `embed_rows` adds the position embedding of each token's position
 (``positions [B, T]`` from the cache or the left padding).
 """
 
@@ -99,9 +99,9 @@ class GPT2LMHeadModel(DecoderLM):
         self.embed_positions = nn.Embedding(n, d, _weight=torch.empty(n, d))  # skip normal_() (see base.py)
         self.rotary = nn.ModuleDict()  # absolute positions: no RoPE tables to compute per step
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed_rows(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # positions < max_position_embeddings: checked on the host before the step (DecoderLM.forward_hidden)
-        x: torch.Tensor = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [B, T, D]
+        x: torch.Tensor = rows + self.embed_positions(positions)  # [B, T, D]
         return x
 
 

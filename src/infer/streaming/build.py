@@ -6,7 +6,8 @@ conversion stay in the checkpoint, and whatever the placement converted (packed 
 matrices, layers quantized at load, permuted rows) goes to the `StreamStore`'s local
 file; then every layer goes back to the meta device. The memory plan decides what
 stays resident (read back onto the device now) and what streams through the group
-buffers, and the `StreamingExecutor` takes over the layer stack.
+buffers, and the `StreamingExecutor` takes over the walk (an embedding or head that
+does not fit streams through it too).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
 from infer.streaming.executor import StreamingExecutor
 from infer.streaming.layout import align_up
-from infer.streaming.modules import StreamedEmbedding, StreamedHead
 from infer.streaming.pipeline import Pipeline
 from infer.streaming.plan import MemoryPlan, PlanInputs, plan_memory
 from infer.streaming.stats import StreamingStats
@@ -220,9 +220,9 @@ def build_streamed(
         plan = _plan(walk, streaming, dtype, device, max_context)
         for i in plan.resident_layers:
             _place_layer(model, i, walk.layer_refs[i], store, device)
-        _place_nonlayer(model, walk, plan, dtype, device)
+        streamed_embed = _place_nonlayer(model, walk, plan, dtype, device)
         reset_buffers(model, device)
-        _attach(model, plan, store, streaming, device)
+        _attach(model, plan, store, streaming, device, streamed_embed)
         release_freed_memory()
     except BaseException:
         store.close()
@@ -271,15 +271,19 @@ def _plan(
 
 def _place_nonlayer(
     model: DecoderLM, walk: _Walk, plan: MemoryPlan, dtype: torch.dtype, device: torch.device
-) -> None:
-    """The embedding, head and the small modules outside the layers, as the plan decided."""
+) -> TensorRef | None:
+    """The embedding, head and the small modules outside the layers, as the plan decided.
+
+    Returns the embedding table when its rows are to be read on demand (the executor's);
+    a streamed embedding or head stays on the meta device in the model.
+    """
     builder, store, deferred = walk.builder, walk.store, walk.deferred_nonlayer
     if not deferred:  # placed at load (packed / quantized / kept resident): move them
         for path in builder.nonlayer:
             model.get_submodule(path).to(device)
         if model.config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
             model.lm_head.weight = model.embed_tokens.weight
-        return
+        return None
     for name, entry in deferred.items():
         if name in (EMBED, HEAD):
             continue
@@ -293,12 +297,16 @@ def _place_nonlayer(
             model.embed_tokens.weight = model.lm_head.weight  # one tensor
     if plan.embed_resident and not (tied and plan.head_resident):
         assign_parameter(model, EMBED, _read(store, embed_ref, device))
-    if not plan.embed_resident:
-        model.embed_tokens = StreamedEmbedding(store, embed_ref, device)  # type: ignore[assignment]
+    return None if plan.embed_resident else embed_ref
 
 
 def _attach(
-    model: DecoderLM, plan: MemoryPlan, store: WeightStore, streaming: StreamingConfig, device: torch.device
+    model: DecoderLM,
+    plan: MemoryPlan,
+    store: WeightStore,
+    streaming: StreamingConfig,
+    device: torch.device,
+    embed: TensorRef | None,
 ) -> None:
     stats = StreamingStats(
         peak_weight_bytes=plan.weight_bytes,
@@ -325,9 +333,7 @@ def _attach(
             gpu_origin=gpu_origin,
             read_timeout=streaming.read_timeout,
         )
-        if not plan.head_resident:
-            model.lm_head = StreamedHead(pipeline, plan.head_unit_list, model.config.vocab_size)  # type: ignore[assignment]
-    model.executor = StreamingExecutor(model, plan, pipeline, stats, store)
+    model.executor = StreamingExecutor(model, plan, pipeline, stats, store, embed, device)
 
 
 __all__ = ["build_streamed", "plan_streamed"]

@@ -1,10 +1,13 @@
-"""`StreamingExecutor`: runs a `DecoderLM`'s layers with most of their weights living outside the device.
+"""`StreamingExecutor`: runs a `DecoderLM` with most of its weights living outside the device.
 
-It replaces the model's ``executor``: resident layers run as they are; for every
-streamed group it takes the group's buffer from the pipeline, points the layers'
-parameters at views of that buffer, runs them, points them back at meta
-placeholders (so a stray use fails loudly instead of reading another group's
-weights) and hands the buffer back for the next load.
+It is the model's ``executor``: resident layers run as they are; for every streamed
+group it takes the group's buffer from the pipeline, points the layers' parameters at
+views of that buffer, runs them, points them back at meta placeholders (so a stray use
+fails loudly instead of reading another group's weights) and hands the buffer back for
+the next load. An embedding that does not fit is read row by row from the checkpoint
+(only the rows a step looks up); a head that does not fit is computed chunk by chunk of
+vocabulary rows, each chunk brought in through the same buffers and reader as the
+layer groups.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import weakref
 import torch
 from torch import nn
 
-from infer.models.base import DecoderLM, ExecutorLimits, StepInputs
+from infer import rows
+from infer.models.base import DecoderLM, ExecutorLimits, ResidentExecutor, StepInputs
 from infer.streaming.layout import Slot, Unit
 from infer.streaming.pipeline import Pipeline
 from infer.streaming.plan import MemoryPlan
 from infer.streaming.stats import StreamingStats
-from infer.streaming.store import WeightStore
+from infer.streaming.store import TensorRef, WeightStore
 
 Target = tuple[nn.Module, str, bool, torch.Tensor]  # (module, attribute, is a parameter, meta placeholder)
 
@@ -47,11 +51,13 @@ def _close(pipeline: Pipeline | None, store: WeightStore | None) -> None:
         store.close()
 
 
-class StreamingExecutor:
-    """Runs the layer stack through the plan's resident layers and streamed groups.
+class StreamingExecutor(ResidentExecutor):
+    """Runs the model through the plan's resident layers and streamed groups.
 
     ``stats`` (a snapshot) holds bytes loaded, load / wait / compute seconds and the
     weight bytes on the device; ``plan`` tells what is resident and what streams.
+    ``embed``: the embedding table in ``store`` when its rows are read on demand (None:
+    resident); the head streams when the plan keeps it off the device.
     """
 
     def __init__(
@@ -61,11 +67,18 @@ class StreamingExecutor:
         pipeline: Pipeline | None,
         stats: StreamingStats,
         store: WeightStore | None = None,
+        embed: TensorRef | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        super().__init__()
         self.plan = plan
         self.pipeline = pipeline
         self._stats = stats
         self._limits = plan.limits
+        self._store = store
+        self._embed = embed
+        self._device = device
+        self._head_units = [] if plan.head_resident else plan.head_unit_list
         self._targets: dict[int, list[tuple[Target, Slot]]] = {}
         for unit in plan.layer_units:
             self._targets[unit.index] = [
@@ -176,3 +189,42 @@ class StreamingExecutor:
             self._unbind(unit)
             self.pipeline.done(unit.index, buffer)
         return x
+
+    def lookup(self, model: DecoderLM, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token rows, read from the checkpoint when the embedding streams."""
+        if self._embed is None:
+            return super().lookup(model, input_ids)
+        assert self._store is not None and self._device is not None
+        size, dim = self._embed.shape[0], self._embed.shape[1]
+        flat = input_ids.reshape(-1)  # [B*T]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= size):
+            raise IndexError(f"token id out of range for an embedding of {size} rows")
+        found = self._store.read_rows(self._embed, flat)  # [B*T, D]
+        return found.to(self._device).view(*input_ids.shape, dim)  # [B, T, D]
+
+    def project(self, model: DecoderLM, x: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The logits, one chunk of vocabulary rows at a time when the head streams.
+
+        In the deterministic mode (the head's ``tile_rows``) each chunk (a multiple of
+        `infer.rows.COLUMN_TILE` rows, from row 0) runs in the resident head's row and
+        column tiles: the same logits, bit for bit.
+        """
+        if not self._head_units:
+            return super().project(model, x, greedy)
+        assert self.pipeline is not None
+        tile_rows = getattr(model.lm_head, "tile_rows", 0)
+        column_tile = getattr(model.lm_head, "column_tile", 0)
+        out = x.new_empty(*x.shape[:-1], model.config.vocab_size)  # [..., V]
+        for unit in self._head_units:
+            _, buffer = self.pipeline.get(unit.index)
+            try:
+                assert unit.rows is not None
+                weight = unit.slots[0].view(self.pipeline.transport.flat(buffer))  # [rows, D]
+                out[..., unit.rows[0] : unit.rows[1]] = rows.linear(  # as the resident head
+                    x, weight, None, tile_rows, column_tile
+                )
+            except BaseException:
+                self.pipeline.abort()
+                raise
+            self.pipeline.done(unit.index, buffer)
+        return out

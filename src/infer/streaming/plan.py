@@ -179,14 +179,6 @@ class _Inputs:
     inputs: PlanInputs
     streaming: StreamingConfig
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.inputs.config
-
-    @property
-    def tied(self) -> bool:
-        return self.inputs.config.tie_word_embeddings
-
 
 def _candidate(
     inp: _Inputs, limits: Limits, head_resident: bool, resident: int, group_size: int, prefetch: bool
@@ -236,7 +228,7 @@ def _candidate(
         workspace_bytes=ws,
         small_bytes=pi.small_bytes,
         resident_layer_bytes=sum(layer_bytes(pi.layer_refs[i]) for i in range(resident)),
-        embed_resident=fixed is not None or (head_resident and inp.tied),
+        embed_resident=fixed is not None or (head_resident and pi.config.tie_word_embeddings),
         head_resident=head_resident,
         embed_bytes=0,
         head_bytes=head_bytes,
@@ -265,7 +257,11 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
                 break
     if best is None:
         return None
-    if pi.embed is not None and not inp.tied and inp.streaming.resident_embeddings is not False:
+    if (
+        pi.embed is not None
+        and not pi.config.tie_word_embeddings
+        and inp.streaming.resident_embeddings is not False
+    ):
         with_embed = replace(best, embed_resident=True, embed_bytes=align_up(pi.embed.nbytes))
         if with_embed.total <= best.budget:
             best = with_embed
