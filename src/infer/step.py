@@ -291,39 +291,26 @@ class Stepper:
         key = self._key(cache, ids, mode)
         first = key not in self._seen
         t0 = time.perf_counter()
-        with (
-            torch.inference_mode(),
-            torch._dynamo.config.patch(
-                recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
-            ),
-        ):
-            tokens, logits, nonfinite = self._fn(self.model, cache, ids, n_new, last, mode, values, noise)
+        out = self._compiled(cache, ids, n_new, last, mode, values, noise)
         if first:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - t0
-        return StepOutput(tokens, logits, nonfinite)
+        return out
 
     @staticmethod
     def _key(cache: KVCache, ids: torch.Tensor, mode: Sampling) -> tuple[Any, ...]:
         return (ids.shape, cache.capacity, mode)
 
-    def _compiled(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        n_new: torch.Tensor,
-        last: torch.Tensor,
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> StepOutput:
+    def _compiled(self, *step: Any) -> StepOutput:
+        """The compiled function on `__call__`'s arguments ``(cache, ids, n_new, last, mode,
+        values, noise)``, with infer's recompile limits."""
         with (
             torch.inference_mode(),
             torch._dynamo.config.patch(
                 recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
             ),
         ):
-            return StepOutput(*self._fn(self.model, cache, ids, n_new, last, mode, values, noise))
+            return StepOutput(*self._fn(self.model, *step))
 
     @property
     def compiling(self) -> bool:
