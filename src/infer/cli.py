@@ -327,9 +327,7 @@ def _load_options(
             "--compile",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="compile every generation step with torch.compile from the start (resident models); "
-            "--no-compile: never; default: decode steps compiled in the background once a long "
-            "generation, a chat or a server has decoded for a while",
+            help="compile every generation step with torch.compile (resident models; default: off)",
         )
     else:
         p.set_defaults(compile=None)

@@ -16,7 +16,7 @@ Compilation settings are scoped to infer's own compiled function: its options go
 ``os.environ`` or to torch's process-wide configuration. Inductor's on-disk cache is
 torch's default (``TORCHINDUCTOR_CACHE_DIR`` if the user set it).
 
-``compile="auto"`` (what `infer.load` does by default where it pays): steps run eagerly, and
+``compile="auto"`` (opt-in; `infer.api.compile_by_default` says why): steps run eagerly, and
 once a process has spent `AUTO_AFTER_S` seconds in eager decode steps with more work ahead
 (the engine decides: `Stepper.compile_in_background`), the decode step of that shape is
 compiled on a background thread against a scratch cache of the same shape; from then on

@@ -95,10 +95,10 @@ def test_cuda_engine_compiled_and_deterministic(tiny_ckpt_factory: Callable[...,
 
 
 def test_cuda_auto_compile_in_the_background(tiny_ckpt_factory: Callable[..., Path]) -> None:
-    """The default ``compile="auto"`` on CUDA: the decode step compiles on a background thread
-    (triton) while generation goes on eagerly; afterwards greedy tokens equal the eager ones."""
+    """``compile="auto"`` on CUDA: the decode step compiles on a background thread (triton)
+    while generation goes on eagerly; afterwards greedy tokens equal the eager ones."""
     path = tiny_ckpt_factory("llama")
-    llm = infer.load(path, device="cuda", dtype=torch.float32)
+    llm = infer.load(path, device="cuda", dtype=torch.float32, compile="auto")
     assert llm.stepper.auto
     eager = infer.load(path, device="cuda", dtype=torch.float32, compile=False)
     want = eager.generate("Hi", max_new_tokens=24)

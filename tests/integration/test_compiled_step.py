@@ -130,14 +130,14 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
 def test_auto_compiles_the_decode_step_in_the_background_once_it_pays(
     tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default (``compile="auto"`` where a C++ compiler is found): a short generation runs
-    eagerly and starts no compiler; once the eager decode time passes the threshold with work
-    ahead, the decode step compiles on a background thread while generation goes on eagerly,
-    and later decode steps run compiled, with the eager step's greedy tokens."""
+    """``compile="auto"``: a short generation runs eagerly and starts no compiler; once the
+    eager decode time passes the threshold with work ahead, the decode step compiles on a
+    background thread while generation goes on eagerly, and later decode steps run compiled,
+    with the eager step's greedy tokens."""
     path = tiny_ckpt_factory("gemma3")
     llm = infer.load(path, dtype=torch.float32, compile="auto")
     assert llm.stepper.auto and not llm.compiled
-    assert infer.load(path, dtype=torch.float32, deterministic=True).stepper.auto is False
+    assert not infer.load(path, dtype=torch.float32).stepper.auto  # the default: eager
     eager = infer.load(path, dtype=torch.float32, compile=False)
     prompt = [5, 9, 200, 31, 7]
     want = eager.generate(prompt, max_new_tokens=24).token_ids
