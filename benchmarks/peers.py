@@ -353,7 +353,8 @@ def chart(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str, 
         "llama.cpp": "#74c476",
     }
     models = list(results)
-    width = 0.2
+    sides = [s for s in sides if any(s in results[m] for m in models)]  # the runtimes that ran
+    width = 0.8 / len(sides)
 
     def decode(r: dict[str, Any]) -> float:
         return float(r["decode_tok_s"])
@@ -367,7 +368,7 @@ def chart(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str, 
     ]
     for ax, value, label in panels:
         for j, side in enumerate(sides):
-            xs = [i + (j - 1.5) * width for i, m in enumerate(models) if side in results[m]]
+            xs = [i + (j - (len(sides) - 1) / 2) * width for i, m in enumerate(models) if side in results[m]]
             ys = [value(results[m][side]) for m in models if side in results[m]]
             bars = ax.bar(xs, ys, width, label=side, color=colors[side])
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
