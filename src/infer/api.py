@@ -65,8 +65,6 @@ class GenerationResult:
         return self.text
 
 
-
-
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """``stop`` as a list of non-empty strings (a lone string is one stop string)."""
     if stop is None:
@@ -519,15 +517,16 @@ def load(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     device = torch.device(device)
     parallel = tensor_parallel != 1 or pipeline_parallel != 1
-    if compile not in (True, False, "auto", None):
-        raise ValueError(f"compile must be True, False, 'auto' or None, got {compile!r}")
+    if compile is not None and not isinstance(compile, bool) and compile != "auto":
+        error = ValueError if isinstance(compile, str) else TypeError
+        raise error(f"compile must be True, False, 'auto' or None, got {compile!r}")
     if compile is True and streaming is not None:
         raise ValueError("compile=True applies to resident models; a streamed model runs eagerly")
     if compile is True and parallel:
         raise ValueError(
             "compile=True applies to one process; tensor- and pipeline-parallel models run eagerly"
         )
-    use_compile = compile_by_default(device, deterministic) if compile is None else compile
+    use_compile = compile_by_default(device) if compile is None else compile
     if streaming is not None or parallel:
         use_compile = False
     checkpoint = open_checkpoint(path_or_hub_id)
@@ -543,7 +542,7 @@ def load(
     return llm
 
 
-def compile_by_default(device: torch.device, deterministic: bool = False) -> bool | Literal["auto"]:
+def compile_by_default(device: torch.device) -> bool:
     """What `load` compiles when ``compile`` is not given: nothing, on every device.
 
     Measured (docs/performance.md, *Compiling in the background*): ``"auto"``'s background
@@ -553,5 +552,5 @@ def compile_by_default(device: torch.device, deterministic: bool = False) -> boo
     and on an H100 alike. So the default stays eager; ``compile=True`` pays for processes
     that generate long in one shape, ``compile="auto"`` for those that run long.
     """
-    del device, deterministic
+    del device
     return False

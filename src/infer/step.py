@@ -215,7 +215,7 @@ class Stepper:
     """
 
     def __init__(self, model: DecoderLM, compile: bool | Literal["auto"] = False) -> None:
-        if compile not in (True, False, "auto"):
+        if not isinstance(compile, bool) and compile != "auto":
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         self.model = model
         self.compiled = compile is True  # every step compiled
@@ -229,10 +229,8 @@ class Stepper:
         self._worker: threading.Thread | None = None
         self._fn: StepFn = model_step
         _STEPPERS.add(self)
-        if self.compiled:
-            self._fn = (
-                self._compile_fn()
-            )  # (auto: when its first compile starts, so loading never imports dynamo)
+        if self.compiled:  # (auto: at its first compile, so that loading never imports dynamo)
+            self._fn = self._compile_fn()
 
     def _compile_fn(self) -> StepFn:
         # A code object of its own: dynamo keeps its compiled entries per code object, and

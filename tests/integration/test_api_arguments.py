@@ -137,6 +137,17 @@ def test_non_float_dtypes_are_refused(tiny_ckpt_factory: Callable[..., Path], dt
         infer.load(tiny_ckpt_factory("llama"), dtype=dtype)
 
 
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("yes", ValueError), ("AUTO", ValueError), (1, TypeError), (2.0, TypeError), ([], TypeError)],
+)
+def test_bad_compile_values_are_refused(
+    tiny_ckpt_factory: Callable[..., Path], value: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="compile must be True, False, 'auto' or None"):
+        infer.load(tiny_ckpt_factory("llama"), compile=value)
+
+
 def test_dtype_of_the_wrong_type_is_refused(tiny_ckpt_factory: Callable[..., Path]) -> None:
     with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype or a string"):
         infer.load(tiny_ckpt_factory("llama"), dtype=32)  # type: ignore[arg-type]

@@ -469,12 +469,13 @@ def test_generate_runs_the_model_on_the_callers_thread(
 
 
 def test_an_interrupt_in_a_driven_step_reaches_the_caller_and_the_engine_goes_on(
-    llama: infer.LLM, monkeypatch: pytest.MonkeyPatch
+    det: infer.LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while `generate` runs the step on the caller's thread: KeyboardInterrupt reaches the
-    caller, the interrupted request ends, and the next request gets what it gets alone."""
-    want = llama.generate(PROMPT, max_new_tokens=6).token_ids
-    head = llama.model.head
+    caller, the interrupted request ends, and the next request gets what it gets alone
+    (deterministic mode: equal by construction however the prefix cache splits its prompt)."""
+    want = det.generate(PROMPT, max_new_tokens=6).token_ids
+    head = det.model.head
     calls = []
 
     def interrupted(h: torch.Tensor, greedy: bool = False) -> torch.Tensor:
@@ -483,22 +484,23 @@ def test_an_interrupt_in_a_driven_step_reaches_the_caller_and_the_engine_goes_on
             raise KeyboardInterrupt
         return head(h, greedy=greedy)
 
-    monkeypatch.setattr(llama.model, "head", interrupted)
+    monkeypatch.setattr(det.model, "head", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        llama.generate(PROMPT, max_new_tokens=6)
-    stats = llama.engine.stats()
+        det.generate(PROMPT, max_new_tokens=6)
+    stats = det.engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
-    assert llama.generate(PROMPT, max_new_tokens=6).token_ids == want
+    assert det.generate(PROMPT, max_new_tokens=6).token_ids == want
 
 
-def test_a_caller_waiting_on_another_callers_step_takes_over(llama: infer.LLM) -> None:
+def test_a_caller_waiting_on_another_callers_step_takes_over(det: infer.LLM) -> None:
     """Two threads generate at once: one drives, the other gets its tokens from that thread's
-    steps and drives itself once the first is done; both get what they get alone."""
-    want = {n: llama.generate(PROMPT, max_new_tokens=n).token_ids for n in (3, 24)}
+    steps and drives itself once the first is done; both get what they get alone
+    (deterministic mode: a row's tokens do not depend on the rows beside it)."""
+    want = {n: det.generate(PROMPT, max_new_tokens=n).token_ids for n in (3, 24)}
     got: dict[int, list[int]] = {}
 
     def run(n: int) -> None:
-        got[n] = llama.generate(PROMPT, max_new_tokens=n).token_ids
+        got[n] = det.generate(PROMPT, max_new_tokens=n).token_ids
 
     threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in (3, 24)]
     for t in threads:
