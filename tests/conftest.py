@@ -25,6 +25,7 @@ transformers models saved with ``save_pretrained``, with a byte-level tokenizer 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ import pytest
 import torch
 
 ARCHS = ("llama", "qwen3", "gemma3")
+
+# No test uses or builds ahead-of-time compiled packages of its tiny models unless it asks to
+# (tests/integration/test_aot.py): not this process, not the `infer` processes tests start.
+os.environ["INFER_AOT"] = "off"
 
 # Values of the hub config.json files of the dev models (as published on the Hub).
 LLAMA_3_2_1B_INSTRUCT: dict[str, Any] = {

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
+from infer.aot import PackageCache, Recipe
 from infer.chat_template import check_unicode
 from infer.generate import (
     NonFiniteLogitsError,
@@ -91,13 +92,17 @@ class LLM:
         source: Path,
         *,
         compile: bool | Literal["auto"] = False,
+        recipe: Recipe | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
         self.source = source
         self.parallel: Parallel | None = None  # this rank's place in a parallel run (infer.distributed)
-        self.stepper = Stepper(model, compile=compile)
+        packages = None
+        if compile == "auto" and model.device.type == "cpu" and not is_deterministic(model):
+            packages = PackageCache(model, recipe)  # ahead-of-time compiled decode steps (infer.aot)
+        self.stepper = Stepper(model, compile=compile, packages=packages)
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
 
@@ -494,13 +499,12 @@ def load(
     part of the weights; generation then gives the same result on every rank. See
     docs/distributed.md.
 
-    ``compile`` runs generation through ``torch.compile`` of the whole step (resident
-    models only; `infer.step`): ``True`` compiles every step from the first (the first
-    request of each new (batch, length) bucket compiles it; inductor caches it on disk, so
-    later processes compile faster); ``"auto"`` runs eagerly and compiles the decode step on a
-    background thread once a long generation, a chat or a server has decoded eagerly for
-    `infer.step.AUTO_AFTER_S` seconds; ``False`` never compiles. ``None`` means
-    `compile_by_default` (eager: see there why).
+    ``compile`` (resident models only; `infer.step`): ``"auto"`` runs each decode step from an
+    ahead-of-time compiled package of its shape in the user's cache directory, and eagerly
+    while another process, started at the lowest priority, builds the missing package
+    (`infer.aot`; CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
+    every step in this process with ``torch.compile`` (the first request of each new (batch,
+    length) bucket waits for it); ``False`` never compiles. ``None`` means `compile_by_default`.
 
     ``deterministic`` runs every matrix product on fixed tiles of rows and attention on
     fixed tiles of queries and keys, so a prompt's logits are bitwise the same whatever
@@ -537,20 +541,19 @@ def load(
     )  # fmt: skip
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
-    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, compile=use_compile)
+    recipe = Recipe(
+        str(checkpoint.path), None if dtype is None else str(dtype).removeprefix("torch."), quantize
+    )
+    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, compile=use_compile, recipe=recipe)
     llm.parallel = placed
     return llm
 
 
-def compile_by_default(device: torch.device) -> bool:
-    """What `load` compiles when ``compile`` is not given: nothing, on every device.
+def compile_by_default(device: torch.device) -> bool | Literal["auto"]:
+    """What `load` compiles when ``compile`` is not given: ``"auto"`` on CPU, nothing elsewhere.
 
-    Measured (docs/performance.md, *Compiling in the background*): ``"auto"``'s background
-    compile shares the interpreter with the steps it would speed up, so while it runs (20-60 s
-    cold) eager decode falls from ~50 to ~5 tok/s, and each new KV capacity bucket compiles
-    again; a 1,500-token SmolLM2 generation took 1.56x as long as eager on a 2-core AMD EPYC
-    and on an H100 alike. So the default stays eager; ``compile=True`` pays for processes
-    that generate long in one shape, ``compile="auto"`` for those that run long.
+    ``"auto"`` never waits for a compiler: a decode step runs a package built ahead of time
+    by another process, or eagerly until there is one (`infer.aot`). Measured (docs/performance.md,
+    *Compiled by default*). On CUDA the packages are not built yet: ``compile=True`` there.
     """
-    del device
-    return False
+    return "auto" if device.type == "cpu" else False

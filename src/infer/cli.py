@@ -208,8 +208,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
         sys.stdin.reconfigure(errors="surrogateescape")
     llm = _load(args)
-    if llm.parallel is None:
-        llm.engine.long_running = True  # compile="auto": a chat's turns pay for compiling
     context = llm.config.max_position_embeddings
     room = context - min(args.max_new_tokens, context // 2)  # prompt tokens that leave room to reply
     messages: list[dict[str, str]] = []
@@ -327,7 +325,8 @@ def _load_options(
             "--compile",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="compile every generation step with torch.compile (resident models; default: off)",
+            help="--compile: every step through torch.compile in this process; --no-compile: eager; "
+            "default: decode steps from ahead-of-time compiled packages on CPU (infer.aot)",
         )
     else:
         p.set_defaults(compile=None)

@@ -392,12 +392,9 @@ class KVSlots:
         values: SamplingValues | None,
         noise: torch.Tensor | None,
         pad_to: int = 0,
-        compile_ok: bool = False,
     ) -> StepOutput:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]``, the
-        others nothing; each row's last fed token goes through the head and sampling.
-        ``compile_ok``: the stepper may start compiling this step's shape in the background
-        (``compile="auto"``: the engine judged that the work ahead pays for it)."""
+        others nothing; each row's last fed token goes through the head and sampling."""
         T = max(len(t) for t in feeds.values())
         if pad_to > T and all(len(self.held[r]) + pad_to <= self.context for r in range(lo, hi)):
             T = pad_to
@@ -425,8 +422,6 @@ class KVSlots:
             raise
         for r, t in feeds.items():
             self.held[r].extend(t)
-        if compile_ok:
-            self.stepper.compile_in_background(view, ids, mode, values, noise)
         return out
 
     @torch.inference_mode()
@@ -509,10 +504,6 @@ class Engine:
         self._ids = itertools.count()
         self._used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
         self._greedy = _Values()
-        self._step_seconds = 0.0  # the last decode step's
-        # A long-running engine (a server, a chat): compile="auto" compiles without asking
-        # whether the requests at hand are long enough to pay for it.
-        self.long_running = False
         _ENGINES.add(self)
         self._stats: dict[str, float] = {
             "requests": 0, "finished": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
@@ -785,7 +776,7 @@ class Engine:
     def _decode(self, rows: list[int]) -> None:
         lo, hi = rows[0], rows[-1] + 1
         stepper = self.slots.stepper
-        if stepper.compiled or (stepper.auto and stepper.eager_decode_seconds >= stepper.auto_after_s):
+        if stepper.bucketed:
             # A power-of-two window of rows around the decoding ones (few graphs, one per size),
             # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
             width = min(self.slots.rows, 1 << (hi - lo - 1).bit_length())
@@ -795,32 +786,17 @@ class Engine:
         feeds = {i: self._running[i].pending for i in rows}
         mode, values, noise = self._sampling(requests)
         try:
-            t0 = time.perf_counter()
-            out = self.slots.step(lo, hi, feeds, mode, values, noise, compile_ok=self._compile_pays(rows))
+            out = self.slots.step(lo, hi, feeds, mode, values, noise)
             tokens: list[int] = out.tokens.tolist()  # the step's host read
             bad: list[bool] = out.nonfinite.tolist()
         except Exception as e:
             for i in rows:
                 self._finish(self._running[i], "error", e)
             return
-        self._step_seconds = time.perf_counter() - t0
         self._stats["steps"] += 1
         self._stats["batch_size"] = len(rows)
         for i in rows:
             self._token(self._running[i], tokens[i - lo], bad[i - lo], out, i - lo)
-
-    def _compile_pays(self, rows: list[int]) -> bool:
-        """``compile="auto"``: whether to compile the decode step now — after ``auto_after_s``
-        (`infer.step.AUTO_AFTER_S`) of eager decode, when this engine runs long (a server, a
-        chat) or the rows' remaining tokens would take that long again eagerly."""
-        stepper = self.slots.stepper
-        after = stepper.auto_after_s
-        if not stepper.auto or stepper.compiling or stepper.eager_decode_seconds < after:
-            return False
-        if self.long_running:
-            return True
-        ahead = max(self._running[i].max_new - len(self._running[i].generated) for i in rows)
-        return ahead * self._step_seconds >= after
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""

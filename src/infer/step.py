@@ -16,23 +16,15 @@ Compilation settings are scoped to infer's own compiled function: its options go
 ``os.environ`` or to torch's process-wide configuration. Inductor's on-disk cache is
 torch's default (``TORCHINDUCTOR_CACHE_DIR`` if the user set it).
 
-``compile="auto"`` (opt-in; `infer.api.compile_by_default` says why): steps run eagerly, and
-once a process has spent `AUTO_AFTER_S` seconds in eager decode steps with more work ahead
-(the engine decides: `Stepper.compile_in_background`), the decode step of that shape is
-compiled on a background thread against a scratch cache of the same shape; from then on
-that shape's decode steps run compiled. Prefill stays eager. A short generation never pays
-for a compiler; a long session, a chat or a server gets the compiled decode after a warm-up.
+``compile="auto"`` (the default for a resident CPU model): decode steps run an
+ahead-of-time compiled package of their shape from the on-disk cache when there is one, and
+eagerly while another process builds it (`infer.aot`); prefill stays eager.
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import threading
 import time
 import types
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -47,26 +39,6 @@ MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two
 # Dynamo's per-function recompile limits while infer's compiled step runs: every bucket
 # (batch x capacity x tokens x sampling mode) is one graph of that one function.
 RECOMPILE_LIMIT, ACCUMULATED_RECOMPILE_LIMIT = 64, 512
-AUTO_AFTER_S = 10.0  # compile="auto": eager decode seconds of a stepper before a background compile
-AUTO_SCRATCH_BYTES = 512 << 20  # compile="auto": the largest scratch KV cache a background compile makes
-AUTO_EXIT_WAIT_S = 120.0  # at interpreter exit: how long to wait for a background compile to end
-
-_STEPPERS: weakref.WeakSet[Stepper] = weakref.WeakSet()
-_EXITING = False
-
-
-@atexit.register
-def _wait_for_compiles() -> None:
-    """No thread may be inside dynamo or inductor while the interpreter finalizes."""
-    global _EXITING
-    _EXITING = True  # a compile cut short by the exit is no news
-    try:
-        for stepper in list(_STEPPERS):
-            worker = stepper._worker
-            if worker is not None:
-                worker.join(AUTO_EXIT_WAIT_S)
-    except KeyboardInterrupt:  # a second Ctrl-C: exit now, without a traceback
-        pass
 
 
 @dataclass(frozen=True)
@@ -203,33 +175,54 @@ def head_and_sample(
 StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+class Packages(Protocol):
+    """Ahead-of-time compiled decode steps (`infer.aot.PackageCache`): the one of a shape, or None."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def get(self, cache: KVCache, batch: int, mode: Sampling) -> PackagedStep | None: ...
+
+
+class PackagedStep(Protocol):
+    def __call__(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor,
+        n_new: torch.Tensor,
+        last: torch.Tensor,
+        values: SamplingValues | None,
+        noise: torch.Tensor | None,
+    ) -> StepOutput: ...
+
+
 class Stepper:
-    """Runs `model_step` for one resident model: eagerly, or compiled whole per bucket.
+    """Runs `model_step` for one resident model: eagerly, compiled whole per bucket, or from packages.
 
     ``compile=True``: ``torch.compile(model_step, fullgraph=True, dynamic=False)``; every
     distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. Capacities are
     rounded to powers of two (from `MIN_CAPACITY`) and prefill lengths to powers of two
-    (from `MIN_PREFILL`) so a few graphs serve every request. The stepper holds no cache:
-    each caller passes its own (the engine owns its KV slots), so two generations never
-    share one. ``compile_seconds`` accumulates the time spent in first calls of new buckets.
+    (from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
+    ``packages``: a decode step whose shape has an ahead-of-time compiled package runs it,
+    any other step runs eagerly (`infer.aot`). The stepper holds no cache: each caller passes
+    its own (the engine owns its KV slots), so two generations never share one.
+    ``compile_seconds`` accumulates the time spent in first calls of new buckets.
     """
 
-    def __init__(self, model: DecoderLM, compile: bool | Literal["auto"] = False) -> None:
+    def __init__(
+        self, model: DecoderLM, compile: bool | Literal["auto"] = False, packages: Packages | None = None
+    ) -> None:
         if not isinstance(compile, bool) and compile != "auto":
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         self.model = model
         self.compiled = compile is True  # every step compiled
-        self.auto = compile == "auto"  # decode steps compiled in the background once they pay
+        self.auto = compile == "auto"  # decode steps from ahead-of-time compiled packages
+        self.packages = packages if self.auto else None
         self.compile_seconds = 0.0
-        self.eager_decode_seconds = 0.0  # auto: time spent in eager decode steps so far
-        self.auto_after_s = AUTO_AFTER_S  # auto: eager decode seconds before compiling pays
+        self.packaged_steps = 0  # decode steps that ran a package
         self._seen: set[tuple[Any, ...]] = set()
-        self._ready: set[tuple[Any, ...]] = set()  # auto: decode keys compiled
-        self._tried: set[tuple[Any, ...]] = set()  # auto: decode keys compiled or being compiled
-        self._worker: threading.Thread | None = None
         self._fn: StepFn = model_step
-        _STEPPERS.add(self)
-        if self.compiled:  # (auto: at its first compile, so that loading never imports dynamo)
+        if self.compiled:
             self._fn = self._compile_fn()
 
     def _compile_fn(self) -> StepFn:
@@ -247,6 +240,12 @@ class Stepper:
             "alignment_asserts": False,
         }
         return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether steps run in shape buckets (compiled, or packages in use): the engine then
+        steps a power-of-two window of rows, so that a few shapes serve every batch."""
+        return self.compiled or (self.packages is not None and self.packages.enabled)
 
     def capacity(self, needed: int) -> int:
         """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""
@@ -277,99 +276,35 @@ class Stepper:
         noise: torch.Tensor | None,
     ) -> StepOutput:
         if not self.compiled:
-            if self.auto and ids.shape[1] == 1:
-                if self._key(cache, ids, mode) in self._ready:
-                    return self._compiled(cache, ids, n_new, last, mode, values, noise)
-                t0 = time.perf_counter()
+            if self.packages is not None and ids.shape[1] == 1:
+                package = self.packages.get(cache, ids.shape[0], mode)
+                if package is not None:
+                    self.packaged_steps += 1
+                    with torch.inference_mode():
+                        return package(cache, ids, n_new, last, values, noise)
             with torch.inference_mode():
-                out = StepOutput(*model_step(self.model, cache, ids, n_new, last, mode, values, noise))
-            if self.auto and ids.shape[1] == 1:
-                self.eager_decode_seconds += time.perf_counter() - t0
-            return out
-        key = self._key(cache, ids, mode)
+                return StepOutput(*model_step(self.model, cache, ids, n_new, last, mode, values, noise))
+        key = (ids.shape, cache.capacity, mode)
         first = key not in self._seen
         t0 = time.perf_counter()
-        out = self._compiled(cache, ids, n_new, last, mode, values, noise)
-        if first:
-            self._seen.add(key)
-            self.compile_seconds += time.perf_counter() - t0
-        return out
-
-    @staticmethod
-    def _key(cache: KVCache, ids: torch.Tensor, mode: Sampling) -> tuple[Any, ...]:
-        return (ids.shape, cache.capacity, mode)
-
-    def _compiled(self, *step: Any) -> StepOutput:
-        """The compiled function on `__call__`'s arguments ``(cache, ids, n_new, last, mode,
-        values, noise)``, with infer's recompile limits."""
         with (
             torch.inference_mode(),
             torch._dynamo.config.patch(
                 recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
             ),
         ):
-            return StepOutput(*self._fn(self.model, *step))
-
-    @property
-    def compiling(self) -> bool:
-        """Whether a background compile (``compile="auto"``) is running."""
-        return self._worker is not None and self._worker.is_alive()
-
-    def compile_in_background(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> bool:
-        """``compile="auto"``: compile the decode step of this shape on a background thread
-        (one at a time), against a scratch cache like ``cache``; whether one started. Shapes
-        whose scratch cache would pass `AUTO_SCRATCH_BYTES` stay eager."""
-        key = self._key(cache, ids, mode)
-        if not self.auto or ids.shape[1] != 1 or key in self._tried or self.compiling:
-            return False
-        self._tried.add(key)
-        if cache.nbytes > AUTO_SCRATCH_BYTES:
-            return False
-        B = ids.shape[0]
-        if self._fn is model_step:
-            self._fn = self._compile_fn()
-        scratch = cache.empty_like()
-        if values is not None:
-            values = dataclasses.replace(
-                values, **{f.name: getattr(values, f.name).clone() for f in dataclasses.fields(values)}
-            )
-        args = (
-            torch.zeros_like(ids),
-            torch.ones(B, dtype=torch.long, device=ids.device),
-            torch.zeros(B, dtype=torch.long, device=ids.device),
-            mode,
-            values,
-            None if noise is None else noise.clone(),
-        )
-        self._worker = threading.Thread(
-            target=self._compile, args=(key, scratch, args), name="infer-compile", daemon=True
-        )
-        self._worker.start()
-        return True
-
-    def _compile(self, key: tuple[Any, ...], scratch: KVCache, args: tuple[Any, ...]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._compiled(scratch, *args)
-        except Exception as e:  # the shape stays eager; the generation never notices
-            if not _EXITING:
-                warnings.warn(f"infer: compiling the decode step failed, it stays eager: {e}", stacklevel=1)
-            return
-        finally:
+            out = StepOutput(*self._fn(self.model, cache, ids, n_new, last, mode, values, noise))
+        if first:
+            self._seen.add(key)
             self.compile_seconds += time.perf_counter() - t0
-        self._ready.add(key)
+        return out
 
 
 __all__ = [
     "MIN_CAPACITY",
     "MIN_PREFILL",
+    "PackagedStep",
+    "Packages",
     "RowSampling",
     "Sampling",
     "SamplingValues",

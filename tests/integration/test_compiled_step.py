@@ -15,7 +15,6 @@ run of this file is faster than the first.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -125,41 +124,3 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
     assert llm.engine.slots.rows >= 4
     print(f"\ncompiled step batch sizes with {llm.engine.slots.rows} rows allocated: {sorted(set(sizes))}")
     assert set(sizes) == {1}
-
-
-def test_auto_compiles_the_decode_step_in_the_background_once_it_pays(
-    tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``compile="auto"``: a short generation runs eagerly and starts no compiler; once the
-    eager decode time passes the threshold with work ahead, the decode step compiles on a
-    background thread while generation goes on eagerly, and later decode steps run compiled,
-    with the eager step's greedy tokens."""
-    path = tiny_ckpt_factory("gemma3")
-    llm = infer.load(path, dtype=torch.float32, compile="auto")
-    assert llm.stepper.auto and not llm.compiled
-    assert not infer.load(path, dtype=torch.float32).stepper.auto  # the default: eager
-    eager = infer.load(path, dtype=torch.float32, compile=False)
-    prompt = [5, 9, 200, 31, 7]
-    want = eager.generate(prompt, max_new_tokens=24).token_ids
-    assert llm.generate(prompt, max_new_tokens=24).token_ids == want
-    assert llm.stepper._worker is None  # short: no compiler started
-
-    llm.stepper.auto_after_s = 0.0  # as if this process had decoded for a while
-    during = llm.generate(prompt, max_new_tokens=24).token_ids  # starts the compile, goes on eagerly
-    worker = llm.stepper._worker
-    assert worker is not None
-    worker.join(300)
-    assert not worker.is_alive() and llm.stepper._ready, "the background compile did not finish"
-    compiled_steps = []
-    run = Stepper._compiled
-
-    def counting(self: Stepper, *args: Any) -> Any:
-        compiled_steps.append(threading.current_thread().name)
-        return run(self, *args)
-
-    monkeypatch.setattr(Stepper, "_compiled", counting)
-    after = llm.generate(prompt, max_new_tokens=24).token_ids
-    print(f"\nauto: {len(compiled_steps)} compiled decode steps after the background compile "
-          f"({llm.stepper.compile_seconds:.1f} s compiling)")  # fmt: skip
-    assert len(compiled_steps) >= 20 and set(compiled_steps) == {threading.current_thread().name}
-    assert during == want and after == want

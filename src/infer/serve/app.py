@@ -163,8 +163,6 @@ def create_app(
         engine = _llm_engine(llm, max_batch, max_waiting)
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None for no key")
-    if hasattr(engine, "long_running"):
-        engine.long_running = True  # compile="auto": a server's work ahead pays for compiling
     source = llm.source
     name: str = model_name or str(source.stem if source.suffix == ".gguf" else source.name) or "model"
     metrics = Metrics(lambda: dict(engine.stats()))

@@ -1,0 +1,442 @@
+"""Ahead-of-time compiled decode steps, cached on disk: compiled speed without waiting.
+
+The default for a resident CPU model (``infer.load(path)``, ``compile="auto"``): a decode
+step of a shape that has a package in the cache runs the package; one that has none runs
+eagerly while another process builds the package at low priority. So a first-ever run is
+never slower to its first token than eager (prefill stays eager, and the build starts after
+it), and every later process on the machine decodes compiled from its first step: loading a
+package takes ~10 ms and traces nothing.
+
+* **A package** (`build`) is `torch.export` of `infer.step.model_step` for one decode shape
+  (rows, KV capacity, sampling mode), compiled by AOTInductor into a shared library. The
+  model's weights are *inputs* of the exported program, not constants, so a package holds
+  code only (~10 MB) and runs on the tensors already loaded: no second copy of the weights,
+  in memory or on disk.
+* **Which package** (`fingerprint`, `package_key`): named after a hash of everything the
+  code depends on: each weight's name, shape, dtype and strides and each module's class,
+  the config, the shape, the sampling mode, torch's version, the CPU's instruction set
+  (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
+  infer itself. Another model, another machine or another version of infer finds no
+  package and builds its own.
+* **Building** runs ``python -m infer.aot`` in a new session at the lowest priority
+  (``nice 19``): it loads the same checkpoint the same way (`Recipe`), checks that its model has the
+  same fingerprint, compiles, and moves the package into place atomically (``os.replace``),
+  so a reader never sees a partial file; a lock file keeps two processes from building one
+  package. The build outlives the process that asked for it: a short run pays nothing and
+  the next one gets the package. Its log is next to the package (``.log``).
+* **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
+  the cache directory keeps the newest `MAX_PACKAGES` packages.
+* **Off**: ``compile=False``, or ``INFER_AOT=off`` in the environment (nothing is used or built).
+* **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (its log says
+  why) and that shape stays eager; a package that cannot be loaded is removed and stays eager.
+
+Not covered: prefill (eager), streamed and parallel models and the deterministic mode (eager:
+its bitwise guarantees are stated for the eager kernels), CUDA (``compile=True`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from infer.cache import KVCache
+from infer.loader.checkpoint import open_checkpoint
+from infer.loading import build_model
+from infer.models.base import DecoderLM
+from infer.step import Sampling, SamplingValues, StepOutput, model_step
+
+PACKAGE_VERSION = 1
+MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
+MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
+CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
+# ``INFER_AOT=off`` in the environment: no package is used or built (as ``compile=False``).
+ENABLED = os.environ.get("INFER_AOT", "on").lower() not in ("off", "0", "false", "no")
+BACKGROUND_BUILDS = True  # whether a missing package starts a build
+
+
+def cache_dir() -> Path:
+    if CACHE_DIR is not None:
+        return CACHE_DIR
+    from infer.gguf.tokenizer import cache_root
+
+    return cache_root() / "aot"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the building process loads the same model: `infer.load`'s arguments."""
+
+    path: str
+    dtype: str | None = None
+    quantize: str | None = None
+    validate: bool = False
+
+    def load(self) -> DecoderLM:
+        """The model as `infer.load` builds it (resident, on the CPU, outside the deterministic mode)."""
+        checkpoint = open_checkpoint(self.path)
+        options = checkpoint.options(self.dtype, quantize=self.quantize, validate=self.validate,
+                                     device=torch.device("cpu"), streaming=None, tensor_parallel=1,
+                                     pipeline_parallel=1, deterministic=False, repack_cache=True,
+                                     progress=None)  # fmt: skip
+        model, _ = build_model(checkpoint, options)
+        return model
+
+
+# ---- the model's tensors, by name --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _all_modules_named(model: nn.Module) -> Iterator[None]:
+    """Register, for the duration, every module held in a list attribute outside the module tree
+    (fused projections, a shared head) as a child, so each of its tensors has a name."""
+    added: list[tuple[nn.Module, str]] = []
+    todo = list(model.modules())
+    seen = {id(m) for m in todo}
+    while todo:
+        module = todo.pop()
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, list):
+                continue
+            for i, item in enumerate(value):
+                if isinstance(item, nn.Module) and id(item) not in seen:
+                    name = f"{attr.strip('_')}_{i}"
+                    module.add_module(name, item)
+                    added.append((module, name))
+                    seen.add(id(item))
+                    todo.extend(item.modules())
+    try:
+        yield
+    finally:
+        for module, name in added:
+            del module._modules[name]
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model``, held in its tree or in list attributes, by name."""
+    with _all_modules_named(model):
+        out = {n: t.detach() for n, t in model.named_parameters()}
+        out.update((n, t) for n, t in model.named_buffers())
+        return out
+
+
+def _source_digest() -> str:
+    """The hash of infer's own source: a package is code generated from it."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: DecoderLM) -> str:
+    """A hash of what a package of ``model`` depends on besides the step's shape (module docstring)."""
+    h = hashlib.sha256()
+    parts: list[Any] = [
+        PACKAGE_VERSION,
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        platform.machine(),
+        _source_digest(),
+        repr(model.config),
+        [type(m).__qualname__ for m in model.modules()],
+    ]
+    for name, t in named_tensors(model).items():
+        parts.append((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type))
+    h.update(repr(parts).encode())
+    return h.hexdigest()[:24]
+
+
+def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str:
+    ring = cache.ring_slots is not None
+    flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
+    return f"{fp}-b{batch}-c{cache.capacity}-r{int(ring)}-{flags}"
+
+
+# ---- the exported step ---------------------------------------------------------------------
+
+
+class _DecodeStep(nn.Module):
+    """`model_step` for one decode shape with the cache's tensors and the sampling values as inputs."""
+
+    def __init__(self, model: DecoderLM, template: KVCache, mode: Sampling) -> None:
+        super().__init__()
+        self.model = model
+        self.template = template
+        self.mode = mode
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        n_new: torch.Tensor,
+        last: torch.Tensor,
+        state: list[torch.Tensor],
+        kv: list[torch.Tensor],
+        sampling: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = _bind(self.template, state, kv)
+        values = noise = None
+        if sampling:
+            values = SamplingValues(sampling[0], sampling[1], sampling[2])
+            noise = sampling[3]
+        return model_step(self.model, cache, ids, n_new, last, self.mode, values, noise)
+
+
+def _state(cache: KVCache) -> list[torch.Tensor]:
+    return [cache.slot, cache.pad] + ([cache.ring_slots] if cache.ring_slots is not None else [])
+
+
+def _bind(template: KVCache, state: list[torch.Tensor], kv: list[torch.Tensor]) -> KVCache:
+    """A copy of ``template`` whose tensors are ``state`` and ``kv`` (the exported program's inputs)."""
+    import copy
+
+    cache = copy.copy(template)
+    cache.slot, cache.pad = state[0], state[1]
+    if template.ring_slots is not None:
+        cache.ring_slots = state[2]
+    layers = []
+    for i, layer in enumerate(template.layers):
+        bound = copy.copy(layer)
+        bound.cache = cache
+        bound.k, bound.v = kv[2 * i], kv[2 * i + 1]
+        layers.append(bound)
+    cache.layers = layers
+    cache.length, cache.plan = 0, None
+    return cache
+
+
+def _kv(cache: KVCache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (layer.k, layer.v)]
+
+
+def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list[torch.Tensor]:
+    if values is None or noise is None:
+        return []
+    return [values.temperature, values.top_k, values.top_p, noise]
+
+
+def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampling, path: Path) -> None:
+    """Export and compile the decode step of ``batch`` rows on a KV ``capacity`` (sliding-window
+    layers in ``rings`` or not: `KVCache`) into ``path``."""
+    cache = KVCache(model.config, batch, capacity, dtype=model.dtype, device=model.device,
+                    layers=model.kv_layers, rings=rings)  # fmt: skip
+    step = _DecodeStep(model, cache, mode)
+    weights = named_tensors(step)
+    names = list(weights)
+
+    class Functional(nn.Module):
+        def forward(self, ids: Any, n_new: Any, last: Any, state: Any, kv: Any, sampling: Any, w: Any) -> Any:
+            return torch.func.functional_call(step, w, (ids, n_new, last, state, kv, sampling), strict=True)
+
+    device = model.device
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    ones = torch.ones(batch, dtype=torch.long, device=device)
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    sampling: list[torch.Tensor] = []
+    if not mode.greedy:
+        V = model.config.vocab_size
+        sampling = [
+            torch.ones(batch, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+            torch.ones(batch, device=device),
+            torch.zeros(batch, V, device=device),
+        ]
+    args = (ids, ones, zeros, _state(cache), _kv(cache), sampling, weights)
+    with _all_modules_named(step), torch.no_grad(), warnings.catch_warnings():
+        # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
+        warnings.simplefilter("ignore", UserWarning)
+        exported = torch.export.export(Functional(), args, strict=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        package = Path(tmp) / "package.pt2"
+        torch._inductor.aoti_compile_and_package(
+            exported,
+            package_path=str(package),
+            inductor_configs={"aot_inductor.metadata": {"names": json.dumps(names)}},
+        )
+        os.replace(package, path)
+
+
+# ---- running packages ----------------------------------------------------------------------
+
+
+class Package:
+    """A loaded package: the step of one shape, on the model's own tensors."""
+
+    def __init__(self, path: Path, model: DecoderLM) -> None:
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1, False)
+        names = json.loads(self.loader.get_metadata()["names"])
+        tensors = {f"model.{n}": t for n, t in named_tensors(model).items()}  # as `_DecodeStep` names them
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"{path}: the model has no tensor {missing[0]!r}")
+        self.weights = [tensors[n] for n in names]
+
+    def __call__(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor,
+        n_new: torch.Tensor,
+        last: torch.Tensor,
+        values: SamplingValues | None,
+        noise: torch.Tensor | None,
+    ) -> StepOutput:
+        inputs = [ids, n_new, last, *_state(cache), *_kv(cache), *_sampling(values, noise), *self.weights]
+        tokens, logits, nonfinite = self.loader.boxed_run(inputs)
+        return StepOutput(tokens, logits, nonfinite)
+
+
+class PackageCache:
+    """The packages of one model: loaded on demand, built in the background when missing."""
+
+    def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
+        self.model = model
+        self.recipe = recipe
+        self._fingerprint: str | None = None
+        self.loaded: OrderedDict[str, Package] = OrderedDict()
+        self.eager: set[str] = set()  # keys that stay eager in this process (failed, or building elsewhere)
+        self.builds: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model)
+        return self._fingerprint
+
+    @property
+    def enabled(self) -> bool:
+        return ENABLED
+
+    def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
+        """The package of this step's shape, or None (the step runs eagerly; a build may start)."""
+        if not ENABLED:
+            return None
+        key = package_key(self.fingerprint, cache, batch, mode)
+        package = self.loaded.get(key)
+        if package is not None:
+            self.loaded.move_to_end(key)
+            return package
+        build = self.builds.get(key)
+        if build is not None:
+            if build.poll() is None:
+                return None
+            del self.builds[key]
+        elif key in self.eager:
+            return None
+        path = cache_dir() / f"{key}.pt2"
+        if path.exists():
+            try:
+                package = Package(path, self.model)
+            except Exception as e:  # a damaged package: remove it, stay eager
+                warnings.warn(
+                    f"infer: cannot load the compiled step {path} ({e}); it stays eager", stacklevel=2
+                )
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                self.eager.add(key)
+                return None
+            self.loaded[key] = package
+            while len(self.loaded) > MAX_LOADED:
+                self.loaded.popitem(last=False)
+            return package
+        if any(b.poll() is None for b in self.builds.values()):
+            return None  # one build at a time; this shape's comes after
+        if not self._start_build(key, path, batch, cache.capacity, cache.ring_slots is not None, mode):
+            self.eager.add(key)
+        return None
+
+    def _start_build(
+        self, key: str, path: Path, batch: int, capacity: int, rings: bool, mode: Sampling
+    ) -> bool:
+        if not BACKGROUND_BUILDS or self.recipe is None:
+            return False
+        failed = path.with_suffix(".failed")
+        lock = path.with_suffix(".lock")
+        if failed.exists():
+            return False
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # another process builds it
+        except OSError:
+            return False
+        os.close(fd)
+        request = {
+            "recipe": asdict(self.recipe),
+            "key": key,
+            "batch": batch,
+            "capacity": capacity,
+            "rings": rings,
+            "mode": asdict(mode),
+            "out": str(path),
+        }
+        log = open(path.with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
+        with log:
+            self.builds[key] = subprocess.Popen(
+                [sys.executable, "-m", "infer.aot", json.dumps(request)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
+            )
+        return True
+
+
+def _prune(directory: Path) -> None:
+    packages = sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in packages[MAX_PACKAGES:]:
+        for suffix in (".pt2", ".log"):
+            with contextlib.suppress(OSError):
+                old.with_suffix(suffix).unlink()
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m infer.aot REQUEST``: build one package (what `PackageCache` starts)."""
+    parser = argparse.ArgumentParser(prog="python -m infer.aot")
+    parser.add_argument("request", help="JSON: recipe, key, batch, capacity, mode, out")
+    request = json.loads(parser.parse_args(argv).request)
+    out = Path(request["out"])
+    lock, failed = out.with_suffix(".lock"), out.with_suffix(".failed")
+    with contextlib.suppress(OSError):
+        os.nice(19)
+    torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
+    t0 = time.perf_counter()
+    try:
+        model = Recipe(**request["recipe"]).load()
+        mode = Sampling(**request["mode"])
+        fp = fingerprint(model)
+        if not request["key"].startswith(fp + "-"):
+            raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
+        build(model, request["batch"], request["capacity"], request["rings"], mode, out)
+        _prune(out.parent)
+    except BaseException:
+        failed.touch()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+    print(f"built {out.name} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
+
+
+__all__ = ["MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "fingerprint"]

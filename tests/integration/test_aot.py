@@ -1,0 +1,128 @@
+"""Ahead-of-time compiled decode steps (`infer.aot`): the default ``compile="auto"`` on CPU.
+
+A package is built here from a tiny checkpoint (AOTInductor: 20-60 s each on 2 cores), so
+these tests build as few as they can: one per architecture kind (full attention; Gemma 3's
+sliding-window layers with seeded sampling), one through the background process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import infer
+import infer.aot as aot
+from infer.cache import KVCache
+from infer.step import Sampling
+
+BUILD_TIMEOUT_S = 600
+
+
+@pytest.fixture
+def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Packages on, in a directory of this test's own; no background builds unless a test asks."""
+    monkeypatch.setattr(aot, "ENABLED", True)
+    monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
+    monkeypatch.setattr(aot, "BACKGROUND_BUILDS", False)
+    yield tmp_path / "aot"
+
+
+def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling) -> Path:
+    """Build, in this process, the package the engine will ask for: one row, the first capacity."""
+    # The engine's first KV capacity (infer.engine.MIN_SLOTS), no rings (every row can roll back).
+    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
+    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, mode)
+    path = aot.cache_dir() / f"{key}.pt2"
+    aot.build(llm.model, 1, 256, False, mode, path)
+    return path
+
+
+@pytest.mark.parametrize(("arch", "seed"), [("llama", None), ("gemma3", 7)])
+def test_packaged_decode_steps_give_the_eager_tokens(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, arch: str, seed: int | None
+) -> None:
+    """The default load runs decode steps from the package of their shape, with the eager
+    step's tokens: greedy (Llama) and seeded sampling with Gemma 3's sliding-window layers."""
+    path = tiny_ckpt_factory(arch)
+    llm = infer.load(path)
+    assert llm.stepper.auto and llm.stepper.packages is not None  # the default on CPU
+    eager = infer.load(path, compile=False)
+    assert eager.stepper.packages is None
+    prompt = [5, 9, 200, 31, 7]
+    temperature, top_k = (0.8, 20) if seed is not None else (0.0, 0)
+    mode = Sampling(greedy=False, filtered=True) if seed is not None else Sampling()
+    t0 = time.perf_counter()
+    _build_for(llm, prompt, mode)
+    built = time.perf_counter() - t0
+    want = eager.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
+    got = llm.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
+    print(f"\n{arch}: package built in {built:.1f} s; {llm.stepper.packaged_steps} packaged decode steps")
+    assert got == want
+    assert llm.stepper.packaged_steps == len(got) - 1  # every decode step (the first token is the prefill's)
+
+
+def test_a_background_build_serves_the_next_load(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path
+) -> None:
+    """A missing package: the generation runs eagerly and starts one build in another
+    process; once it is done, the next load (same checkpoint, same arguments: the same
+    fingerprint) decodes from it, with the same tokens."""
+    aot.BACKGROUND_BUILDS = True
+    path = tiny_ckpt_factory("llama")
+    prompt = [11, 12, 13]
+    first = infer.load(path)
+    want = first.generate(prompt, max_new_tokens=12).token_ids
+    assert first.stepper.packaged_steps == 0
+    cache = first.stepper.packages
+    assert isinstance(cache, aot.PackageCache) and len(cache.builds) == 1
+    (build,) = cache.builds.values()
+    first.generate(prompt, max_new_tokens=4)  # a build under way is not started again
+    assert len(cache.builds) <= 1
+    build.wait(BUILD_TIMEOUT_S)
+    log = next(packages.glob("*.log")).read_text()
+    assert build.returncode == 0, log
+    assert len(list(packages.glob("*.pt2"))) == 1 and not list(packages.glob("*.lock"))
+    second = infer.load(path)
+    assert second.generate(prompt, max_new_tokens=12).token_ids == want
+    assert second.stepper.packaged_steps == 11
+    print(f"\nbuild log: {log.strip().splitlines()[-1]}")
+
+
+def test_a_damaged_package_is_removed_and_the_step_stays_eager(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path
+) -> None:
+    path = tiny_ckpt_factory("llama")
+    llm = infer.load(path)
+    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
+    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, Sampling())
+    damaged = packages / f"{key}.pt2"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"PK\x03\x04 not a package")
+    want = infer.load(path, compile=False).generate([1, 2, 3], max_new_tokens=6).token_ids
+    with pytest.warns(UserWarning, match="cannot load the compiled step"):
+        got = llm.generate([1, 2, 3], max_new_tokens=6).token_ids
+    assert got == want and llm.stepper.packaged_steps == 0
+    assert not damaged.exists()
+
+
+def test_the_fingerprint_names_the_model_not_the_load(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Two loads of one checkpoint share packages; another architecture or dtype does not."""
+    llama = tiny_ckpt_factory("llama")
+    a = aot.fingerprint(infer.load(llama, compile=False).model)
+    assert a == aot.fingerprint(infer.load(llama, compile=False).model)
+    assert a != aot.fingerprint(infer.load(tiny_ckpt_factory("qwen3"), compile=False).model)
+    assert a != aot.fingerprint(infer.load(llama, dtype=torch.bfloat16, compile=False).model)
+
+
+def test_no_packages_where_they_do_not_apply(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
+    path = tiny_ckpt_factory("llama")
+    assert infer.load(path, compile=False).stepper.packages is None
+    assert infer.load(path, deterministic=True).stepper.packages is None  # bitwise contract: eager kernels
+    aot.ENABLED = False  # INFER_AOT=off
+    llm = infer.load(path)
+    llm.generate([1, 2, 3], max_new_tokens=4)
+    assert llm.stepper.packaged_steps == 0 and not packages.exists()
