@@ -7,8 +7,8 @@ Each run is a fresh process (``python -c``), so imports and loading count as a u
 them; packages go to a temporary directory (empty at the start, so the first process finds
 none). Three processes, one after the other:
 
-1. **cold**: the default load; the generation runs eagerly and starts the package's build in
-   another process (nice 19); the benchmark then waits for that build and reports its time.
+1. **cold**: the default load; the generation runs eagerly; at its exit the process starts the
+   package's build in another process (``SCHED_IDLE``); the benchmark waits for that build.
 2. **warm**: the default load again: the package is there.
 3. **eager**: ``compile=False``.
 
@@ -64,7 +64,8 @@ def _child(model: str, tokens: int, cache: Path, mode: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("model", choices=["smol", "gemma"])
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens to decode (default 128)")
     args = parser.parse_args()
@@ -80,10 +81,11 @@ def main() -> None:
         warm = _child(args.model, args.tokens, cache, "default")
         eager = _child(args.model, args.tokens, cache, "eager")
     print(f"{args.model}: {args.tokens} tokens after a 128-token prompt; packages built: {built} ({logs})")
-    print(f"(build still running after the cold process ended: waited {waited:.1f} s more)")
+    print(f"(the build ran {waited:.1f} s after the cold process ended)")
     print("| process | ready s (after import torch) | first token s | decode tok/s | packaged steps |")
     print("|---|---|---|---|---|")
-    for name, r in (("cold (default, empty cache)", cold), ("warm (default)", warm), ("eager (compile=False)", eager)):
+    rows = (("cold (default, empty cache)", cold), ("warm (default)", warm), ("eager (compile=False)", eager))
+    for name, r in rows:
         print(f"| {name} | {r['ready_s']:.2f} ({r['ready_after_torch_s']:.2f}) | {r['first_token_s']:.2f} | "
               f"{r['decode_tok_s']:.1f} | {int(r['packaged_steps'])} |")  # fmt: skip
     print(f"warm / eager decode: {warm['decode_tok_s'] / eager['decode_tok_s']:.2f}x")

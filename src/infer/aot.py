@@ -2,10 +2,9 @@
 
 The default for a resident CPU model (``infer.load(path)``, ``compile="auto"``): a decode
 step of a shape that has a package in the cache runs the package; one that has none runs
-eagerly while another process builds the package at low priority. So a first-ever run is
-never slower to its first token than eager (prefill stays eager, and the build starts after
-it), and every later process on the machine decodes compiled from its first step: loading a
-package takes ~10 ms and traces nothing.
+eagerly, and the package is built by another process after this one. So a first-ever run is
+eager (never slower than eager), and every later process on the machine decodes compiled from
+its first step: loading a package takes ~10 ms and traces nothing.
 
 * **A package** (`build`) is `torch.export` of `infer.step.model_step` for one decode shape
   (rows, KV capacity, sampling mode), compiled by AOTInductor into a shared library. The
@@ -18,17 +17,19 @@ package takes ~10 ms and traces nothing.
   (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
   infer itself. Another model, another machine or another version of infer finds no
   package and builds its own.
-* **Building** runs ``python -m infer.aot`` in a new session at the lowest priority
-  (``nice 19``): it loads the same checkpoint the same way (`Recipe`), checks that its model has the
-  same fingerprint, compiles, and moves the package into place atomically (``os.replace``),
-  so a reader never sees a partial file; a lock file keeps two processes from building one
-  package. The build outlives the process that asked for it: a short run pays nothing and
-  the next one gets the package. Its log is next to the package (``.log``).
+* **Building**: a step whose package is missing runs eagerly and its shape is noted; at
+  interpreter exit (or `PackageCache.build_missing`) one ``python -m infer.aot`` process starts
+  in a new session at ``SCHED_IDLE`` for the shapes noted. It loads the same checkpoint the same
+  way (`Recipe`), checks that its model has the same fingerprint, compiles, and moves each
+  package into place atomically (``os.replace``), so a reader never sees a partial file; lock
+  files keep two processes from building one package. The first process never competes with
+  its own build; the next one (or this one, if another process built the package meanwhile)
+  gets the package. The build's log is next to the package (``.log``).
 * **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
   the cache directory keeps the newest `MAX_PACKAGES` packages.
 * **Off**: ``compile=False``, or ``INFER_AOT=off`` in the environment (nothing is used or built).
-* **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (its log says
-  why) and that shape stays eager; a package that cannot be loaded is removed and stays eager.
+* **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
+  and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
 Not covered: prefill (eager), streamed and parallel models and the deterministic mode (eager:
 its bitwise guarantees are stated for the eager kernels), CUDA (``compile=True`` there).
@@ -37,6 +38,7 @@ its bitwise guarantees are stated for the eager kernels), CUDA (``compile=True``
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -304,15 +307,27 @@ class Package:
 
 
 class PackageCache:
-    """The packages of one model: loaded on demand, built in the background when missing."""
+    """The packages of one model: loaded on demand; the missing ones built after this process.
+
+    A step whose package is missing runs eagerly and its shape is noted; at interpreter exit
+    (or at `build_missing`) one builder process starts for every shape noted, so a process
+    never competes with its own build (measured: eager decode 57 -> 14 tok/s on 2 cores while a
+    build ran beside it, even at ``SCHED_IDLE``). A package that appears while this process runs
+    (another process built it) is picked up: a missing path is looked at again every `RECHECK_S`.
+    """
+
+    RECHECK_S = 1.0
 
     def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
         self.model = model
         self.recipe = recipe
         self._fingerprint: str | None = None
         self.loaded: OrderedDict[str, Package] = OrderedDict()
-        self.eager: set[str] = set()  # keys that stay eager in this process (failed, or building elsewhere)
-        self.builds: dict[str, subprocess.Popen[bytes]] = {}
+        self.eager: set[str] = set()  # keys that stay eager in this process (a package that failed)
+        self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request
+        self._looked: dict[str, float] = {}  # key -> when its path was last looked at
+        self.builds: list[subprocess.Popen[bytes]] = []
+        _CACHES.add(self)
 
     @property
     def fingerprint(self) -> str:
@@ -325,7 +340,7 @@ class PackageCache:
         return ENABLED
 
     def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
-        """The package of this step's shape, or None (the step runs eagerly; a build may start)."""
+        """The package of this step's shape, or None (the step runs eagerly; the shape is noted)."""
         if not ENABLED:
             return None
         key = package_key(self.fingerprint, cache, batch, mode)
@@ -333,69 +348,73 @@ class PackageCache:
         if package is not None:
             self.loaded.move_to_end(key)
             return package
-        build = self.builds.get(key)
-        if build is not None:
-            if build.poll() is None:
-                return None
-            del self.builds[key]
-        elif key in self.eager:
+        if key in self.eager:
             return None
+        now = time.monotonic()
+        if now - self._looked.get(key, -self.RECHECK_S) < self.RECHECK_S:
+            return None
+        self._looked[key] = now
         path = cache_dir() / f"{key}.pt2"
-        if path.exists():
-            try:
-                package = Package(path, self.model)
-            except Exception as e:  # a damaged package: remove it, stay eager
-                warnings.warn(
-                    f"infer: cannot load the compiled step {path} ({e}); it stays eager", stacklevel=2
-                )
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                self.eager.add(key)
-                return None
-            self.loaded[key] = package
-            while len(self.loaded) > MAX_LOADED:
-                self.loaded.popitem(last=False)
-            return package
-        if any(b.poll() is None for b in self.builds.values()):
-            return None  # one build at a time; this shape's comes after
-        if not self._start_build(key, path, batch, cache.capacity, cache.ring_slots is not None, mode):
-            self.eager.add(key)
-        return None
-
-    def _start_build(
-        self, key: str, path: Path, batch: int, capacity: int, rings: bool, mode: Sampling
-    ) -> bool:
-        if not BACKGROUND_BUILDS or self.recipe is None:
-            return False
-        failed = path.with_suffix(".failed")
-        lock = path.with_suffix(".lock")
-        if failed.exists():
-            return False
+        if not path.exists():
+            self.missing.setdefault(key, {
+                "key": key, "batch": batch, "capacity": cache.capacity,
+                "rings": cache.ring_slots is not None, "mode": asdict(mode), "out": str(path),
+            })  # fmt: skip
+            return None
+        self.missing.pop(key, None)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # another process builds it
-        except OSError:
-            return False
-        os.close(fd)
-        request = {
-            "recipe": asdict(self.recipe),
-            "key": key,
-            "batch": batch,
-            "capacity": capacity,
-            "rings": rings,
-            "mode": asdict(mode),
-            "out": str(path),
-        }
-        log = open(path.with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
+            package = Package(path, self.model)
+        except Exception as e:  # a damaged package: remove it, stay eager
+            warnings.warn(f"infer: cannot load the compiled step {path} ({e}); it stays eager", stacklevel=2)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.eager.add(key)
+            return None
+        self.loaded[key] = package
+        while len(self.loaded) > MAX_LOADED:
+            self.loaded.popitem(last=False)
+        return package
+
+    def build_missing(self) -> subprocess.Popen[bytes] | None:
+        """Start one builder process (a new session, ``SCHED_IDLE``) for the shapes noted as
+        missing that nobody builds yet; it outlives this process. None when there is nothing to do."""
+        if not (ENABLED and BACKGROUND_BUILDS) or self.recipe is None:
+            return None
+        requests = []
+        for key, request in list(self.missing.items()):
+            out = Path(request["out"])
+            if out.exists() or out.with_suffix(".failed").exists():
+                continue
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except OSError:  # another process builds it
+                continue
+            requests.append(request | {"recipe": asdict(self.recipe)})
+            del self.missing[key]
+        if not requests:
+            return None
+        log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
         with log:
-            self.builds[key] = subprocess.Popen(
-                [sys.executable, "-m", "infer.aot", json.dumps(request)],
+            build = subprocess.Popen(
+                [sys.executable, "-m", "infer.aot", json.dumps(requests)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
             )
-        return True
+        self.builds.append(build)
+        return build
+
+
+_CACHES: weakref.WeakSet[PackageCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _build_at_exit() -> None:
+    for packages in list(_CACHES):
+        with contextlib.suppress(Exception):  # a build that cannot start costs speed only
+            packages.build_missing()
 
 
 def _prune(directory: Path) -> None:
@@ -406,33 +425,55 @@ def _prune(directory: Path) -> None:
                 old.with_suffix(suffix).unlink()
 
 
-def _main(argv: list[str]) -> int:
-    """``python -m infer.aot REQUEST``: build one package (what `PackageCache` starts)."""
-    parser = argparse.ArgumentParser(prog="python -m infer.aot")
-    parser.add_argument("request", help="JSON: recipe, key, batch, capacity, mode, out")
-    request = json.loads(parser.parse_args(argv).request)
-    out = Path(request["out"])
-    lock, failed = out.with_suffix(".lock"), out.with_suffix(".failed")
+def _yield_the_cpu() -> None:
+    """Run (and let the compiler's children run) only when the CPU would otherwise idle.
+
+    nice 19 is not enough: the user's eager steps are OpenMP regions over every core, and a
+    region waits for its slowest thread, so a build that holds a core for a scheduler slice
+    stalls the whole step (measured: SmolLM2 eager decode fell from 57 to 1.5 tok/s on 2 cores
+    while a nice-19 build ran). ``SCHED_IDLE`` yields at once to any waking thread."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     with contextlib.suppress(OSError):
         os.nice(19)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m infer.aot REQUESTS``: build the packages asked for (what `PackageCache` starts)."""
+    parser = argparse.ArgumentParser(prog="python -m infer.aot")
+    parser.add_argument("requests", help="JSON list of {recipe, key, batch, capacity, rings, mode, out}")
+    requests = json.loads(parser.parse_args(argv).requests)
+    _yield_the_cpu()
     torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
-    t0 = time.perf_counter()
-    try:
-        model = Recipe(**request["recipe"]).load()
-        mode = Sampling(**request["mode"])
-        fp = fingerprint(model)
-        if not request["key"].startswith(fp + "-"):
-            raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
-        build(model, request["batch"], request["capacity"], request["rings"], mode, out)
-        _prune(out.parent)
-    except BaseException:
-        failed.touch()
-        raise
-    finally:
-        with contextlib.suppress(OSError):
-            lock.unlink()
-    print(f"built {out.name} in {time.perf_counter() - t0:.1f} s")
-    return 0
+    model: DecoderLM | None = None
+    failures = 0
+    for request in requests:
+        out = Path(request["out"])
+        t0 = time.perf_counter()
+        try:
+            if model is None:
+                model = Recipe(**request["recipe"]).load()
+            fp = fingerprint(model)
+            if not request["key"].startswith(fp + "-"):
+                raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
+            build(
+                model,
+                request["batch"],
+                request["capacity"],
+                request["rings"],
+                Sampling(**request["mode"]),
+                out,
+            )
+            print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+        except Exception as e:
+            out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+            print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
+            failures += 1
+        finally:
+            with contextlib.suppress(OSError):
+                out.with_suffix(".lock").unlink()
+    _prune(Path(requests[0]["out"]).parent)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
