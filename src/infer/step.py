@@ -35,7 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -96,6 +96,24 @@ class RowSampling(Protocol):
     def top_k(self) -> int: ...
     @property
     def top_p(self) -> float: ...
+
+
+class StepFeed(NamedTuple):
+    """What one step is fed beside the model and its cache: the tokens, and how to sample.
+
+    ``ids [B, T]`` int64, right-padded; ``n_new [B]`` the real tokens of each row; ``last [B]``
+    the position (in ``T``) of each row's token that goes through the head; ``mode`` the
+    static part of sampling (with the shapes, it selects the compiled graph); ``values`` the
+    per-row sampling values and ``noise [B, V]`` the Gumbel noise (both None when greedy).
+    A tuple of tensors and constants: `torch.compile` takes it as it takes them one by one.
+    """
+
+    ids: torch.Tensor
+    n_new: torch.Tensor
+    last: torch.Tensor
+    mode: Sampling
+    values: SamplingValues | None
+    noise: torch.Tensor | None
 
 
 @dataclass
@@ -164,25 +182,19 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
 
 
 def model_step(
-    model: DecoderLM,
-    cache: KVCache,
-    ids: torch.Tensor,
-    n_new: torch.Tensor,
-    last: torch.Tensor,
-    mode: Sampling,
-    values: SamplingValues | None,
-    noise: torch.Tensor | None,
+    model: DecoderLM, cache: KVCache, feed: StepFeed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``ids [B, T]`` through the model on ``cache`` (``n_new [B]`` real tokens per row,
-    right-padded), then the head on each row's token ``last [B]`` and sampling.
+    """Run ``feed.ids [B, T]`` through the model on ``cache`` (``feed.n_new [B]`` real tokens per
+    row, right-padded), then the head on each row's token ``feed.last [B]`` and sampling.
 
     Returns ``(tokens [B], logits [B, V] float32, nonfinite [B])`` (see `StepOutput`).
     Tensors only: no host synchronization, no data-dependent branches.
     """
-    h = model.hidden(ids, cache, None, n_new)  # [B, T, D]
+    ids, last = feed.ids, feed.last
+    h = model.hidden(ids, cache, None, feed.n_new)  # [B, T, D]
     if ids.shape[1] > 1:
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))  # [B, 1, D]: one token per row
-    return head_and_sample(model, h, mode, values, noise)
+    return head_and_sample(model, h, feed.mode, feed.values, feed.noise)
 
 
 def head_and_sample(
@@ -266,98 +278,83 @@ class Stepper:
         """A new empty cache of ``batch`` rows (never shared between generations)."""
         return self.model.make_cache(batch, capacity)
 
-    def __call__(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        n_new: torch.Tensor,
-        last: torch.Tensor,
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> StepOutput:
+    def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
+        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
+        decode = feed.ids.shape[1] == 1
         if not self.compiled:
-            if self.auto and ids.shape[1] == 1:
-                if self._key(cache, ids, mode) in self._ready:
-                    return self._compiled(cache, ids, n_new, last, mode, values, noise)
+            if self.auto and decode:
+                if self._key(cache, feed) in self._ready:
+                    return self._compiled(cache, feed)
                 t0 = time.perf_counter()
             with torch.inference_mode():
-                out = StepOutput(*model_step(self.model, cache, ids, n_new, last, mode, values, noise))
-            if self.auto and ids.shape[1] == 1:
+                out = StepOutput(*model_step(self.model, cache, feed))
+            if self.auto and decode:
                 self.eager_decode_seconds += time.perf_counter() - t0
             return out
-        key = self._key(cache, ids, mode)
+        key = self._key(cache, feed)
         first = key not in self._seen
         t0 = time.perf_counter()
-        out = self._compiled(cache, ids, n_new, last, mode, values, noise)
+        out = self._compiled(cache, feed)
         if first:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - t0
         return out
 
     @staticmethod
-    def _key(cache: KVCache, ids: torch.Tensor, mode: Sampling) -> tuple[Any, ...]:
-        return (ids.shape, cache.capacity, mode)
+    def _key(cache: KVCache, feed: StepFeed) -> tuple[Any, ...]:
+        return (feed.ids.shape, cache.capacity, feed.mode)
 
-    def _compiled(self, *step: Any) -> StepOutput:
-        """The compiled function on `__call__`'s arguments ``(cache, ids, n_new, last, mode,
-        values, noise)``, with infer's recompile limits."""
+    def _compiled(self, cache: KVCache, feed: StepFeed) -> StepOutput:
+        """The compiled function on ``(cache, feed)``, with infer's recompile limits."""
         with (
             torch.inference_mode(),
             torch._dynamo.config.patch(
                 recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
             ),
         ):
-            return StepOutput(*self._fn(self.model, *step))
+            return StepOutput(*self._fn(self.model, cache, feed))
 
     @property
     def compiling(self) -> bool:
         """Whether a background compile (``compile="auto"``) is running."""
         return self._worker is not None and self._worker.is_alive()
 
-    def compile_in_background(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> bool:
+    def compile_in_background(self, cache: KVCache, feed: StepFeed) -> bool:
         """``compile="auto"``: compile the decode step of this shape on a background thread
-        (one at a time), against a scratch cache like ``cache``; whether one started. Shapes
-        whose scratch cache would pass `AUTO_SCRATCH_BYTES` stay eager."""
-        key = self._key(cache, ids, mode)
-        if not self.auto or ids.shape[1] != 1 or key in self._tried or self.compiling:
+        (one at a time), against a scratch cache like ``cache`` and a scratch copy of ``feed``;
+        whether one started. Shapes whose scratch cache would pass `AUTO_SCRATCH_BYTES` stay eager."""
+        key = self._key(cache, feed)
+        if not self.auto or feed.ids.shape[1] != 1 or key in self._tried or self.compiling:
             return False
         self._tried.add(key)
         if cache.nbytes > AUTO_SCRATCH_BYTES:
             return False
-        B = ids.shape[0]
         if self._fn is model_step:
             self._fn = self._compile_fn()
         scratch = cache.empty_like()
+        ids, values, noise = feed.ids, feed.values, feed.noise
         if values is not None:
             values = dataclasses.replace(
                 values, **{f.name: getattr(values, f.name).clone() for f in dataclasses.fields(values)}
             )
-        args = (
-            torch.zeros_like(ids),
-            torch.ones(B, dtype=torch.long, device=ids.device),
-            torch.zeros(B, dtype=torch.long, device=ids.device),
-            mode,
-            values,
-            None if noise is None else noise.clone(),
+        B = ids.shape[0]
+        scratch_feed = feed._replace(
+            ids=torch.zeros_like(ids),
+            n_new=torch.ones(B, dtype=torch.long, device=ids.device),
+            last=torch.zeros(B, dtype=torch.long, device=ids.device),
+            values=values,
+            noise=None if noise is None else noise.clone(),
         )
         self._worker = threading.Thread(
-            target=self._compile, args=(key, scratch, args), name="infer-compile", daemon=True
+            target=self._compile, args=(key, scratch, scratch_feed), name="infer-compile", daemon=True
         )
         self._worker.start()
         return True
 
-    def _compile(self, key: tuple[Any, ...], scratch: KVCache, args: tuple[Any, ...]) -> None:
+    def _compile(self, key: tuple[Any, ...], scratch: KVCache, feed: StepFeed) -> None:
         t0 = time.perf_counter()
         try:
-            self._compiled(scratch, *args)
+            self._compiled(scratch, feed)
         except Exception as e:  # the shape stays eager; the generation never notices
             if not _EXITING:
                 warnings.warn(f"infer: compiling the decode step failed, it stays eager: {e}", stacklevel=1)
@@ -373,6 +370,7 @@ __all__ = [
     "RowSampling",
     "Sampling",
     "SamplingValues",
+    "StepFeed",
     "StepOutput",
     "Stepper",
     "gumbel_noise",
