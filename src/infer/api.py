@@ -33,6 +33,7 @@ from infer.loader.tokenizer import Tokenizer
 from infer.loading import build_model
 from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
+from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.step import Stepper
 
 if TYPE_CHECKING:
@@ -440,19 +441,14 @@ class LLM:
         return self._generate([ids], max_new_tokens, params, stops)[0]
 
     def perplexity(
-        self,
-        text: str,
-        context: int = 512,
-        *,
-        batch: int = 1,
-        max_chunks: int | None = None,
-        progress: Callable[[int, int, float], None] | None = None,
+        self, text: str, context: int = DEFAULT_CONTEXT, **options: Unpack[PerplexityOptions]
     ) -> PerplexityResult:
         """Perplexity over ``text`` as ``llama-perplexity -c context -b context`` computes it:
-        chunks of ``context`` tokens, the second half of each scored (`infer.perplexity.perplexity`)."""
+        chunks of ``context`` tokens, the second half of each scored. The keywords (``batch``,
+        ``max_chunks``, ``progress``), their defaults and the checks are `infer.perplexity.perplexity`'s."""
         from infer.perplexity import perplexity
 
-        return perplexity(self, text, context, batch=batch, max_chunks=max_chunks, progress=progress)
+        return perplexity(self, text, context, **options)
 
     def chat_prompt(
         self, messages: Sequence[Message], *, parse_special_in_content: bool = False
