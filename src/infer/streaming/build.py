@@ -28,7 +28,7 @@ from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
 from infer.streaming.executor import StreamingExecutor
 from infer.streaming.layout import align_up
-from infer.streaming.pipeline import Pipeline
+from infer.streaming.pipeline import Pipeline, Recorder
 from infer.streaming.plan import MemoryPlan, PlanInputs, plan_memory
 from infer.streaming.stats import StreamingStats
 from infer.streaming.store import StreamStore, TensorRef, WeightStore
@@ -311,15 +311,18 @@ def _attach(
             event = cuda_event()
             event.record(torch.cuda.current_stream(device))
             gpu_origin = (event, origin)
-        pipeline = Pipeline(
-            plan.units,
-            _transport(store, plan, streaming, device),
-            prefetch=plan.prefetch,
-            stats=stats,
+        recorder = Recorder(
+            stats,
             on_progress=streaming.on_progress,
             trace=streaming.trace,
             clock_origin=origin,
             gpu_origin=gpu_origin,
+        )
+        pipeline = Pipeline(
+            plan.units,
+            _transport(store, plan, streaming, device),
+            prefetch=plan.prefetch,
+            recorder=recorder,
             read_timeout=streaming.read_timeout,
         )
     model.executor = StreamingExecutor(model, plan, pipeline, stats, store, embed, device)
