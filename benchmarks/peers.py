@@ -120,7 +120,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
-    from infer.step import Sampling
+    from infer.step import Sampling, StepFeed
 
     t_load = time.perf_counter()
     llm = infer.load(path, compile=True) if compiled else infer.load(path)  # the default: no flags
@@ -134,13 +134,13 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
         length = stepper.prefill_length(n)  # right-padded as generation pads it
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
         cache = stepper.cache(1, stepper.capacity(length + DECODE + 1))
-        out = stepper(cache, ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None)
+        out = stepper(cache, StepFeed(ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None))
         out.tokens.tolist()
         return cache, out
 
     def decode_step(state: Any) -> Any:
         cache, out = state
-        out = stepper(cache, out.tokens[:, None], ones, zeros, greedy, None, None)
+        out = stepper(cache, StepFeed(out.tokens[:, None], ones, zeros, greedy, None, None))
         out.tokens.tolist()  # the host reads each token, as generation does
         return cache, out
 

@@ -126,15 +126,15 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     _warm_up(device, config)
     sampler = PeakSampler(device)
     t0 = time.perf_counter()
+    from infer.loader.build import ModelBuilder
     from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     if job["kind"] == "resident":
         from infer.loader.build import load_model
 
-        model: Any = load_model(
-            SafetensorsSource(path), config, LoadOptions(dtype=dtype, device=torch.device(device))
-        )
+        options = LoadOptions(dtype=dtype, device=torch.device(device))
+        model: Any = load_model(ModelBuilder(SafetensorsSource(path), config, options))
     else:
         from infer.streaming import StreamingConfig, build_streamed
 
@@ -147,11 +147,8 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
             max_prefill_tokens=job["prompt"],
             trace=job.get("trace", False),
         )
-        model = build_streamed(
-            SafetensorsSource(path),
-            config,
-            LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming),
-        )
+        options = LoadOptions(device=torch.device(device), dtype=dtype, streaming=streaming)
+        model = build_streamed(ModelBuilder(SafetensorsSource(path), config, options))
     _sync(device)
     load_s = time.perf_counter() - t0
     executor = model.executor if hasattr(model.executor, "plan") else None

@@ -210,13 +210,13 @@ def hf_model_factory() -> Callable[..., Any]:
 
 @pytest.fixture(scope="session")
 def our_model_factory() -> Callable[..., Any]:
-    from infer.loader.build import load_model
+    from infer.loader.build import ModelBuilder, load_model
     from infer.loader.config import load_config
     from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     def build(path: Path, dtype: torch.dtype) -> Any:
-        return load_model(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype))
+        return load_model(ModelBuilder(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype)))
 
     return _cached_per_checkpoint(build)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from infer.loader.build import ModelBuilder
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
@@ -46,7 +47,9 @@ def stream_every_layer(source: WeightSource, path: Path, **settings: Any) -> Dec
     none resident, under a budget they all fit in; ``settings``: the other `StreamingConfig` fields."""
     streaming = StreamingConfig(layer_group_size=1, memory_budget="1GB", max_resident_layers=0, **settings)
     return build_streamed(
-        source,
-        load_config(path),
-        LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
+        ModelBuilder(
+            source,
+            load_config(path),
+            LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
+        ),
     )

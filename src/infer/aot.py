@@ -63,7 +63,7 @@ from infer.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
 from infer.models.base import DecoderLM
-from infer.step import Sampling, SamplingValues, StepOutput, model_step
+from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, model_step
 
 PACKAGE_VERSION = 1
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
@@ -199,7 +199,7 @@ class _DecodeStep(nn.Module):
         if sampling:
             values = SamplingValues(sampling[0], sampling[1], sampling[2])
             noise = sampling[3]
-        return model_step(self.model, cache, ids, n_new, last, self.mode, values, noise)
+        return model_step(self.model, cache, StepFeed(ids, n_new, last, self.mode, values, noise))
 
 
 def _state(cache: KVCache) -> list[torch.Tensor]:
@@ -292,16 +292,9 @@ class Package:
             raise ValueError(f"{path}: the model has no tensor {missing[0]!r}")
         self.weights = [tensors[n] for n in names]
 
-    def __call__(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        n_new: torch.Tensor,
-        last: torch.Tensor,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> StepOutput:
-        inputs = [ids, n_new, last, *_state(cache), *_kv(cache), *_sampling(values, noise), *self.weights]
+    def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
+        sampling = _sampling(feed.values, feed.noise)
+        inputs = [feed.ids, feed.n_new, feed.last, *_state(cache), *_kv(cache), *sampling, *self.weights]
         tokens, logits, nonfinite = self.loader.boxed_run(inputs)
         return StepOutput(tokens, logits, nonfinite)
 

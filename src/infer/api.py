@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, overload
 
 import torch
 
@@ -34,6 +34,7 @@ from infer.loader.tokenizer import Tokenizer
 from infer.loading import build_model
 from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
+from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.step import Stepper
 
 if TYPE_CHECKING:
@@ -79,6 +80,41 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
         if not s:
             raise ValueError("stop strings must be non-empty")
     return list(items)
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The sampling keywords of `LLM.generate`, `LLM.stream` and `LLM.chat` (keyword-only, all optional).
+
+    * ``temperature`` (default 0.0): 0 is greedy; > 0 samples from ``softmax(logits / temperature)``.
+    * ``top_k`` (default 0: off): sample from the ``top_k`` most likely tokens.
+    * ``top_p`` (default 1.0: off): sample from the smallest set of tokens reaching ``top_p``.
+    * ``seed`` (default None: fresh randomness): makes sampling reproducible.
+    * ``stop`` (default None): a stop string, or a list of them; generation ends before one.
+
+    The defaults are `infer.generate.SamplingParams`'s; the checks are its and `_stop_strings`'.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: str | Sequence[str] | None
+
+
+def _generation_args(
+    method: str, max_new_tokens: int, sampling: SamplingOptions
+) -> tuple[int, SamplingParams, list[str]]:
+    """``(max_new_tokens, SamplingParams, stop strings)``, checked, from an `LLM` method's arguments.
+
+    A keyword that is not a `SamplingOptions` key is a `TypeError` naming it, as Python's own.
+    """
+    for name in sampling:
+        if name not in SamplingOptions.__annotations__:
+            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    options: dict[str, Any] = dict(sampling)
+    stop = options.pop("stop", None)
+    return max_new_tokens, SamplingParams(**options), _stop_strings(stop)
 
 
 class LLM:
@@ -303,15 +339,7 @@ class LLM:
 
     @overload
     def generate(
-        self,
-        prompt: Prompt,
-        max_new_tokens: int = ...,
-        *,
-        temperature: float = ...,
-        top_k: int = ...,
-        top_p: float = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
+        self, prompt: Prompt, max_new_tokens: int = ..., **sampling: Unpack[SamplingOptions]
     ) -> GenerationResult: ...
 
     @overload
@@ -319,64 +347,48 @@ class LLM:
         self,
         prompt: list[str] | list[list[int]],
         max_new_tokens: int = ...,
-        *,
-        temperature: float = ...,
-        top_k: int = ...,
-        top_p: float = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
+        **sampling: Unpack[SamplingOptions],
     ) -> list[GenerationResult]: ...
 
     def generate(
         self,
         prompt: Prompt | list[str] | list[list[int]],
         max_new_tokens: int = 128,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> GenerationResult | list[GenerationResult]:
         """Generate a continuation of ``prompt``.
 
         ``prompt`` is a string, a list of token ids, or a list of either (a batch,
         returns a list; the prompts go through `engine` with continuous batching, each
         getting what it would alone, prompt ``i`` of a seeded batch drawing from seed
-        ``infer.generate.row_seed(seed, i)``). ``temperature=0`` is greedy; with
-        ``temperature > 0`` sampling uses ``top_k`` / ``top_p`` and ``seed`` makes it
-        reproducible. Generation stops at any EOS id of the model, at any of the
-        ``stop`` strings, or after ``max_new_tokens`` (an int >= 1; fewer when the
-        model's context ends first).
+        ``infer.generate.row_seed(seed, i)``).
 
-        Arguments are checked before anything runs: `TypeError` for a wrong type,
-        `ValueError` for a value out of range (``temperature`` finite and >= 0,
+        The sampling keywords (`SamplingOptions`): ``temperature`` (default 0.0: greedy);
+        with ``temperature > 0`` sampling uses ``top_k`` (default 0: off) / ``top_p``
+        (default 1.0: off) and ``seed`` (default None) makes it reproducible. Generation
+        stops at any EOS id of the model, at any of the ``stop`` strings (default None: a
+        string or a list of strings), or after ``max_new_tokens`` (an int >= 1; fewer when
+        the model's context ends first).
+
+        Arguments are checked before anything runs: `TypeError` for a wrong type or an
+        unknown keyword, `ValueError` for a value out of range (``temperature`` finite and >= 0,
         ``top_k`` in [0, 2**63 - 1], ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
         prompts and stop strings, token ids < vocab size). Non-finite logits raise
         `infer.generate.NonFiniteLogitsError` naming the step and the batch row.
         """
-        max_new_tokens = check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = _stop_strings(stop)
+        max_new_tokens, params, stops = _generation_args("generate", max_new_tokens, sampling)
         prompts, batch = self._encode_batch(prompt)
         results = self._generate(prompts, max_new_tokens, params, stops)
         return results if batch else results[0]
 
     def stream(
-        self,
-        prompt: Prompt,
-        max_new_tokens: int = 128,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        self, prompt: Prompt, max_new_tokens: int = 128, **sampling: Unpack[SamplingOptions]
     ) -> Iterator[str]:
-        """Like `generate` for one prompt, yielding text pieces as they are decoded."""
-        max_new_tokens = check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = _stop_strings(stop)
+        """Like `generate` for one prompt, yielding text pieces as they are decoded.
+
+        The sampling keywords are `generate`'s (`SamplingOptions`: ``temperature``, ``top_k``,
+        ``top_p``, ``seed``, ``stop``), checked on the call, not on the first ``next()``."""
+        max_new_tokens, params, stops = _generation_args("stream", max_new_tokens, sampling)
         prompts, batch = self._encode_batch(prompt)
         if batch:
             raise TypeError("stream() takes one prompt; use generate() for a batch")
@@ -415,12 +427,8 @@ class LLM:
         messages: Sequence[Message],
         max_new_tokens: int = 256,
         *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         parse_special_in_content: bool = False,
+        **sampling: Unpack[SamplingOptions],
     ) -> GenerationResult:
         """Apply the tokenizer's chat template to ``messages`` and generate the assistant's reply.
 
@@ -428,30 +436,24 @@ class LLM:
         strings are encoded as text: ``"<|im_end|>"`` typed by a user stays text, only
         the template writes control tokens. ``parse_special_in_content=True`` turns
         control-token spellings in messages into control tokens (transformers' default).
-        The other arguments are `generate`'s.
+        The other arguments are `generate`'s: ``max_new_tokens`` and the sampling keywords
+        (`SamplingOptions`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``).
         """
-        max_new_tokens = check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = _stop_strings(stop)
+        max_new_tokens, params, stops = _generation_args("chat", max_new_tokens, sampling)
         ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
         # The engine keeps the conversation's KV in its row: the next turn, whose rendered
         # history starts with these tokens and the reply, prefills only what is new.
         return self._generate([ids], max_new_tokens, params, stops)[0]
 
     def perplexity(
-        self,
-        text: str,
-        context: int = 512,
-        *,
-        batch: int = 1,
-        max_chunks: int | None = None,
-        progress: Callable[[int, int, float], None] | None = None,
+        self, text: str, context: int = DEFAULT_CONTEXT, **options: Unpack[PerplexityOptions]
     ) -> PerplexityResult:
         """Perplexity over ``text`` as ``llama-perplexity -c context -b context`` computes it:
-        chunks of ``context`` tokens, the second half of each scored (`infer.perplexity.perplexity`)."""
+        chunks of ``context`` tokens, the second half of each scored. The keywords (``batch``,
+        ``max_chunks``, ``progress``), their defaults and the checks are `infer.perplexity.perplexity`'s."""
         from infer.perplexity import perplexity
 
-        return perplexity(self, text, context, batch=batch, max_chunks=max_chunks, progress=progress)
+        return perplexity(self, text, context, **options)
 
     def chat_prompt(
         self, messages: Sequence[Message], *, parse_special_in_content: bool = False

@@ -14,9 +14,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infer.chat_history import fit_history, repair_utf8
+
+if TYPE_CHECKING:
+    from infer.api import SamplingOptions
 
 DEFAULT_MODEL_HELP = "checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, shipped)"
 EXIT_CODES = (
@@ -177,7 +180,7 @@ def _read_line(llm: Any, prompt: str) -> str:
     return line
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+def _sampling(args: argparse.Namespace) -> SamplingOptions:
     return {
         "temperature": args.temperature,
         "top_k": args.top_k,

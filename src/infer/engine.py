@@ -68,6 +68,7 @@ from infer.step import (
     MIN_PREFILL,
     Sampling,
     SamplingValues,
+    StepFeed,
     StepOutput,
     Stepper,
     sampling_inputs,
@@ -409,11 +410,12 @@ class KVSlots:
         counts = [len(t) for t in rows]
         n_new = torch.tensor(counts, dtype=torch.long).to(device)
         last = (n_new - 1).clamp_min(0)
+        feed = StepFeed(ids, n_new, last, mode, values, noise)
         view = self.view(lo, hi)
         view.length = max(len(self.held[r]) for r in range(lo, hi))
         assert view.batch_size == B
         try:
-            out = self.stepper(view, ids, n_new, last, mode, values, noise)
+            out = self.stepper(view, feed)
         except BaseException:
             # A step that failed after the cache advanced (in the head, say) must not leave the
             # rows' slots past what `held` lists: put them back.

@@ -30,6 +30,7 @@ from infer.models.base import DecoderLM
 from infer.step import (
     Sampling,
     SamplingValues,
+    StepFeed,
     StepOutput,
     Stepper,
     gumbel_noise,
@@ -329,7 +330,7 @@ def step_outputs(
         return row_noise(generators, vocab, device)
 
     if chunk is None:
-        out = stepper(cache, ids, lengths, lengths - 1, mode, values, noise())
+        out = stepper(cache, StepFeed(ids, lengths, lengths - 1, mode, values, noise()))
     else:  # a streamed model: prefill in the chunks its plan has memory for, the head once
         out = StepOutput(*_chunked_prefill(model, cache, ids, lengths, chunk, mode, values, noise()))
     cache.length = longest
@@ -338,7 +339,7 @@ def step_outputs(
     zeros = torch.zeros(B, dtype=torch.long, device=device)
     for _ in range(max_new_tokens - 1):
         cache.check(1)
-        out = stepper(cache, out.tokens[:, None], ones, zeros, mode, values, noise())
+        out = stepper(cache, StepFeed(out.tokens[:, None], ones, zeros, mode, values, noise()))
         cache.length += 1
         yield out
 

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from infer.loader.build import Partition, load_model
+from infer.loader.build import Build, ModelBuilder, load_model
 from infer.loader.checkpoint import Checkpoint
-from infer.loader.config import ModelConfig
 from infer.loader.options import LoadOptions
-from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
 from infer.models.common import fuse_projections, set_deterministic
 
@@ -30,12 +28,13 @@ if TYPE_CHECKING:
     from infer.distributed import Parallel
 
 
-def _streamed_part(
-    source: WeightSource, config: ModelConfig, options: LoadOptions, partition: Partition
-) -> DecoderLM:
+def _destination(options: LoadOptions) -> Build:
+    """Where the builder's walk puts the model: resident, or streamed under a memory budget."""
+    if options.streaming is None:
+        return load_model
     from infer.streaming import build_streamed
 
-    return build_streamed(source, config, options, partition=partition)
+    return build_streamed
 
 
 def build_model(checkpoint: Checkpoint, options: LoadOptions) -> tuple[DecoderLM, Parallel | None]:
@@ -47,17 +46,14 @@ def build_model(checkpoint: Checkpoint, options: LoadOptions) -> tuple[DecoderLM
     source = checkpoint.source()
     parallel: Parallel | None = None
     try:
+        build = _destination(options)
         if options.parallel:
-            from infer.distributed import load_parallel, resident
+            from infer.distributed import load_parallel
 
-            build = _streamed_part if options.streaming is not None else resident
             model, parallel = load_parallel(source, checkpoint.config, options, build=build)
-        elif options.streaming is not None:
-            from infer.streaming import build_streamed
-
-            model = build_streamed(source, checkpoint.config, options)
         else:
-            model = load_model(source, checkpoint.config, options, repack=checkpoint.repack_cache(options))
+            repack = checkpoint.repack_cache(options)
+            model = build(ModelBuilder(source, checkpoint.config, options, repack=repack))
     except BaseException:
         source.close()
         raise

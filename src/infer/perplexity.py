@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
@@ -48,6 +48,15 @@ class LLM(Protocol):
 
 
 ProgressFn = Callable[[int, int, float], None]  # (chunks done, chunks in all, perplexity so far)
+
+
+class PerplexityOptions(TypedDict, total=False):
+    """`perplexity`'s keywords, typed for a caller that passes them on (`infer.api.LLM.perplexity`)."""
+
+    batch: int
+    max_chunks: int | None
+    progress: ProgressFn | None
+
 
 MIN_CONTEXT = 3  # one token of context (after BOS) and one scored token
 DEFAULT_CONTEXT = 512
@@ -207,4 +216,12 @@ def perplexity(
     )
 
 
-__all__ = ["DEFAULT_CONTEXT", "PerplexityResult", "adds_bos", "perplexity", "read_text", "tokenize"]
+__all__ = [
+    "DEFAULT_CONTEXT",
+    "PerplexityOptions",
+    "PerplexityResult",
+    "adds_bos",
+    "perplexity",
+    "read_text",
+    "tokenize",
+]

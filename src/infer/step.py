@@ -27,7 +27,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -68,6 +68,24 @@ class RowSampling(Protocol):
     def top_k(self) -> int: ...
     @property
     def top_p(self) -> float: ...
+
+
+class StepFeed(NamedTuple):
+    """What one step is fed beside the model and its cache: the tokens, and how to sample.
+
+    ``ids [B, T]`` int64, right-padded; ``n_new [B]`` the real tokens of each row; ``last [B]``
+    the position (in ``T``) of each row's token that goes through the head; ``mode`` the
+    static part of sampling (with the shapes, it selects the compiled graph); ``values`` the
+    per-row sampling values and ``noise [B, V]`` the Gumbel noise (both None when greedy).
+    A tuple of tensors and constants: `torch.compile` takes it as it takes them one by one.
+    """
+
+    ids: torch.Tensor
+    n_new: torch.Tensor
+    last: torch.Tensor
+    mode: Sampling
+    values: SamplingValues | None
+    noise: torch.Tensor | None
 
 
 @dataclass
@@ -136,25 +154,19 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
 
 
 def model_step(
-    model: DecoderLM,
-    cache: KVCache,
-    ids: torch.Tensor,
-    n_new: torch.Tensor,
-    last: torch.Tensor,
-    mode: Sampling,
-    values: SamplingValues | None,
-    noise: torch.Tensor | None,
+    model: DecoderLM, cache: KVCache, feed: StepFeed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``ids [B, T]`` through the model on ``cache`` (``n_new [B]`` real tokens per row,
-    right-padded), then the head on each row's token ``last [B]`` and sampling.
+    """Run ``feed.ids [B, T]`` through the model on ``cache`` (``feed.n_new [B]`` real tokens per
+    row, right-padded), then the head on each row's token ``feed.last [B]`` and sampling.
 
     Returns ``(tokens [B], logits [B, V] float32, nonfinite [B])`` (see `StepOutput`).
     Tensors only: no host synchronization, no data-dependent branches.
     """
-    h = model.hidden(ids, cache, None, n_new)  # [B, T, D]
+    ids, last = feed.ids, feed.last
+    h = model.hidden(ids, cache, None, feed.n_new)  # [B, T, D]
     if ids.shape[1] > 1:
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))  # [B, 1, D]: one token per row
-    return head_and_sample(model, h, mode, values, noise)
+    return head_and_sample(model, h, feed.mode, feed.values, feed.noise)
 
 
 def head_and_sample(
@@ -185,15 +197,7 @@ class Packages(Protocol):
 
 
 class PackagedStep(Protocol):
-    def __call__(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        n_new: torch.Tensor,
-        last: torch.Tensor,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> StepOutput: ...
+    def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput: ...
 
 
 class Stepper:
@@ -265,26 +269,19 @@ class Stepper:
         """A new empty cache of ``batch`` rows (never shared between generations)."""
         return self.model.make_cache(batch, capacity)
 
-    def __call__(
-        self,
-        cache: KVCache,
-        ids: torch.Tensor,
-        n_new: torch.Tensor,
-        last: torch.Tensor,
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-    ) -> StepOutput:
+    def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
+        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
+        decode = feed.ids.shape[1] == 1
         if not self.compiled:
-            if self.packages is not None and ids.shape[1] == 1:
-                package = self.packages.get(cache, ids.shape[0], mode)
+            if self.packages is not None and decode:
+                package = self.packages.get(cache, feed.ids.shape[0], feed.mode)
                 if package is not None:
                     self.packaged_steps += 1
                     with torch.inference_mode():
-                        return package(cache, ids, n_new, last, values, noise)
+                        return package(cache, feed)
             with torch.inference_mode():
-                return StepOutput(*model_step(self.model, cache, ids, n_new, last, mode, values, noise))
-        key = (ids.shape, cache.capacity, mode)
+                return StepOutput(*model_step(self.model, cache, feed))
+        key = (feed.ids.shape, cache.capacity, feed.mode)
         first = key not in self._seen
         t0 = time.perf_counter()
         with (
@@ -293,7 +290,7 @@ class Stepper:
                 recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=ACCUMULATED_RECOMPILE_LIMIT
             ),
         ):
-            out = StepOutput(*self._fn(self.model, cache, ids, n_new, last, mode, values, noise))
+            out = StepOutput(*self._fn(self.model, cache, feed))
         if first:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - t0
@@ -308,6 +305,7 @@ __all__ = [
     "RowSampling",
     "Sampling",
     "SamplingValues",
+    "StepFeed",
     "StepOutput",
     "Stepper",
     "gumbel_noise",

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from infer.generate import left_pad
-from infer.loader.build import load_model
+from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
@@ -35,15 +35,19 @@ def build_streaming_model(
 ) -> DecoderLM:
     """``path`` streamed to the GPU under ``streaming``."""
     return build_streamed(
-        SafetensorsSource(path),
-        load_config(path),
-        LoadOptions(device=torch.device("cuda"), dtype=dtype, streaming=streaming),
+        ModelBuilder(
+            SafetensorsSource(path),
+            load_config(path),
+            LoadOptions(device=torch.device("cuda"), dtype=dtype, streaming=streaming),
+        ),
     )
 
 
 def load_resident(path: Path, dtype: torch.dtype) -> DecoderLM:
     return load_model(
-        SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype, device=torch.device("cuda"))
+        ModelBuilder(
+            SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype, device=torch.device("cuda"))
+        )
     )
 
 

@@ -89,6 +89,18 @@ def test_generation_arguments_refused_up_front(
         llm.chat(messages, max_new_tokens=4, **kw)
 
 
+def test_unknown_keywords_are_refused_by_name(llm: infer.LLM) -> None:
+    """The sampling keywords are declared once (`infer.api.SamplingOptions`); any other is a TypeError."""
+    messages = [{"role": "user", "content": "Hi"}]
+    typo: dict[str, Any] = {"temprature": 0.5}
+    with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword argument 'temprature'"):
+        llm.generate("Hello", max_new_tokens=4, **typo)
+    with pytest.raises(TypeError, match=r"stream\(\) got an unexpected keyword argument 'temprature'"):
+        llm.stream("Hello", max_new_tokens=4, **typo)
+    with pytest.raises(TypeError, match=r"chat\(\) got an unexpected keyword argument 'temprature'"):
+        llm.chat(messages, max_new_tokens=4, **typo)
+
+
 # ---- prompts ---------------------------------------------------------------------------
 
 BAD_PROMPTS = [

@@ -26,7 +26,7 @@ import infer
 from infer.generate import SamplingParams, step_outputs
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
-from infer.step import Stepper
+from infer.step import StepFeed, Stepper
 from infer.testing import build_tokenizer, tiny_hf_model
 
 PROMPTS = [[5, 9, 200, 31, 7], [44, 3, 17, 90, 12, 64, 8, 8, 120, 2, 33, 19]]  # the second passes the window
@@ -113,9 +113,9 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
     sizes: list[int] = []
     step = Stepper.__call__
 
-    def recording(self: Stepper, cache: Any, ids: torch.Tensor, *args: Any) -> Any:
-        sizes.append(ids.shape[0])
-        return step(self, cache, ids, *args)
+    def recording(self: Stepper, cache: Any, feed: StepFeed) -> Any:
+        sizes.append(feed.ids.shape[0])
+        return step(self, cache, feed)
 
     monkeypatch.setattr(Stepper, "__call__", recording)
     for k in range(3):  # prompts sharing no prefix with a kept row take new rows

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import infer
-from infer.loader.build import load_model
+from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor
@@ -86,19 +86,18 @@ def test_every_mode_matches_the_file_source(tiny_ckpt_factory: Callable[..., Pat
     streaming = infer.StreamingConfig(memory_budget="64MB", max_resident_layers=0, resident_embeddings=False)
     with torch.inference_mode():
         for quantize in (None, "int8"):
-            want = load_model(
-                SafetensorsSource(path), config, LoadOptions(dtype=torch.float32, quantize=quantize)
-            )(IDS)
+            options = LoadOptions(dtype=torch.float32, quantize=quantize)
+            want = load_model(ModelBuilder(SafetensorsSource(path), config, options))(IDS)
             source, _ = ranged(path)
-            resident = load_model(source, config, LoadOptions(dtype=torch.float32, quantize=quantize))(IDS)
+            resident = load_model(ModelBuilder(source, config, options))(IDS)
             assert torch.equal(resident, want), (arch, quantize)
         source, fetches = ranged(path)
-        model = build_streamed(
-            source, config, LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
-        )
+        streamed = LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming)
+        model = build_streamed(ModelBuilder(source, config, streamed))
         header_only = len(fetches)
         assert torch.equal(
-            model(IDS), load_model(SafetensorsSource(path), config, LoadOptions(dtype=torch.float32))(IDS)
+            model(IDS),
+            load_model(ModelBuilder(SafetensorsSource(path), config, LoadOptions(dtype=torch.float32)))(IDS),
         )
     per_forward = len(fetches) - header_only
     print(f"{arch}: {header_only} fetches at load, {per_forward} for one streamed forward")

@@ -23,6 +23,7 @@ from model_checks import assert_cache_and_padding_match
 import infer
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
+from infer.loader.build import ModelBuilder
 from infer.loader.build import load_model as build_model
 from infer.loader.checkpoint import GGUF_COMPUTE_DTYPE
 from infer.loader.options import LoadOptions
@@ -68,9 +69,8 @@ def load_model(path: Path, dtype: torch.dtype | None) -> DecoderLM:
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
     compute = GGUF_COMPUTE_DTYPE if dtype is None else dtype
-    return build_model(
-        GGUFSource(gguf), config, LoadOptions(dtype=dtype or torch.float32, compute_dtype=compute)
-    )
+    options = LoadOptions(dtype=dtype or torch.float32, compute_dtype=compute)
+    return build_model(ModelBuilder(GGUFSource(gguf), config, options))
 
 
 @pytest.fixture(scope="module")

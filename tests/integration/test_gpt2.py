@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import infer
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
-from infer.loader.build import load_model
+from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
@@ -54,7 +54,9 @@ def checkpoint(hf_gpt2: Any, tokenizer: Any, tmp_path_factory: pytest.TempPathFa
 
 
 def _safetensors_model(path: Path) -> DecoderLM:
-    return load_model(SafetensorsSource(path), load_config(path), LoadOptions(dtype=torch.float32))
+    return load_model(
+        ModelBuilder(SafetensorsSource(path), load_config(path), LoadOptions(dtype=torch.float32))
+    )
 
 
 def test_safetensors_matches_transformers(checkpoint: Path, hf_gpt2: Any) -> None:
@@ -105,7 +107,7 @@ def test_gguf_matches_transformers(qtype: str, hf_gpt2: Any, tokenizer: Any, tmp
     path = write_gguf(tmp_path / f"gpt2-{qtype}.gguf", hf_gpt2, tokenizer, qtype=qtype)
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf)
-    model = load_model(GGUFSource(gguf), config, LoadOptions(dtype=torch.float32))
+    model = load_model(ModelBuilder(GGUFSource(gguf), config, LoadOptions(dtype=torch.float32)))
     if qtype == "Q8_0":
         assert isinstance(model.get_submodule("layers.0.attn.c_attn"), QuantizedLinear)
         assert isinstance(model.lm_head, QuantizedLinear)

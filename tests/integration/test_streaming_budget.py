@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.loader.build import ModelBuilder
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
@@ -38,7 +39,7 @@ def anon_bytes():
 import dataclasses
 import torch
 from infer.generate import SamplingParams, generate_steps
-from infer.loader.build import build_empty
+from infer.loader.build import ModelBuilder, build_empty
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
 from infer.loader.options import LoadOptions
@@ -67,7 +68,7 @@ streaming = StreamingConfig(
     layer_group_size=2, memory_budget=budget, prefetch=prefetch, max_context=128, max_prefill_tokens=64
 )
 source = SafetensorsSource(path)
-model = build_streamed(source, config, LoadOptions(dtype=torch.float32, streaming=streaming))
+model = build_streamed(ModelBuilder(source, config, LoadOptions(dtype=torch.float32, streaming=streaming)))
 prompt = [[(7 * i + 3) % config.vocab_size for i in range(48)]]
 rows = None
 for rows in generate_steps(model, prompt, max_new_tokens=16, params=SamplingParams(), eos_ids=[]):
@@ -122,9 +123,11 @@ def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
     streaming = StreamingConfig(layer_group_size=4, memory_budget="40MB", max_context=2048, prefetch=True)
     with pytest.raises(BudgetError) as info:
         build_streamed(
-            SafetensorsSource(big_checkpoint),
-            load_config(big_checkpoint),
-            LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
+            ModelBuilder(
+                SafetensorsSource(big_checkpoint),
+                load_config(big_checkpoint),
+                LoadOptions(device=torch.device("cpu"), dtype=torch.float32, streaming=streaming),
+            ),
         )
     message = str(info.value)
     print(message)
@@ -139,10 +142,14 @@ def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
     size = SPEC.nbytes(torch.float32)
     budget = size // 4
     model = build_streamed(
-        SafetensorsSource(big_checkpoint),
-        load_config(big_checkpoint),
-        LoadOptions(
-            device=torch.device("cpu"), dtype=torch.float32, streaming=StreamingConfig(memory_budget=budget)
+        ModelBuilder(
+            SafetensorsSource(big_checkpoint),
+            load_config(big_checkpoint),
+            LoadOptions(
+                device=torch.device("cpu"),
+                dtype=torch.float32,
+                streaming=StreamingConfig(memory_budget=budget),
+            ),
         ),
     )
     assert isinstance(model.executor, StreamingExecutor)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from infer.generate import left_pad
-from infer.loader.build import load_model
+from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
@@ -35,7 +35,7 @@ STEPS = 6
 
 
 def load_resident(path: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    model = load_model(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype))
+    model = load_model(ModelBuilder(SafetensorsSource(path), load_config(path), LoadOptions(dtype=dtype)))
     set_deterministic(model)
     return model
 
@@ -47,9 +47,11 @@ def load_streamed(path: Path, dtype: torch.dtype = torch.float32, **kw: Any) -> 
     )
     settings.update(kw)
     model = build_streamed(
-        SafetensorsSource(path),
-        config,
-        LoadOptions(device=torch.device("cpu"), dtype=dtype, streaming=StreamingConfig(**settings)),
+        ModelBuilder(
+            SafetensorsSource(path),
+            config,
+            LoadOptions(device=torch.device("cpu"), dtype=dtype, streaming=StreamingConfig(**settings)),
+        ),
     )
     set_deterministic(model)
     return model

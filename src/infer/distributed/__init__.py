@@ -14,7 +14,6 @@ on each. See docs/distributed.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ from infer.distributed.executor import PipelineExecutor, TensorParallelExecutor
 from infer.distributed.modules import RowParallel
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
-from infer.loader.build import Partition, load_model
+from infer.loader.build import Build, ModelBuilder, Partition, load_model
 from infer.loader.config import ModelConfig
 from infer.loader.options import LoadOptions
 from infer.loader.source import WeightSource
@@ -88,35 +87,26 @@ def parallelize(
     return model
 
 
-Build = Callable[[WeightSource, ModelConfig, LoadOptions, Partition], DecoderLM]
-
-
-def resident(
-    source: WeightSource, config: ModelConfig, options: LoadOptions, partition: Partition
-) -> DecoderLM:
-    """This rank's part, resident on its device (`infer.loader.build.load_model`)."""
-    return load_model(source, config, options, partition=partition)
-
-
 def load_parallel(
     source: WeightSource,
     config: ModelConfig,
     options: LoadOptions,
     *,
-    build: Build = resident,
+    build: Build = load_model,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[DecoderLM, Parallel]:
     """This rank's part of the model from ``source``, parallelized; every rank fails together.
 
-    ``options.tensor_parallel`` x ``options.pipeline_parallel`` ranks; ``build`` builds
-    this rank's part on its device (default: resident; `infer.streaming.build_streamed`
+    ``options.tensor_parallel`` x ``options.pipeline_parallel`` ranks; ``build`` places
+    this rank's part on its device (default: `load_model`, resident; `infer.streaming.build_streamed`
     streams it).
     """
     parallel = setup(options.tensor_parallel, options.pipeline_parallel, options.device, timeout_s)
 
     def work() -> DecoderLM:
         partition = plan_partition(config, parallel, source.description)
-        model = build(source, config, dataclasses.replace(options, device=parallel.device), partition)
+        own = dataclasses.replace(options, device=parallel.device)
+        model = build(ModelBuilder(source, config, own, partition=partition))
         streamed = options.streaming is not None
         return parallelize(model, config, parallel, partition, options.dtype, streamed=streamed)
 
@@ -133,7 +123,6 @@ __all__ = [
     "load_parallel",
     "parallelize",
     "plan_partition",
-    "resident",
     "setup",
     "shared_seed",
     "split_layers",

@@ -3,7 +3,8 @@
 `ModelBuilder` maps a `WeightSource`'s names to our modules (`infer.loader.names`),
 checks the config against them, builds the model skeleton on the meta device (no
 memory) and then fills it module by module with `infer.loader.place.place_module`.
-Where the filled modules go is the caller's choice:
+Where the filled modules go is the caller's choice: a destination is a function of the
+builder (`Build`):
 
 * `load_model` (resident): each module moves to the device as soon as it is filled,
   so peak memory is the model plus one module's temporaries;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -133,6 +135,9 @@ class ModelBuilder:
     and the modules outside the layers. ``place(group)`` fills them on the CPU. With a
     ``partition`` only its layers and modules are placed (the rest stay on the meta
     device), each tensor-parallel weight from its rank's part of the stored tensor.
+    ``repack``: the on-disk cache of converted GGUF matrices (`infer.loader.repack_cache`)
+    that placement reads and fills. A destination (`Build`: `load_model`,
+    `infer.streaming.build_streamed`) takes the builder and walks it.
     """
 
     def __init__(
@@ -235,25 +240,20 @@ class ModelBuilder:
             raise ValueError(f"{self.source.description}: missing tensor(s) for {meta[:10]}")
 
 
-def load_model(
-    source: WeightSource,
-    config: ModelConfig,
-    options: LoadOptions,
-    *,
-    partition: Partition | None = None,
-    repack: RepackCache | None = None,
-) -> DecoderLM:
-    """A resident `DecoderLM` built from ``source`` (any `WeightSource`), every module on ``options.device``.
+Build = Callable[[ModelBuilder], DecoderLM]  # a destination of the walk: `load_model`, `build_streamed`
+
+
+def load_model(builder: ModelBuilder) -> DecoderLM:
+    """The builder's model resident, every module on ``options.device`` (the builder's `LoadOptions`).
 
     ``options.quantize`` ("q4_0" / "int8") quantizes each float linear layer as soon as
     its tensors are in; ``options.validate`` refuses weights with NaN or inf;
-    ``options.progress(done, total)`` is called per module. ``partition``: only the part
-    one rank of a parallel run holds (`infer.distributed`). ``repack``: the on-disk cache
-    of converted GGUF matrices (`infer.loader.repack_cache`), written at the end when a
-    matrix had to be converted.
+    ``options.progress(done, total)`` is called per module. The builder's ``partition``:
+    only the part one rank of a parallel run holds (`infer.distributed`); its ``repack``
+    cache is written at the end when a matrix had to be converted.
     """
+    config, options, repack = builder.config, builder.options, builder.opts.repack
     device, progress = options.device, options.progress
-    builder = ModelBuilder(source, config, options, partition=partition, repack=repack)
     model = builder.model
     done = 0
     # The embedding and head first: theirs are the largest temporaries (a packed head's
@@ -281,6 +281,7 @@ def load_model(
 
 __all__ = [
     "NONLAYER",
+    "Build",
     "ModelBuilder",
     "Partition",
     "ProgressFn",

@@ -1,7 +1,7 @@
 """Build a streamed `DecoderLM`: the resident build's walk with another destination.
 
-`build_streamed` walks the checkpoint with the same `ModelBuilder` as a resident
-load, layer by layer, with ``lazy`` placement: float tensors that need only a dtype
+`build_streamed` walks the same `ModelBuilder` as a resident load (`load_model`),
+layer by layer, with ``lazy`` placement: float tensors that need only a dtype
 conversion stay in the checkpoint, and whatever the placement converted (packed GGUF
 matrices, layers quantized at load, permuted rows) goes to the `StreamStore`'s local
 file; then every layer goes back to the meta device. The memory plan decides what
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.loader.build import ModelBuilder, Partition, release_freed_memory, reset_buffers
+from infer.loader.build import ModelBuilder, release_freed_memory, reset_buffers
 from infer.loader.config import ModelConfig
 from infer.loader.names import Entry
 from infer.loader.options import LoadOptions
@@ -28,7 +28,7 @@ from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
 from infer.streaming.executor import StreamingExecutor
 from infer.streaming.layout import align_up
-from infer.streaming.pipeline import Pipeline
+from infer.streaming.pipeline import Pipeline, Recorder
 from infer.streaming.plan import MemoryPlan, PlanInputs, plan_memory
 from infer.streaming.stats import StreamingStats
 from infer.streaming.store import StreamStore, TensorRef, WeightStore
@@ -117,17 +117,10 @@ class _Walk:
     deferred_nonlayer: dict[str, Entry]  # float embedding / head / small modules left in the checkpoint
 
 
-def _walk(
-    source: WeightSource,
-    config: ModelConfig,
-    options: LoadOptions,
-    streaming: StreamingConfig,
-    partition: Partition | None = None,
-) -> _Walk:
+def _walk(builder: ModelBuilder, streaming: StreamingConfig) -> _Walk:
     """Place every layer lazily into the stream store, then the modules outside the layers."""
     streaming.validate()
-    builder = ModelBuilder(source, config, options, partition=partition)
-    model = builder.model
+    model, source, options, partition = builder.model, builder.source, builder.options, builder.partition
     dtype, quantize = options.dtype, options.quantize
     store = StreamStore(source, validate=options.validate)
     try:
@@ -186,35 +179,31 @@ def plan_streamed(
     or quantized one is converted once.
     """
     streaming = _streaming(options)
-    walk = _walk(source, config, dataclasses.replace(options, validate=False), streaming)
+    options = dataclasses.replace(options, validate=False)
+    walk = _walk(ModelBuilder(source, config, options), streaming)
     try:
         return _plan(walk, streaming, options.dtype, options.device, max_context)
     finally:
         walk.store.close()
 
 
-def build_streamed(
-    source: WeightSource,
-    config: ModelConfig,
-    options: LoadOptions,
-    *,
-    max_context: int | None = None,
-    partition: Partition | None = None,
-) -> DecoderLM:
-    """A `DecoderLM` whose layers stream from ``source`` under ``options.streaming.memory_budget``.
+def build_streamed(builder: ModelBuilder, *, max_context: int | None = None) -> DecoderLM:
+    """The builder's model with its layers streaming from its source under the memory budget of
+    its options (``options.streaming``, a `StreamingConfig`).
 
     The same walk as `infer.loader.build.load_model`, with the stream store as its
     destination; ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError`
     (a `ValueError`) when settings the user gave cannot fit the budget, with what would
-    fit. On success the model owns ``source``: it is closed with the executor.
-    ``partition``: only one pipeline stage's layers (`infer.distributed`), streamed under
-    this budget.
+    fit. On success the model owns the source: it is closed with the executor. A builder
+    with a ``partition``: only one pipeline stage's layers (`infer.distributed`), streamed
+    under this budget.
     """
+    options = builder.options
     streaming = _streaming(options)
     device, dtype = options.device, options.dtype
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    walk = _walk(source, config, options, streaming, partition)
+    walk = _walk(builder, streaming)
     model, store = walk.builder.model, walk.store
     try:
         plan = _plan(walk, streaming, dtype, device, max_context)
@@ -322,15 +311,18 @@ def _attach(
             event = cuda_event()
             event.record(torch.cuda.current_stream(device))
             gpu_origin = (event, origin)
-        pipeline = Pipeline(
-            plan.units,
-            _transport(store, plan, streaming, device),
-            prefetch=plan.prefetch,
-            stats=stats,
+        recorder = Recorder(
+            stats,
             on_progress=streaming.on_progress,
             trace=streaming.trace,
             clock_origin=origin,
             gpu_origin=gpu_origin,
+        )
+        pipeline = Pipeline(
+            plan.units,
+            _transport(store, plan, streaming, device),
+            prefetch=plan.prefetch,
+            recorder=recorder,
             read_timeout=streaming.read_timeout,
         )
     model.executor = StreamingExecutor(model, plan, pipeline, stats, store, embed, device)

@@ -98,12 +98,12 @@ class StreamingExecutor(ResidentExecutor):
     def stats(self) -> StreamingStats:
         """A snapshot of the counters (CUDA timings are synchronized first)."""
         if self.pipeline is not None:
-            self.pipeline.resolve(block=True)
+            self.pipeline.recorder.resolve(block=True)
         return self._stats.copy()
 
     def reset_stats(self) -> None:
         if self.pipeline is not None:
-            self.pipeline.resolve(block=True)
+            self.pipeline.recorder.resolve(block=True)
         self._stats.reset()
 
     @property

@@ -16,6 +16,9 @@ A unit that takes longer than ``read_timeout`` seconds to arrive raises
 abandoned (its result is discarded when it ever returns); the next `get` waits for
 the reader again and raises again while it is still stuck. In sync mode a load runs
 on a helper thread when there is a timeout, so that it can be waited for with one.
+
+What the pipeline observes of its loads and computes goes to its `Recorder`: the
+`StreamingStats` counters, the ``trace`` timeline and the ``on_progress`` events.
 """
 
 from __future__ import annotations
@@ -34,8 +37,110 @@ from infer.streaming.transport import ComputeRecord, LoadRecord, Transport
 Ready = tuple[int, int, LoadRecord | BaseException]  # (unit, buffer, record or the reader's error)
 
 
+class Recorder:
+    """What a `Pipeline` records of the units it loads and the executor computes.
+
+    The counters go to ``stats``; with ``trace``, an interval per read, copy and compute to
+    its timeline (seconds since ``clock_origin``, a `time.perf_counter` value); every load and
+    compute is an ``on_progress`` event. On CUDA, copy and compute times come from events,
+    folded in by `resolve` once they finished (``gpu_origin``: a CUDA event recorded at
+    ``clock_origin``'s time, its host time, to align the GPU lanes with the host's).
+    """
+
+    def __init__(
+        self,
+        stats: StreamingStats,
+        *,
+        on_progress: Callable[[ProgressEvent], None] | None,
+        trace: bool,
+        clock_origin: float,
+        gpu_origin: tuple[Any, float] | None = None,
+    ) -> None:
+        self.stats = stats
+        self.on_progress = on_progress
+        self.trace = trace
+        self.origin = clock_origin
+        self.gpu_origin = gpu_origin
+        self.pending: list[ComputeRecord] = []  # CUDA records whose events are not resolved yet
+
+    def loaded(self, unit: Unit, record: LoadRecord, waited: float) -> None:
+        """``unit`` is in a buffer, as ``record`` says; the consumer waited ``waited`` seconds for it."""
+        s = self.stats
+        s.bytes_loaded += record.nbytes
+        s.bytes_read += record.bytes_read
+        s.units_loaded += 1
+        s.load_seconds += record.read_end - record.read_start
+        if record.copy_events is None:
+            s.wait_seconds += waited  # CPU: the consumer was blocked this long (all of it in sync mode)
+        # CUDA: the GPU's wait comes from events (`resolve`): from when the host asked for the
+        # unit (after the work queued before it) to when its compute could start.
+        if self.trace:
+            s.timeline.append(
+                TimelineEntry(
+                    "read",
+                    unit.index,
+                    unit.label,
+                    record.read_start - self.origin,
+                    record.read_end - self.origin,
+                )
+            )
+        if self.on_progress is not None:
+            seconds = record.read_end - record.read_start
+            self.on_progress(
+                ProgressEvent(
+                    LOADED, unit.index, unit.group, unit.layers, record.nbytes, seconds, record.tier
+                )
+            )
+
+    def computed(self, unit: Unit, start: float, end: float, compute: ComputeRecord | None) -> None:
+        """``unit`` ran from ``start`` to ``end`` (host time); ``compute``: its CUDA events, if any."""
+        self.stats.units_computed += 1
+        if compute is None:  # CPU: host time is compute time
+            self.stats.compute_seconds += end - start
+            if self.trace:
+                self.stats.timeline.append(
+                    TimelineEntry("compute", unit.index, unit.label, start - self.origin, end - self.origin)
+                )
+        else:
+            self.pending.append(compute)
+            if len(self.pending) > 256:
+                self.resolve(block=False)
+        if self.on_progress is not None:
+            self.on_progress(
+                ProgressEvent(COMPUTED, unit.index, unit.group, unit.layers, unit.nbytes, end - start)
+            )
+
+    def resolve(self, block: bool = True) -> None:
+        """Fold finished CUDA event timings into the stats (all of them when ``block``)."""
+        if not self.pending:
+            return
+        import torch
+
+        if block:
+            torch.cuda.synchronize()
+        keep: list[ComputeRecord] = []
+        for rec in self.pending:
+            wait_start, compute_start, compute_end = rec.events
+            if not block and not compute_end.query():  # type: ignore[no-untyped-call]
+                keep.append(rec)
+                continue
+            s = self.stats
+            s.compute_seconds += compute_start.elapsed_time(compute_end) / 1e3
+            copy = rec.load.copy_events
+            if copy is not None:
+                s.load_seconds += copy[0].elapsed_time(copy[1]) / 1e3
+            s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
+            if self.trace and copy is not None and self.gpu_origin is not None:
+                base, host = self.gpu_origin
+                t0 = host - self.origin
+                for lane, (a, b) in (("copy", copy), ("compute", (compute_start, compute_end))):
+                    start, end = t0 + base.elapsed_time(a) / 1e3, t0 + base.elapsed_time(b) / 1e3
+                    s.timeline.append(TimelineEntry(lane, rec.unit, rec.label, start, end))
+        self.pending = keep
+
+
 class Pipeline:
-    """Loads ``units`` into the transport's buffers ahead of their use."""
+    """Loads ``units`` into the transport's buffers ahead of their use; ``recorder`` records it."""
 
     def __init__(
         self,
@@ -43,21 +148,13 @@ class Pipeline:
         transport: Transport,
         *,
         prefetch: bool,
-        stats: StreamingStats,
-        on_progress: Callable[[ProgressEvent], None] | None,
-        trace: bool,
-        clock_origin: float,
-        gpu_origin: tuple[Any, float] | None = None,
+        recorder: Recorder,
         read_timeout: float | None = DEFAULT_READ_TIMEOUT,
     ) -> None:
         self.units = units
         self.transport = transport
         self.prefetch = prefetch
-        self.stats = stats
-        self.on_progress = on_progress
-        self.trace = trace
-        self.origin = clock_origin
-        self.gpu_origin = gpu_origin  # (a CUDA event recorded at start, its host time): aligns the lanes
+        self.recorder = recorder
         self.cond = threading.Condition()
         self.free: deque[int] = deque(range(transport.num_buffers))
         self.ready: deque[Ready] = deque()
@@ -67,7 +164,6 @@ class Pipeline:
         self.closed = False
         self.expected: int | None = None
         self.thread: threading.Thread | None = None
-        self.pending: list[ComputeRecord] = []  # CUDA records whose events are not resolved yet
         self._current: tuple[Unit, int, LoadRecord, ComputeRecord | None, float] | None = None
         self.read_timeout = read_timeout
         self._sync_load: threading.Thread | None = (
@@ -151,7 +247,7 @@ class Pipeline:
                 record = item
         waited = time.perf_counter() - start
         compute = self.transport.before_compute(unit, buffer, record, wait_mark)
-        self._account_load(unit, record, waited)
+        self.recorder.loaded(unit, record, waited)
         self._current = (unit, buffer, record, compute, time.perf_counter())
         return unit, buffer
 
@@ -205,22 +301,7 @@ class Pipeline:
         if current is None:
             return
         unit, _, _, compute, start = current
-        end = time.perf_counter()
-        self.stats.units_computed += 1
-        if compute is None:  # CPU: host time is compute time
-            self.stats.compute_seconds += end - start
-            if self.trace:
-                self.stats.timeline.append(
-                    TimelineEntry("compute", unit.index, unit.label, start - self.origin, end - self.origin)
-                )
-        else:
-            self.pending.append(compute)
-            if len(self.pending) > 256:
-                self.resolve(block=False)
-        if self.on_progress is not None:
-            self.on_progress(
-                ProgressEvent(COMPUTED, unit.index, unit.group, unit.layers, unit.nbytes, end - start)
-            )
+        self.recorder.computed(unit, start, time.perf_counter(), compute)
 
     def abort(self) -> None:
         """Forget the unit in use after an error, so the next `get` restarts cleanly."""
@@ -229,64 +310,6 @@ class Pipeline:
             self.done(unit.index, buffer)
         self.expected = None
 
-    # ---- accounting -----------------------------------------------------------
-
-    def _account_load(self, unit: Unit, record: LoadRecord, waited: float) -> None:
-        s = self.stats
-        s.bytes_loaded += record.nbytes
-        s.bytes_read += record.bytes_read
-        s.units_loaded += 1
-        s.load_seconds += record.read_end - record.read_start
-        if record.copy_events is None:
-            s.wait_seconds += waited  # CPU: the consumer was blocked this long (all of it in sync mode)
-        # CUDA: the GPU's wait comes from events (`resolve`): from when the host asked for the
-        # unit (after the work queued before it) to when its compute could start.
-        if self.trace:
-            s.timeline.append(
-                TimelineEntry(
-                    "read",
-                    unit.index,
-                    unit.label,
-                    record.read_start - self.origin,
-                    record.read_end - self.origin,
-                )
-            )
-        if self.on_progress is not None:
-            seconds = record.read_end - record.read_start
-            self.on_progress(
-                ProgressEvent(
-                    LOADED, unit.index, unit.group, unit.layers, record.nbytes, seconds, record.tier
-                )
-            )
-
-    def resolve(self, block: bool = True) -> None:
-        """Fold finished CUDA event timings into the stats (all of them when ``block``)."""
-        if not self.pending:
-            return
-        import torch
-
-        if block:
-            torch.cuda.synchronize()
-        keep: list[ComputeRecord] = []
-        for rec in self.pending:
-            wait_start, compute_start, compute_end = rec.events
-            if not block and not compute_end.query():  # type: ignore[no-untyped-call]
-                keep.append(rec)
-                continue
-            s = self.stats
-            s.compute_seconds += compute_start.elapsed_time(compute_end) / 1e3
-            copy = rec.load.copy_events
-            if copy is not None:
-                s.load_seconds += copy[0].elapsed_time(copy[1]) / 1e3
-            s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
-            if self.trace and copy is not None and self.gpu_origin is not None:
-                base, host = self.gpu_origin
-                t0 = host - self.origin
-                for lane, (a, b) in (("copy", copy), ("compute", (compute_start, compute_end))):
-                    start, end = t0 + base.elapsed_time(a) / 1e3, t0 + base.elapsed_time(b) / 1e3
-                    s.timeline.append(TimelineEntry(lane, rec.unit, rec.label, start, end))
-        self.pending = keep
-
     def close(self) -> None:
         with self.cond:
             self.closed = True
@@ -294,5 +317,5 @@ class Pipeline:
         if self.thread is not None:
             self.thread.join(timeout=30)
             self.thread = None
-        self.resolve(block=True)
+        self.recorder.resolve(block=True)
         self.transport.close()
