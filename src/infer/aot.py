@@ -1,10 +1,11 @@
 """Ahead-of-time compiled decode steps, cached on disk: compiled speed without waiting.
 
 The default for a resident CPU model (``infer.load(path)``, ``compile="auto"``): a decode
-step of a shape that has a package in the cache runs the package; one that has none runs
-eagerly, and the package is built by another process after this one. So a first-ever run is
-eager (never slower than eager), and every later process on the machine decodes compiled from
-its first step: loading a package takes ~10 ms and traces nothing.
+step of a shape that has a package in the cache runs the package (loading one takes ~10 ms
+and traces nothing); one that has none runs eagerly. Packages are built on request only
+(``INFER_AOT=build``, or `PackageCache.build_missing`): a build is 1-2 minutes of a core, and
+beside running steps it slows them ~4x (docs/performance.md), so infer never starts one
+unasked. With no package in the cache, the default costs nothing over eager.
 
 * **A package** (`build`) is `torch.export` of `infer.step.model_step` for one decode shape
   (rows, KV capacity, sampling mode), compiled by AOTInductor into a shared library. The
@@ -16,18 +17,19 @@ its first step: loading a package takes ~10 ms and traces nothing.
   the config, the shape, the sampling mode, torch's version, the CPU's instruction set
   (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
   infer itself. Another model, another machine or another version of infer finds no
-  package and builds its own.
-* **Building**: a step whose package is missing runs eagerly and its shape is noted; at
-  interpreter exit (or `PackageCache.build_missing`) one ``python -m infer.aot`` process starts
-  in a new session at ``SCHED_IDLE`` for the shapes noted. It loads the same checkpoint the same
-  way (`Recipe`), checks that its model has the same fingerprint, compiles, and moves each
-  package into place atomically (``os.replace``), so a reader never sees a partial file; lock
-  files keep two processes from building one package. The first process never competes with
-  its own build; the next one (or this one, if another process built the package meanwhile)
-  gets the package. The build's log is next to the package (``.log``).
+  package (and, asked to, builds its own).
+* **Building** (``INFER_AOT=build``): a step whose package is missing runs eagerly and its
+  shape is noted; at interpreter exit (or `PackageCache.build_missing`) one ``python -m
+  infer.aot`` process starts in a new session at ``SCHED_IDLE`` for the shapes noted. It
+  loads the same checkpoint the same way (`Recipe`), checks that its model has the same
+  fingerprint, compiles, and moves each package into place atomically (``os.replace``), so a
+  reader never sees a partial file; lock files keep two processes from building one package.
+  The first process never competes with its own build; the next one (or this one, if another
+  process built the package meanwhile) gets the package. The build's log is next to the package (``.log``).
 * **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
   the cache directory keeps the newest `MAX_PACKAGES` packages.
 * **Off**: ``compile=False``, or ``INFER_AOT=off`` in the environment (nothing is used or built).
+  ``INFER_AOT=on`` (the default) uses packages and builds none.
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
   and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
@@ -69,9 +71,12 @@ PACKAGE_VERSION = 1
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
-# ``INFER_AOT=off`` in the environment: no package is used or built (as ``compile=False``).
-ENABLED = os.environ.get("INFER_AOT", "on").lower() not in ("off", "0", "false", "no")
-BACKGROUND_BUILDS = True  # whether a missing package starts a build
+# ``INFER_AOT`` in the environment: ``off`` uses and builds nothing (as ``compile=False``);
+# ``on`` (the default) uses the packages there are; ``build`` also builds the missing ones.
+SETTINGS = ("on", "off", "build")
+_SETTING = os.environ.get("INFER_AOT", "on").strip().lower()
+ENABLED = _SETTING != "off"
+BACKGROUND_BUILDS = _SETTING == "build"  # whether the shapes found missing are built at exit
 
 
 def cache_dir() -> Path:
@@ -272,7 +277,13 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
         torch._inductor.aoti_compile_and_package(
             exported,
             package_path=str(package),
-            inductor_configs={"aot_inductor.metadata": {"names": json.dumps(names)}},
+            inductor_configs={
+                "aot_inductor.metadata": {
+                    "names": json.dumps(names),
+                    "inputs": json.dumps(_specs([ids, ones, zeros, *_state(cache), *_kv(cache), *sampling])),
+                    "weights": json.dumps(_specs(list(weights.values()))),
+                }
+            },
         )
         os.replace(package, path)
 
@@ -280,27 +291,62 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
 # ---- running packages ----------------------------------------------------------------------
 
 
+def _specs(tensors: list[torch.Tensor]) -> list[list[Any]]:
+    """What compiled code assumes of its inputs: shape, strides, dtype, contiguity."""
+    return [[list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")] for t in tensors]
+
+
 class Package:
-    """A loaded package: the step of one shape, on the model's own tensors."""
+    """A loaded package: the step of one shape, on the model's own tensors.
+
+    Compiled code reads its inputs by the layout it was built for and checks nothing itself, so
+    the weights are checked against the package's record at load and the step's inputs at every
+    call (a mismatch is a `ValueError` naming the input, never a crash)."""
 
     def __init__(self, path: Path, model: DecoderLM) -> None:
+        self.path = path
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1, False)
-        names = json.loads(self.loader.get_metadata()["names"])
+        meta = self.loader.get_metadata()
+        names = json.loads(meta["names"])
         tensors = {f"model.{n}": t for n, t in named_tensors(model).items()}  # as `_DecodeStep` names them
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"{path}: the model has no tensor {missing[0]!r}")
         self.weights = [tensors[n] for n in names]
+        for name, want, got in zip(names, json.loads(meta["weights"]), _specs(self.weights), strict=True):
+            if want != got:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is {got} (shape, strides, dtype), the package expects {want}"
+                )
+        self.inputs = json.loads(meta["inputs"])
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
-        sampling = _sampling(feed.values, feed.noise)
-        inputs = [feed.ids, feed.n_new, feed.last, *_state(cache), *_kv(cache), *sampling, *self.weights]
-        tokens, logits, nonfinite = self.loader.boxed_run(inputs)
+        step = [
+            feed.ids,
+            feed.n_new,
+            feed.last,
+            *_state(cache),
+            *_kv(cache),
+            *_sampling(feed.values, feed.noise),
+        ]
+        got = _specs(step)
+        if got != self.inputs:
+            bad = next(
+                (i for i, (g, w) in enumerate(zip(got, self.inputs, strict=False)) if g != w), len(got)
+            )
+            found = got[bad] if bad < len(got) else None
+            want = self.inputs[bad] if bad < len(self.inputs) else None
+            raise ValueError(
+                f"{self.path}: step input #{bad} is {found}, the package expects {want} "
+                "(shape, strides, dtype)"
+            )
+        tokens, logits, nonfinite = self.loader.boxed_run(step + self.weights)
         return StepOutput(tokens, logits, nonfinite)
 
 
 class PackageCache:
-    """The packages of one model: loaded on demand; the missing ones built after this process.
+    """The packages of one model: loaded on demand; with ``INFER_AOT=build``, the missing ones
+    built after this process.
 
     A step whose package is missing runs eagerly and its shape is noted; at interpreter exit
     (or at `build_missing`) one builder process starts for every shape noted, so a process
@@ -312,6 +358,8 @@ class PackageCache:
     RECHECK_S = 1.0
 
     def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
+        if _SETTING not in SETTINGS:
+            raise ValueError(f"the environment variable INFER_AOT must be on, off or build, got {_SETTING!r}")
         self.model = model
         self.recipe = recipe
         self._fingerprint: str | None = None
@@ -320,6 +368,7 @@ class PackageCache:
         self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request
         self._looked: dict[str, float] = {}  # key -> when its path was last looked at
         self.builds: list[subprocess.Popen[bytes]] = []
+        self._scanned, self._present = -self.RECHECK_S, False
         _CACHES.add(self)
 
     @property
@@ -330,12 +379,21 @@ class PackageCache:
 
     @property
     def enabled(self) -> bool:
-        return ENABLED
+        """Whether packages may run or be noted (else every step is plain eager, unbucketed)."""
+        return ENABLED and (BACKGROUND_BUILDS or self._any_packages())
+
+    def _any_packages(self) -> bool:
+        """Whether the cache directory holds a package (looked at again every `RECHECK_S`)."""
+        now = time.monotonic()
+        if now - self._scanned >= self.RECHECK_S:
+            self._scanned = now
+            self._present = cache_dir().is_dir() and any(cache_dir().glob("*.pt2"))
+        return self._present
 
     def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
         """The package of this step's shape, or None (the step runs eagerly; the shape is noted)."""
-        if not ENABLED:
-            return None
+        if not self.enabled:
+            return None  # nothing to load, nothing to note: no fingerprint, no per-step cost
         key = package_key(self.fingerprint, cache, batch, mode)
         package = self.loaded.get(key)
         if package is not None:

@@ -7,7 +7,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, overload
 
@@ -117,30 +117,22 @@ def _generation_args(
     return max_new_tokens, SamplingParams(**options), _stop_strings(stop)
 
 
+@dataclass(eq=False, repr=False)
 class LLM:
-    """A loaded model with its tokenizer: `generate`, `stream`, `chat`."""
+    """A loaded model with its tokenizer: `generate`, `stream`, `chat` (`load` makes one).
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        tokenizer: Tokenizer,
-        model: DecoderLM,
-        source: Path,
-        *,
-        compile: bool | Literal["auto"] = False,
-        recipe: Recipe | None = None,
-    ) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.model = model
-        self.source = source
-        self.parallel: Parallel | None = None  # this rank's place in a parallel run (infer.distributed)
-        packages = None
-        if compile == "auto" and model.device.type == "cpu" and not is_deterministic(model):
-            packages = PackageCache(model, recipe)  # ahead-of-time compiled decode steps (infer.aot)
-        self.stepper = Stepper(model, compile=compile, packages=packages)
-        self._engine: Engine | None = None
-        self._engine_lock = threading.Lock()
+    ``stepper`` runs its steps (`infer.step.Stepper`: eager, compiled or from packages);
+    ``parallel`` is this rank's place in a parallel run (`infer.distributed`), else None.
+    """
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: DecoderLM
+    source: Path
+    stepper: Stepper
+    parallel: Parallel | None = field(default=None, init=False)
+    _engine: Engine | None = field(default=None, init=False)
+    _engine_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     @property
     def engine(self) -> Engine:
@@ -503,8 +495,8 @@ def load(
 
     ``compile`` (resident models only; `infer.step`): ``"auto"`` runs each decode step from an
     ahead-of-time compiled package of its shape in the user's cache directory, and eagerly
-    while another process, started at the lowest priority, builds the missing package
-    (`infer.aot`; CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
+    where there is none (`infer.aot`: packages are built only when asked, ``INFER_AOT=build``;
+    CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
     every step in this process with ``torch.compile`` (the first request of each new (batch,
     length) bucket waits for it); ``False`` never compiles. ``None`` means `compile_by_default`.
 
@@ -543,10 +535,13 @@ def load(
     )  # fmt: skip
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
-    recipe = Recipe(
-        str(checkpoint.path), None if dtype is None else str(dtype).removeprefix("torch."), quantize
-    )
-    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, compile=use_compile, recipe=recipe)
+    packages = None
+    if use_compile == "auto" and device.type == "cpu" and not deterministic:
+        # Ahead-of-time compiled decode steps (infer.aot); the recipe rebuilds this model for a build.
+        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize))
+    stepper = Stepper(model, compile=use_compile, packages=packages)
+    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
     llm.parallel = placed
     return llm
 
@@ -555,7 +550,8 @@ def compile_by_default(device: torch.device) -> bool | Literal["auto"]:
     """What `load` compiles when ``compile`` is not given: ``"auto"`` on CPU, nothing elsewhere.
 
     ``"auto"`` never waits for a compiler: a decode step runs a package built ahead of time
-    by another process, or eagerly until there is one (`infer.aot`). Measured (docs/performance.md,
-    *Compiled by default*). On CUDA the packages are not built yet: ``compile=True`` there.
+    by another process, or eagerly where there is none (`infer.aot`); with an empty cache it is
+    plain eager. Measured (docs/performance.md, *Compiled by default*). On CUDA packages are not
+    built yet: ``compile=True`` there.
     """
     return "auto" if device.type == "cpu" else False

@@ -786,19 +786,30 @@ class Engine:
             hi = lo + width
         requests = [self._running.get(i) if i in rows else None for i in range(lo, hi)]
         feeds = {i: self._running[i].pending for i in rows}
-        mode, values, noise = self._sampling(requests)
-        try:
-            out = self.slots.step(lo, hi, feeds, mode, values, noise)
-            tokens: list[int] = out.tokens.tolist()  # the step's host read
-            bad: list[bool] = out.nonfinite.tolist()
-        except Exception as e:
-            for i in rows:
-                self._finish(self._running[i], "error", e)
+        ran = self._step(lo, hi, feeds, requests)
+        if ran is None:
             return
-        self._stats["steps"] += 1
+        out, tokens, bad = ran
         self._stats["batch_size"] = len(rows)
         for i in rows:
             self._token(self._running[i], tokens[i - lo], bad[i - lo], out, i - lo)
+
+    def _step(
+        self, lo: int, hi: int, feeds: dict[int, list[int]], requests: list[_Request | None], pad_to: int = 0
+    ) -> tuple[StepOutput, list[int], list[bool]] | None:
+        """One step of rows ``[lo, hi)`` fed ``feeds``, sampled as ``requests`` ask, and its host
+        read: ``(out, tokens, nonfinite)``; None when it failed (its fed rows finish with the error)."""
+        mode, values, noise = self._sampling(requests)
+        try:
+            out = self.slots.step(lo, hi, feeds, mode, values, noise, pad_to)
+            tokens: list[int] = out.tokens.tolist()  # the step's host read
+            bad: list[bool] = out.nonfinite.tolist()
+        except Exception as e:
+            for i in feeds:
+                self._finish(self._running[i], "error", e)
+            return None
+        self._stats["steps"] += 1
+        return out, tokens, bad
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
@@ -820,19 +831,13 @@ class Engine:
                 T = max(1, min(T, self._per_forward // len(group)))
             feeds = {i: self._running[i].pending[:T] for i in group}
             requests: list[_Request | None] = [self._running[i] for i in group]
-            mode, values, noise = self._sampling(requests)
             pad_to = 0
             if self.slots.stepper.compiled:
                 pad_to = max(MIN_PREFILL, 1 << (T - 1).bit_length()) if T > 1 else 1
-            try:
-                out = self.slots.step(group[0], group[-1] + 1, feeds, mode, values, noise, pad_to)
-                tokens: list[int] = out.tokens.tolist()
-                bad: list[bool] = out.nonfinite.tolist()
-            except Exception as e:
-                for i in group:
-                    self._finish(self._running[i], "error", e)
+            ran = self._step(group[0], group[-1] + 1, feeds, requests, pad_to)
+            if ran is None:
                 continue
-            self._stats["steps"] += 1
+            out, tokens, bad = ran
             budget -= sum(len(t) for t in feeds.values())
             for j, i in enumerate(group):
                 r = self._running[i]

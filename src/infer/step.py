@@ -18,7 +18,7 @@ torch's default (``TORCHINDUCTOR_CACHE_DIR`` if the user set it).
 
 ``compile="auto"`` (the default for a resident CPU model): decode steps run an
 ahead-of-time compiled package of their shape from the on-disk cache when there is one, and
-eagerly while another process builds it (`infer.aot`); prefill stays eager.
+eagerly where there is none (`infer.aot`); prefill stays eager.
 """
 
 from __future__ import annotations
@@ -220,8 +220,7 @@ class Stepper:
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         self.model = model
         self.compiled = compile is True  # every step compiled
-        self.auto = compile == "auto"  # decode steps from ahead-of-time compiled packages
-        self.packages = packages if self.auto else None
+        self.packages = packages if compile == "auto" else None  # ahead-of-time compiled decode steps
         self.compile_seconds = 0.0
         self.packaged_steps = 0  # decode steps that ran a package
         self._seen: set[tuple[Any, ...]] = set()

@@ -17,7 +17,7 @@ import torch
 import infer
 import infer.aot as aot
 from infer.cache import KVCache
-from infer.step import Sampling
+from infer.step import Sampling, StepFeed
 
 BUILD_TIMEOUT_S = 600
 
@@ -56,13 +56,22 @@ def test_packaged_decode_steps_give_the_eager_tokens(
     temperature, top_k = (0.8, 20) if seed is not None else (0.0, 0)
     mode = Sampling(greedy=False, filtered=True) if seed is not None else Sampling()
     t0 = time.perf_counter()
-    _build_for(llm, prompt, mode)
+    path_built = _build_for(llm, prompt, mode)
     built = time.perf_counter() - t0
     want = eager.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
     got = llm.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
     print(f"\n{arch}: package built in {built:.1f} s; {llm.stepper.packaged_steps} packaged decode steps")
     assert got == want
     assert llm.stepper.packaged_steps == len(got) - 1  # every decode step (the first token is the prefill's)
+    if seed is None:  # the package checks what compiled code cannot: a clear error, never a crash
+        package = aot.Package(path_built, llm.model)
+        two_rows = StepFeed(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
+                            torch.zeros(2, dtype=torch.long), mode, None, None)  # fmt: skip
+        with pytest.raises(ValueError, match=r"step input #0 is \[\[2, 1\]"):
+            package(KVCache(llm.config, 2, 256, dtype=llm.model.dtype, rings=False), two_rows)
+        other = infer.load(path, dtype=torch.bfloat16, compile=False).model
+        with pytest.raises(ValueError, match="the package expects"):
+            aot.Package(path_built, other)
 
 
 def test_a_background_build_serves_the_next_load(
@@ -128,3 +137,24 @@ def test_no_packages_where_they_do_not_apply(tiny_ckpt_factory: Callable[..., Pa
     llm = infer.load(path)
     llm.generate([1, 2, 3], max_new_tokens=4)
     assert llm.stepper.packaged_steps == 0 and not packages.exists()
+
+
+def test_the_default_builds_nothing_unasked(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
+    """``INFER_AOT=on`` (the default) with an empty cache: plain eager steps, no fingerprint,
+    no power-of-two row window, no shape noted, and nothing to build at exit (a build beside
+    running steps slows them ~4x: docs/performance.md)."""
+    llm = infer.load(tiny_ckpt_factory("llama"))
+    cache = llm.stepper.packages
+    assert isinstance(cache, aot.PackageCache) and not aot.BACKGROUND_BUILDS
+    llm.generate([1, 2, 3], max_new_tokens=6)
+    assert not llm.stepper.bucketed and llm.stepper.packaged_steps == 0
+    assert cache._fingerprint is None and not cache.missing
+    assert cache.build_missing() is None and not packages.exists()
+
+
+def test_a_bad_infer_aot_setting_is_named(
+    tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aot, "_SETTING", "maybe")
+    with pytest.raises(ValueError, match="INFER_AOT must be on, off or build, got 'maybe'"):
+        infer.load(tiny_ckpt_factory("llama"))
