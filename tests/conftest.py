@@ -228,5 +228,3 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return path
-
-

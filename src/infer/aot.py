@@ -2,10 +2,9 @@
 
 The default for a resident CPU model (``infer.load(path)``, ``compile="auto"``): a decode
 step of a shape that has a package in the cache runs the package (loading one takes ~10 ms
-and traces nothing); one that has none runs eagerly. Packages are built on request only
-(``INFER_AOT=build``, or `PackageCache.build_missing`): a build is 1-2 minutes of a core, and
-beside running steps it slows them ~4x (docs/performance.md), so infer never starts one
-unasked. With no package in the cache, the default costs nothing over eager.
+and traces nothing); one that has none runs eagerly, and its shape is built after the
+process, in the machine's idle time, so the next process (or this one, if it is still
+running when the package appears) steps at compiled speed.
 
 * **A package** (`build`) is `torch.export` of `infer.step.model_step` for one decode shape
   (rows, KV capacity, sampling mode), compiled by AOTInductor into a shared library. The
@@ -17,19 +16,23 @@ unasked. With no package in the cache, the default costs nothing over eager.
   the config, the shape, the sampling mode, torch's version, the CPU's instruction set
   (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
   infer itself. Another model, another machine or another version of infer finds no
-  package (and, asked to, builds its own).
-* **Building** (``INFER_AOT=build``): a step whose package is missing runs eagerly and its
-  shape is noted; at interpreter exit (or `PackageCache.build_missing`) one ``python -m
-  infer.aot`` process starts in a new session at ``SCHED_IDLE`` for the shapes noted. It
-  loads the same checkpoint the same way (`Recipe`), checks that its model has the same
-  fingerprint, compiles, and moves each package into place atomically (``os.replace``), so a
-  reader never sees a partial file; lock files keep two processes from building one package.
-  The first process never competes with its own build; the next one (or this one, if another
-  process built the package meanwhile) gets the package. The build's log is next to the package (``.log``).
+  package, and builds its own.
+* **Building**: a step whose package is missing runs eagerly and its shape is noted; at
+  interpreter exit (or `PackageCache.build_missing`) one builder starts, in a new session,
+  for the shapes noted: ``python -m infer.idle -- python -m infer.aot REQUESTS``. The
+  builder (``SCHED_IDLE``, one compile thread) loads the same checkpoint the same way
+  (`Recipe`), checks that its model has the same fingerprint, compiles, and moves each
+  package into place atomically (``os.replace``), so a reader never sees a partial file.
+  `infer.idle` stops it (``SIGSTOP``) whenever other processes keep the CPUs busy and lets
+  it go on after a second of quiet: a build beside running steps slows them ~4x even at
+  ``SCHED_IDLE`` (docs/performance.md), so it runs only in the gaps the user leaves. A
+  ``flock`` on ``KEY.lock``, held by the builder while it lives, keeps two processes from
+  building one package (a builder that dies releases it). The build's log is ``KEY.log``.
 * **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
-  the cache directory keeps the newest `MAX_PACKAGES` packages.
-* **Off**: ``compile=False``, or ``INFER_AOT=off`` in the environment (nothing is used or built).
-  ``INFER_AOT=on`` (the default) uses packages and builds none.
+  the cache directory keeps the newest `MAX_PACKAGES` packages. A build does not start
+  without the memory for a second copy of the model and the compiler (`_enough_memory`).
+* **Settings**: ``INFER_AOT=on`` (the default) uses packages and builds the missing ones;
+  ``use`` uses packages and builds none; ``off`` (or ``compile=False``) uses and builds nothing.
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
   and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -71,12 +75,12 @@ PACKAGE_VERSION = 1
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
-# ``INFER_AOT`` in the environment: ``off`` uses and builds nothing (as ``compile=False``);
-# ``on`` (the default) uses the packages there are; ``build`` also builds the missing ones.
-SETTINGS = ("on", "off", "build")
+# ``INFER_AOT`` in the environment: ``on`` (the default) uses the packages there are and builds
+# the missing ones in idle time; ``use`` builds none; ``off`` uses and builds nothing (as ``compile=False``).
+SETTINGS = ("on", "use", "off")
 _SETTING = os.environ.get("INFER_AOT", "on").strip().lower()
 ENABLED = _SETTING != "off"
-BACKGROUND_BUILDS = _SETTING == "build"  # whether the shapes found missing are built at exit
+BACKGROUND_BUILDS = _SETTING == "on"  # whether the shapes found missing are built after the process
 
 
 def cache_dir() -> Path:
@@ -345,21 +349,20 @@ class Package:
 
 
 class PackageCache:
-    """The packages of one model: loaded on demand; with ``INFER_AOT=build``, the missing ones
-    built after this process.
+    """The packages of one model: loaded on demand; the missing ones built after this process.
 
     A step whose package is missing runs eagerly and its shape is noted; at interpreter exit
-    (or at `build_missing`) one builder process starts for every shape noted, so a process
-    never competes with its own build (measured: eager decode 57 -> 14 tok/s on 2 cores while a
-    build ran beside it, even at ``SCHED_IDLE``). A package that appears while this process runs
-    (another process built it) is picked up: a missing path is looked at again every `RECHECK_S`.
+    (or at `build_missing`) one builder starts for every shape noted, stopped by `infer.idle`
+    whenever the machine is busy, so it never competes with this process or the next. A
+    package that appears while this process runs (built by another) is picked up: a missing
+    path is looked at again every `RECHECK_S`.
     """
 
     RECHECK_S = 1.0
 
     def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
         if _SETTING not in SETTINGS:
-            raise ValueError(f"the environment variable INFER_AOT must be on, off or build, got {_SETTING!r}")
+            raise ValueError(f"the environment variable INFER_AOT must be on, use or off, got {_SETTING!r}")
         self.model = model
         self.recipe = recipe
         self._fingerprint: str | None = None
@@ -427,35 +430,67 @@ class PackageCache:
         return package
 
     def build_missing(self) -> subprocess.Popen[bytes] | None:
-        """Start one builder process (a new session, ``SCHED_IDLE``) for the shapes noted as
-        missing that nobody builds yet; it outlives this process. None when there is nothing to do."""
+        """Start one builder (a new session, run by `infer.idle`) for the shapes noted as missing
+        that nobody builds yet; it outlives this process. None when there is nothing to do."""
         if not (ENABLED and BACKGROUND_BUILDS) or self.recipe is None:
             return None
-        requests = []
+        requests, locks = [], []
         for key, request in list(self.missing.items()):
             out = Path(request["out"])
-            if out.exists() or out.with_suffix(".failed").exists():
+            lock = _lock(out)
+            if lock is None:  # another process builds it
                 continue
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                os.close(os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except OSError:  # another process builds it
+            if out.exists() or out.with_suffix(".failed").exists():  # looked at again under the lock
+                os.close(lock)
                 continue
             requests.append(request | {"recipe": asdict(self.recipe)})
+            locks.append(lock)
             del self.missing[key]
         if not requests:
             return None
         log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
-        with log:
-            build = subprocess.Popen(
-                [sys.executable, "-m", "infer.aot", json.dumps(requests)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
-            )
+        worker = [sys.executable, "-m", "infer.aot", json.dumps(requests)]
+        try:
+            with log:
+                build = subprocess.Popen(
+                    [sys.executable, "-m", "infer.idle", "--", *worker],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=locks,  # the watcher holds the locks while it lives
+                    start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
+                )
+        finally:
+            for lock in locks:
+                os.close(lock)
         self.builds.append(build)
         return build
+
+
+def _lock(out: Path) -> int | None:
+    """An open descriptor holding an exclusive ``flock`` on ``out``'s lock file, or None when
+    another process holds it (it builds that package)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def building(directory: Path | None = None) -> list[str]:
+    """The packages being built in the cache directory now (their lock files are held)."""
+    held = []
+    for path in sorted((directory or cache_dir()).glob("*.lock")):
+        with contextlib.suppress(OSError):
+            fd = _lock(path.with_suffix(".pt2"))
+            if fd is None:
+                held.append(path.stem)
+            else:
+                os.close(fd)
+    return held
 
 
 _CACHES: weakref.WeakSet[PackageCache] = weakref.WeakSet()
@@ -489,6 +524,22 @@ def _yield_the_cpu() -> None:
         os.nice(19)
 
 
+COMPILER_BYTES = 2 << 30  # what AOTInductor's lowering and the C++ compiler take, with room
+
+
+def _enough_memory(checkpoint: Path) -> bool:
+    """Whether the machine has the memory for the builder's copy of the model and the compiler
+    (``MemAvailable`` >= checkpoint bytes + `COMPILER_BYTES`); true where it cannot tell."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        available = int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1])
+        files = [checkpoint] if checkpoint.is_file() else list(checkpoint.rglob("*"))
+        size = sum(f.stat().st_size for f in files if f.is_file())
+    except (OSError, StopIteration, ValueError):
+        return True
+    return available * 1024 >= size + COMPILER_BYTES
+
+
 def _main(argv: list[str]) -> int:
     """``python -m infer.aot REQUESTS``: build the packages asked for (what `PackageCache` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
@@ -496,6 +547,9 @@ def _main(argv: list[str]) -> int:
     requests = json.loads(parser.parse_args(argv).requests)
     _yield_the_cpu()
     torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
+    if not _enough_memory(Path(requests[0]["recipe"]["path"])):
+        print("not built: too little memory available now (a later process asks again)", flush=True)
+        return 0
     model: DecoderLM | None = None
     failures = 0
     for request in requests:
@@ -531,4 +585,6 @@ if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
 
 
-__all__ = ["MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "fingerprint"]
+__all__ = [
+    "MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "building", "fingerprint",
+]  # fmt: skip

@@ -24,7 +24,7 @@ BUILD_TIMEOUT_S = 600
 
 @pytest.fixture
 def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Packages on, in a directory of this test's own; no background builds unless a test asks."""
+    """Packages on, in a directory of this test's own; no builds unless a test asks (``INFER_AOT=use``)."""
     monkeypatch.setattr(aot, "ENABLED", True)
     monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
     monkeypatch.setattr(aot, "BACKGROUND_BUILDS", False)
@@ -80,7 +80,7 @@ def test_a_background_build_serves_the_next_load(
     """A missing package: the generation runs eagerly and notes the shape; the build (what
     interpreter exit starts) runs in another process; the next load (same checkpoint, same
     arguments: the same fingerprint) decodes from it, with the same tokens."""
-    aot.BACKGROUND_BUILDS = True
+    aot.BACKGROUND_BUILDS = True  # INFER_AOT=on, the default
     path = tiny_ckpt_factory("llama")
     prompt = [11, 12, 13]
     first = infer.load(path)
@@ -90,10 +90,13 @@ def test_a_background_build_serves_the_next_load(
     assert isinstance(cache, aot.PackageCache) and len(cache.missing) == 1 and not cache.builds
     build = cache.build_missing()
     assert build is not None and cache.build_missing() is None  # one build per shape
+    (key,) = aot.building(packages)  # its lock is held while it runs
+    cache.missing[key] = {"out": str(packages / f"{key}.pt2")}
+    assert cache.build_missing() is None  # ... so no other process starts it again
     build.wait(BUILD_TIMEOUT_S)
     log = next(packages.glob("*.log")).read_text()
     assert build.returncode == 0, log
-    assert len(list(packages.glob("*.pt2"))) == 1 and not list(packages.glob("*.lock"))
+    assert len(list(packages.glob("*.pt2"))) == 1 and not aot.building(packages)
     second = infer.load(path)
     assert second.generate(prompt, max_new_tokens=12).token_ids == want
     assert second.stepper.packaged_steps == 11
@@ -139,10 +142,9 @@ def test_no_packages_where_they_do_not_apply(tiny_ckpt_factory: Callable[..., Pa
     assert llm.stepper.packaged_steps == 0 and not packages.exists()
 
 
-def test_the_default_builds_nothing_unasked(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
-    """``INFER_AOT=on`` (the default) with an empty cache: plain eager steps, no fingerprint,
-    no power-of-two row window, no shape noted, and nothing to build at exit (a build beside
-    running steps slows them ~4x: docs/performance.md)."""
+def test_use_builds_nothing(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
+    """``INFER_AOT=use`` with an empty cache: plain eager steps, no fingerprint, no
+    power-of-two row window, no shape noted, and nothing to build at exit."""
     llm = infer.load(tiny_ckpt_factory("llama"))
     cache = llm.stepper.packages
     assert isinstance(cache, aot.PackageCache) and not aot.BACKGROUND_BUILDS
@@ -156,5 +158,5 @@ def test_a_bad_infer_aot_setting_is_named(
     tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(aot, "_SETTING", "maybe")
-    with pytest.raises(ValueError, match="INFER_AOT must be on, off or build, got 'maybe'"):
+    with pytest.raises(ValueError, match="INFER_AOT must be on, use or off, got 'maybe'"):
         infer.load(tiny_ckpt_factory("llama"))

@@ -31,6 +31,7 @@ FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
         "infer.rows",
+        "infer.idle",
         "infer.quant",
         "infer.chat_template",
         "infer.chat_history",

@@ -346,5 +346,3 @@ def test_a_tile_computes_each_row_on_its_own(name: str) -> None:
     same = sum(torch.equal(r, results[0]) for r in results)
     print(f"{name}: {same} of {len(results)} placements give the same bits")
     assert same == len(results)
-
-

@@ -1,0 +1,147 @@
+"""Run a command only while the rest of the machine leaves the CPUs idle.
+
+A compile in the background (`infer.aot`'s package builds) must not slow what the user runs.
+Lowering its priority is not enough: torch's steps are OpenMP regions over every core, each
+waiting for its slowest thread, so a build that holds one core for a moment stalls the whole
+step (measured on 2 cores: SmolLM2's eager decode fell from 57 to 1.5 tok/s beside a nice-19
+build, and to 14 tok/s beside a ``SCHED_IDLE`` one; docs/performance.md).
+
+``python -m infer.idle -- COMMAND...`` (`run_when_idle`) starts the command in a process group
+of its own and watches the CPUs this process may run on (``/proc/stat``, the CPUs of its
+affinity mask): while other processes keep more than `busy_limit` of them busy, the group is
+stopped (``SIGSTOP``); after `QUIET_S` seconds below it, continued. So the command runs in the
+gaps the user leaves (between runs, while a chat waits for typing) and is stopped within one
+`POLL_S` of the user's work starting. The watcher itself is a sleeping Python process without
+torch (~10 MB). It exits with the command's status; if it dies, the command is killed with it
+(``PR_SET_PDEATHSIG``); a command that cannot finish within `GIVE_UP_S` of wall time is killed.
+Linux only: elsewhere the command just runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO
+
+POLL_S = 0.2  # how often the CPUs are looked at
+QUIET_S = 1.0  # how long the rest of the machine stays under the limit before the command goes on
+GIVE_UP_S = 4 * 3600.0  # wall time after which the command is killed (a machine never idle)
+
+
+def busy_limit(cpus: int) -> float:
+    """CPUs other processes may keep busy while the command runs: it needs one of its own and
+    half of one to spare (2 CPUs: 0.5, i.e. anything beyond background noise stops it)."""
+    return max(0.25, cpus - 1.5)
+
+
+def cpu_ticks(cpus: set[int]) -> tuple[int, int]:
+    """``(busy, total)`` clock ticks of these CPUs since boot (``/proc/stat``): busy is user,
+    nice, system, irq and softirq time; total adds idle, iowait and steal."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name = line.split(maxsplit=1)[0]
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                continue
+            # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in line.split()[1:9]]
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4] - ticks[7]
+    return busy, total
+
+
+def group_ticks(pgid: int) -> int:
+    """CPU clock ticks of the processes in group `pgid`, their reaped children included."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
+        if int(fields[2]) == pgid:  # field 5: pgrp
+            ticks += sum(int(v) for v in fields[11:15])  # fields 14-17: utime stime cutime cstime
+    return ticks
+
+
+class Watch:
+    """Whether a command may run now, from successive samples of the CPUs (`sample`)."""
+
+    def __init__(self, cpus: set[int]) -> None:
+        self.cpus = cpus
+        self.limit = busy_limit(len(cpus))
+        self.quiet_since = time.monotonic() - QUIET_S  # may run at once, until a sample says otherwise
+        self._last: tuple[int, int, int] | None = None
+
+    def elsewhere(self, busy: int, total: int, own: int) -> float | None:
+        """CPUs kept busy by other processes since the last sample (None at the first)."""
+        last, self._last = self._last, (busy, total, own)
+        if last is None or total <= last[1]:
+            return None
+        return max(0, (busy - last[0]) - (own - last[2])) * len(self.cpus) / (total - last[1])
+
+    def may_run(self, elsewhere: float | None, now: float) -> bool:
+        if elsewhere is not None and elsewhere > self.limit:
+            self.quiet_since = now
+        return now - self.quiet_since >= QUIET_S
+
+    def sample(self, pgid: int, now: float) -> bool:
+        return self.may_run(self.elsewhere(*cpu_ticks(self.cpus), group_ticks(pgid)), now)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: be killed (``SIGKILL``) when the watcher dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_when_idle(command: Sequence[str], stdout: IO[bytes] | None = None) -> int:
+    """Run `command` in its own process group, stopped whenever the machine is busy
+    elsewhere; its exit status (negative: the signal that ended it)."""
+    linux = sys.platform.startswith("linux") and os.path.exists("/proc/stat")
+    proc = subprocess.Popen(
+        list(command), stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
+        process_group=0, preexec_fn=_die_with_parent if linux else None,
+    )  # fmt: skip
+    if not linux:
+        return proc.wait()
+    watch = Watch(os.sched_getaffinity(0))
+    running, start = True, time.monotonic()
+    try:
+        watch.sample(proc.pid, start)
+        while proc.poll() is None:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            if now - start > GIVE_UP_S:
+                break
+            may_run = watch.sample(proc.pid, now)
+            if may_run != running:
+                os.killpg(proc.pid, signal.SIGCONT if may_run else signal.SIGSTOP)
+                running = may_run
+    finally:
+        if proc.poll() is None:  # given up, or the watcher was interrupted
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m infer.idle -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    return run_when_idle(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
