@@ -55,7 +55,6 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -372,7 +371,6 @@ class PackageCache:
         self._looked: dict[str, float] = {}  # key -> when its path was last looked at
         self.builds: list[subprocess.Popen[bytes]] = []
         self._scanned, self._present = -self.RECHECK_S, False
-        _CACHES.add(self)
 
     @property
     def fingerprint(self) -> str:
@@ -410,12 +408,16 @@ class PackageCache:
         self._looked[key] = now
         path = cache_dir() / f"{key}.pt2"
         if not path.exists():
-            self.missing.setdefault(key, {
-                "key": key, "batch": batch, "capacity": cache.capacity,
-                "rings": cache.ring_slots is not None, "mode": asdict(mode), "out": str(path),
-            })  # fmt: skip
+            if key not in self.missing and self.recipe is not None:
+                self.missing[key] = {
+                    "key": key, "batch": batch, "capacity": cache.capacity,
+                    "rings": cache.ring_slots is not None, "mode": asdict(mode), "out": str(path),
+                    "recipe": asdict(self.recipe),
+                }  # fmt: skip
+                _MISSING[key] = self.missing[key]  # built at exit even if this cache is gone by then
             return None
         self.missing.pop(key, None)
+        _MISSING.pop(key, None)
         try:
             package = Package(path, self.model)
         except Exception as e:  # a damaged package: remove it, stay eager
@@ -432,39 +434,50 @@ class PackageCache:
     def build_missing(self) -> subprocess.Popen[bytes] | None:
         """Start one builder (a new session, run by `infer.idle`) for the shapes noted as missing
         that nobody builds yet; it outlives this process. None when there is nothing to do."""
-        if not (ENABLED and BACKGROUND_BUILDS) or self.recipe is None:
-            return None
-        requests, locks = [], []
-        for key, request in list(self.missing.items()):
-            out = Path(request["out"])
-            lock = _lock(out)
-            if lock is None:  # another process builds it
-                continue
-            if out.exists() or out.with_suffix(".failed").exists():  # looked at again under the lock
-                os.close(lock)
-                continue
-            requests.append(request | {"recipe": asdict(self.recipe)})
-            locks.append(lock)
-            del self.missing[key]
-        if not requests:
-            return None
-        log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
-        worker = [sys.executable, "-m", "infer.aot", json.dumps(requests)]
-        try:
-            with log:
-                build = subprocess.Popen(
-                    [sys.executable, "-m", "infer.idle", "--", *worker],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=locks,  # the watcher holds the locks while it lives
-                    start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
-                )
-        finally:
-            for lock in locks:
-                os.close(lock)
-        self.builds.append(build)
+        build = _start_build(self.missing)
+        if build is not None:
+            self.builds.append(build)
         return build
+
+
+_MISSING: dict[str, dict[str, Any]] = {}  # every shape noted missing in this process, by key
+
+
+def _start_build(missing: dict[str, dict[str, Any]]) -> subprocess.Popen[bytes] | None:
+    """Start one builder for the requests in ``missing`` that nobody builds yet (they leave
+    ``missing`` and `_MISSING`); None when there is nothing to do."""
+    if not (ENABLED and BACKGROUND_BUILDS):
+        return None
+    requests, locks = [], []
+    for key, request in list(missing.items()):
+        out = Path(request["out"])
+        lock = _lock(out)
+        if lock is None:  # another process builds it
+            continue
+        if out.exists() or out.with_suffix(".failed").exists():  # looked at again under the lock
+            os.close(lock)
+            continue
+        requests.append(request)
+        locks.append(lock)
+        del missing[key]
+        _MISSING.pop(key, None)
+    if not requests:
+        return None
+    log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
+    worker = [sys.executable, "-m", "infer.aot", json.dumps(requests)]
+    try:
+        with log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "infer.idle", "--", *worker],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=locks,  # the watcher holds the locks while it lives
+                start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
+            )
+    finally:
+        for lock in locks:
+            os.close(lock)
 
 
 def _lock(out: Path) -> int | None:
@@ -493,14 +506,10 @@ def building(directory: Path | None = None) -> list[str]:
     return held
 
 
-_CACHES: weakref.WeakSet[PackageCache] = weakref.WeakSet()
-
-
 @atexit.register
 def _build_at_exit() -> None:
-    for packages in list(_CACHES):
-        with contextlib.suppress(Exception):  # a build that cannot start costs speed only
-            packages.build_missing()
+    with contextlib.suppress(Exception):  # a build that cannot start costs speed only
+        _start_build(_MISSING)
 
 
 def _prune(directory: Path) -> None:

@@ -495,8 +495,8 @@ def load(
 
     ``compile`` (resident models only; `infer.step`): ``"auto"`` runs each decode step from an
     ahead-of-time compiled package of its shape in the user's cache directory, and eagerly
-    where there is none (`infer.aot`: packages are built only when asked, ``INFER_AOT=build``;
-    CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
+    where there is none (`infer.aot`: the missing shapes are built after the process, while the
+    machine is otherwise idle; CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
     every step in this process with ``torch.compile`` (the first request of each new (batch,
     length) bucket waits for it); ``False`` never compiles. ``None`` means `compile_by_default`.
 
@@ -550,8 +550,8 @@ def compile_by_default(device: torch.device) -> bool | Literal["auto"]:
     """What `load` compiles when ``compile`` is not given: ``"auto"`` on CPU, nothing elsewhere.
 
     ``"auto"`` never waits for a compiler: a decode step runs a package built ahead of time
-    by another process, or eagerly where there is none (`infer.aot`); with an empty cache it is
-    plain eager. Measured (docs/performance.md, *Compiled by default*). On CUDA packages are not
-    built yet: ``compile=True`` there.
+    by another process, or eagerly where there is none (`infer.aot`; the missing shapes are
+    built after the process, in the machine's idle time). Measured (docs/performance.md,
+    *Compiled by default*). On CUDA packages are not built yet: ``compile=True`` there.
     """
     return "auto" if device.type == "cpu" else False

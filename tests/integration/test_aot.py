@@ -7,6 +7,9 @@ sliding-window layers with seeded sampling), one through the background process.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +31,7 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(aot, "ENABLED", True)
     monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
     monkeypatch.setattr(aot, "BACKGROUND_BUILDS", False)
+    monkeypatch.setattr(aot, "_MISSING", {})
     yield tmp_path / "aot"
 
 
@@ -104,6 +108,32 @@ def test_a_background_build_serves_the_next_load(
     assert first.generate(prompt, max_new_tokens=12).token_ids == want
     assert first.stepper.packaged_steps >= 11  # (its prompt is cached: it may decode one more step)
     print(f"\nbuild log: {log.strip().splitlines()[-1]}")
+
+
+def test_a_process_builds_what_it_missed_at_exit(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The default in a fresh process (``INFER_AOT`` unset), the model loaded and dropped inside a
+    function as a script or the CLI does: at exit the process starts the build of the decode
+    step it ran eagerly (under `infer.idle`), and the package lands in the user's cache."""
+    script = (
+        "import sys, infer\n"
+        "def main():\n"
+        "    llm = infer.load(sys.argv[1])\n"
+        "    print(llm.generate([3, 4, 5], max_new_tokens=6).token_ids)\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "INFER_AOT"} | {"XDG_CACHE_HOME": str(tmp_path)}
+    path = tiny_ckpt_factory("llama")
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
+    directory = tmp_path / "infer" / "aot"
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while aot.building(directory) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (log,) = directory.glob("*.log")
+    assert not aot.building(directory), "the build did not finish"
+    assert len(list(directory.glob("*.pt2"))) == 1, log.read_text()
+    print(f"\nbuild log: {log.read_text().strip().splitlines()[-1]}")
 
 
 def test_a_damaged_package_is_removed_and_the_step_stays_eager(
