@@ -497,12 +497,16 @@ def building(directory: Path | None = None) -> list[str]:
     """The packages being built in the cache directory now (their lock files are held)."""
     held = []
     for path in sorted((directory or cache_dir()).glob("*.lock")):
-        with contextlib.suppress(OSError):
-            fd = _lock(path.with_suffix(".pt2"))
-            if fd is None:
-                held.append(path.stem)
-            else:
-                os.close(fd)
+        try:
+            fd = os.open(path, os.O_RDWR)  # not created again if its builder just removed it
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held.append(path.stem)
+        finally:
+            os.close(fd)
     return held
 
 

@@ -56,14 +56,33 @@ def cpu_ticks(cpus: set[int]) -> tuple[int, int]:
     return busy, total
 
 
+_CHILDREN_LISTED = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (``/proc/PID/task/TID/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        with contextlib.suppress(OSError):  # ended meanwhile
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+    return found
+
+
 def group_ticks(pgid: int) -> int:
     """CPU clock ticks of the processes in group `pgid`, their reaped children included."""
+    pids: list[int] | list[str]
+    if _CHILDREN_LISTED:  # the group's leader and what runs below it
+        pids = _descendants(pgid)
+    else:  # a kernel without CONFIG_PROC_CHILDREN: every process (~1.5 ms for 70)
+        pids = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     ticks = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in pids:
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
         except OSError:  # the process ended meanwhile
             continue
@@ -94,8 +113,11 @@ class Watch:
             self.quiet_since = now
         return now - self.quiet_since >= QUIET_S
 
-    def sample(self, pgid: int, now: float) -> bool:
-        return self.may_run(self.elsewhere(*cpu_ticks(self.cpus), group_ticks(pgid)), now)
+    def sample(self, pgid: int, now: float, stopped: bool = False) -> bool:
+        """One look at the CPUs. A stopped group's ticks are not read again (they cannot have
+        grown), so while the user's work runs the watcher reads ``/proc/stat`` only."""
+        own = self._last[2] if stopped and self._last is not None else group_ticks(pgid)
+        return self.may_run(self.elsewhere(*cpu_ticks(self.cpus), own), now)
 
 
 def _die_with_parent() -> None:
@@ -123,7 +145,7 @@ def run_when_idle(command: Sequence[str], stdout: IO[bytes] | None = None) -> in
             now = time.monotonic()
             if now - start > GIVE_UP_S:
                 break
-            may_run = watch.sample(proc.pid, now)
+            may_run = watch.sample(proc.pid, now, stopped=not running)
             if may_run != running:
                 os.killpg(proc.pid, signal.SIGCONT if may_run else signal.SIGSTOP)
                 running = may_run

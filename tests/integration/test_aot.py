@@ -190,3 +190,20 @@ def test_a_bad_infer_aot_setting_is_named(
     monkeypatch.setattr(aot, "_SETTING", "maybe")
     with pytest.raises(ValueError, match="INFER_AOT must be on, use or off, got 'maybe'"):
         infer.load(tiny_ckpt_factory("llama"))
+
+
+def test_no_build_without_the_memory_for_it(tmp_path: Path) -> None:
+    """The builder loads a second copy of the model: it does not start one that cannot fit
+    (a sparse 1 TiB "checkpoint" here), and says so in its log instead of failing."""
+    huge = tmp_path / "model.gguf"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 40)
+    assert not aot._enough_memory(huge)
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"\0" * 1024)
+    assert aot._enough_memory(small) == (_available_bytes() > aot.COMPILER_BYTES)
+
+
+def _available_bytes() -> int:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
