@@ -2,11 +2,14 @@
 
     uv run python benchmarks/compiled_parity.py                    # both models, float32 and default
     uv run python benchmarks/compiled_parity.py --models smollm2 --dtypes float32 --steps 24
+    uv run python benchmarks/compiled_parity.py --against package   # the default's packages (infer.aot)
 
 `infer.step.model_step` run eagerly is the reference; the same code compiled with
 ``torch.compile(fullgraph=True)`` must give identical greedy tokens and logits within
 ``1e-5 * max |logit|`` (docs/numerics.md; the tests check this on tiny models; compiling
-the real ones takes minutes, so it is measured here). Prints, per model and dtype:
+the real ones takes minutes, so it is measured here). ``--against package``: the
+ahead-of-time compiled packages the CPU default runs (`infer.aot`), built here, in this
+process, into a temporary directory, for the decode shapes a first run noted. Prints, per model and dtype:
 tokens equal or the first differing step, and the largest logit difference, absolute and
 relative to the largest logit.
 """
@@ -14,7 +17,11 @@ relative to the largest logit.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +40,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,default")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--against", choices=["compile", "package"], default="compile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -65,7 +73,11 @@ def main() -> None:
             t0 = time.perf_counter()
             eager_tokens, eager_logits = run(Stepper(llm.model))
             t1 = time.perf_counter()
-            compiled = Stepper(llm.model, compile=True)
+            if args.against == "package":
+                compiled = packaged_stepper(llm, dtype, run)
+                t1 = time.perf_counter()
+            else:
+                compiled = Stepper(llm.model, compile=True)
             tokens, logits = run(compiled)
             t2 = time.perf_counter()
             same = torch.equal(tokens, eager_tokens)
@@ -73,6 +85,8 @@ def main() -> None:
             err = (logits - eager_logits).abs().max().item()
             rel = err / eager_logits.abs().max().item()
             took = f"eager {t1 - t0:.0f} s, compiled {t2 - t1:.0f} s incl. {compiled.compile_seconds:.0f}"
+            if args.against == "package":
+                took = f"{compiled.packaged_steps} steps from packages"
             print(
                 f"{name} {dtype}: {len(prompts)} prompts x {args.steps} greedy steps: tokens "
                 f"{'identical' if same else f'differ from step {first}'}, max |logit diff| {err:.2e} "
@@ -80,6 +94,29 @@ def main() -> None:
                 f"({took})",
                 flush=True,
             )
+
+
+def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
+    """A default (``compile="auto"``) stepper whose packages exist: a first run notes the decode
+    shapes it misses, they are built here (`infer.aot.build`), and the stepper is returned."""
+    import infer.aot as aot
+    from infer.step import Sampling, Stepper
+
+    aot.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
+    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built below, not at exit
+    cache = aot.PackageCache(llm.model, aot.Recipe(str(llm.source), None if dtype == "default" else dtype))
+    stepper = Stepper(llm.model, compile="auto", packages=cache)
+    run(stepper)
+    for request in cache.missing.values():
+        t0 = time.perf_counter()
+        aot.build(llm.model, request["batch"], request["capacity"], request["rings"],
+                  Sampling(**request["mode"]), Path(request["out"]))  # fmt: skip
+        print(f"  built {Path(request['out']).name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    cache.missing.clear()
+    aot._MISSING.clear()
+    cache._looked.clear()
+    stepper.packaged_steps = 0
+    return stepper
 
 
 if __name__ == "__main__":

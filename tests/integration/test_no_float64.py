@@ -21,11 +21,11 @@ import infer
 from infer.testing import ARCHITECTURES
 
 
-class Float64Outputs(TorchDispatchMode):
+class Float64Outputs(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts aten ops by name whose outputs include a float64 tensor; counts all ops too."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.float64: Counter[str] = Counter()
         self.ops = 0
 
