@@ -41,6 +41,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--against", choices=["compile", "package"], default="compile")
+    parser.add_argument(
+        "--exact-head", action="store_true",
+        help="every logit exact (as for logprobs); by default a greedy head makes only each row's "
+        "top candidates exact and the rest approximate, in both paths",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -66,6 +71,7 @@ def main() -> None:
                             max_new_tokens=args.steps,
                             params=SamplingParams(),
                             stepper=stepper,
+                            exact_head=args.exact_head,
                         )
                     )
                 return torch.stack([o.tokens for o in outs], 1), torch.stack([o.logits for o in outs], 1)
@@ -83,6 +89,13 @@ def main() -> None:
             same = torch.equal(tokens, eager_tokens)
             first = None if same else int((tokens != eager_tokens).any(0).nonzero()[0])
             upto = tokens.shape[1] if first is None else first + 1  # steps fed the same tokens
+            margin = ""
+            if first is not None:  # how close eager's top two were where the paths parted
+                row = int((tokens[:, first] != eager_tokens[:, first]).nonzero()[0])
+                top2 = eager_logits[row, first].float().topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                share = gap / top2[0].abs().item()
+                margin = f"; there eager's top two logits were {gap:.2e} apart ({share:.1e})"
             err = (logits[:, :upto] - eager_logits[:, :upto]).abs().max().item()
             rel = err / eager_logits[:, :upto].abs().max().item()
             took = f"eager {t1 - t0:.0f} s, compiled {t2 - t1:.0f} s incl. {compiled.compile_seconds:.0f}"
@@ -91,7 +104,7 @@ def main() -> None:
             print(
                 f"{name} {dtype}: {len(prompts)} prompts x {args.steps} greedy steps: tokens "
                 f"{'identical' if same else f'differ from step {first}'}, max |logit diff| "
-                f"{'' if same else 'up to that step '}{err:.2e} "
+                f"{'' if same else 'up to that step '}{err:.2e}{margin} "
                 f"({rel:.1e} of max |logit|, bound 1e-5) "
                 f"({took})",
                 flush=True,

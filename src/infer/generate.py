@@ -306,9 +306,11 @@ def step_outputs(
     params: SamplingParams,
     pad_id: int = 0,
     stepper: Stepper | None = None,
+    exact_head: bool = False,
 ) -> Generator[StepOutput, None, None]:
     """The steps of a generation: the prefill's output, then one per decode step, ``max_new_tokens``
-    in all (each step feeds the previous one's tokens). Close it to stop early."""
+    in all (each step feeds the previous one's tokens). Close it to stop early. ``exact_head``:
+    every logit exact (as for logprobs), not only each row's greedy choice."""
     B = len(prompts)
     _, chunk = context_limits(model, B)
     longest = max(len(p) for p in prompts)
@@ -319,7 +321,7 @@ def step_outputs(
     ids = right_pad(prompts, pad_id, T).to(device)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     cache = stepper.cache(B, stepper.capacity(max(T, longest + max_new_tokens)))
-    mode, values = sampling_inputs([params] * B, device)
+    mode, values = sampling_inputs([params] * B, device, exact_head=exact_head)
     generators: list[torch.Generator | None] = [None] * B
     if not mode.greedy:
         seed = params.seed if params.seed is not None else torch.seed() % (SEED_MAX + 1)
