@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -586,8 +587,13 @@ def _say_interrupted() -> None:
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
-    """SIGINT: a `KeyboardInterrupt` inside the command, else one line and exit 130 now."""
-    if _interrupt["raise"]:
+    """SIGINT: a `KeyboardInterrupt` inside the command, else one line and exit 130 now.
+
+    Inside an import (a module's top-level code, or importlib's own) it exits at once too: an
+    exception raised there can land in an extension's C++ (torch's pybind11 imports: a
+    ``terminate``, SIGABRT) or in an importlib callback that ignores it (the run went on and
+    exited 0), and an import holds nothing to clean up."""
+    if _interrupt["raise"] and not _importing(frame):
         _interrupt["raise"] = False  # a second Ctrl-C, during the cleanup, exits at once
         _interrupt["signalled"] = True
         raise KeyboardInterrupt
@@ -596,6 +602,20 @@ def _on_interrupt(signum: int, frame: object) -> None:
         sys.stdout.flush()
     finally:
         os._exit(130)
+
+
+def _importing(frame: object) -> bool:
+    """Whether `frame` or a caller runs a module's top-level code (other than ``__main__``'s) or
+    importlib's."""
+    f = frame if isinstance(frame, types.FrameType) else None
+    while f is not None:
+        code = f.f_code
+        if code.co_filename.startswith("<frozen importlib"):
+            return True
+        if code.co_name == "<module>" and f.f_globals.get("__name__") != "__main__":
+            return True
+        f = f.f_back
+    return False
 
 
 def _on_terminate(signum: int, frame: object) -> None:
