@@ -67,7 +67,7 @@ from torch import nn
 from infer.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
-from infer.models.base import DecoderLM
+from infer.models.base import DecoderLM, layer_regions
 from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, model_step
 
 PACKAGE_VERSION = 1
@@ -249,12 +249,10 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
     cache = KVCache(model.config, batch, capacity, dtype=model.dtype, device=model.device,
                     layers=model.kv_layers, rings=rings)  # fmt: skip
     step = _DecodeStep(model, cache, mode)
-    weights = named_tensors(step)
-    names = list(weights)
 
     class Functional(nn.Module):
         def forward(self, ids: Any, n_new: Any, last: Any, state: Any, kv: Any, sampling: Any, w: Any) -> Any:
-            return torch.func.functional_call(step, w, (ids, n_new, last, state, kv, sampling), strict=True)
+            return torch.func.functional_call(step, w, (ids, n_new, last, state, kv, sampling), strict=False)
 
     device = model.device
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -269,11 +267,28 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             torch.ones(batch, device=device),
             torch.zeros(batch, V, device=device),
         ]
-    args = (ids, ones, zeros, _state(cache), _kv(cache), sampling, weights)
-    with _all_modules_named(step), torch.no_grad(), warnings.catch_warnings():
-        # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
-        warnings.simplefilter("ignore", UserWarning)
-        exported = torch.export.export(Functional(), args, strict=True)
+    inputs = (ids, ones, zeros, _state(cache), _kv(cache), sampling)
+
+    def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+        # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
+        with _all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
+            # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.export.export(Functional(), (*inputs, weights), strict=True)
+
+    # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step
+    # reads. The first export finds them (the fused products leave their parts' views unread:
+    # SmolLM2 reads 307 of 607), the second is the program built.
+    weights = named_tensors(step)
+    used = _used_weights(export(weights), len(torch.utils._pytree.tree_leaves(inputs)), list(weights))
+    weights = {name: weights[name] for name in used}
+    exported = export(weights)
+    # A weight not passed would be baked into the code (small constants, a scale, are fine).
+    lifted = [*exported.state_dict.items(), *exported.constants.items()]
+    baked = [name for name, t in lifted if isinstance(t, torch.Tensor) and t.numel() > 64]
+    if baked:
+        raise RuntimeError(f"the exported step holds tensors of its own: {baked[:3]}")
+    names = list(weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         package = Path(tmp) / "package.pt2"
@@ -289,6 +304,18 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             },
         )
         os.replace(package, path)
+
+
+def _used_weights(exported: torch.export.ExportedProgram, n_inputs: int, names: list[str]) -> list[str]:
+    """The weights (``names``, the user inputs after the ``n_inputs`` step inputs) the program reads."""
+    user = torch.export.graph_signature.InputKind.USER_INPUT
+    by_name = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    specs = [spec for spec in exported.graph_signature.input_specs if spec.kind == user]
+    if len(specs) != n_inputs + len(names):
+        expected = n_inputs + len(names)
+        raise RuntimeError(f"the exported step has {len(specs)} inputs, expected {expected}")
+    nodes = [by_name[spec.arg.name] for spec in specs[n_inputs:]]
+    return [name for name, node in zip(names, nodes, strict=True) if node.users]
 
 
 # ---- running packages ----------------------------------------------------------------------

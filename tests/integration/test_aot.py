@@ -7,6 +7,7 @@ sliding-window layers with seeded sampling), one through the background process.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,10 @@ def test_packaged_decode_steps_give_the_eager_tokens(
     assert llm.stepper.packaged_steps == len(got) - 1  # every decode step (the first token is the prefill's)
     if seed is None:  # the package checks what compiled code cannot: a clear error, never a crash
         package = aot.Package(path_built, llm.model)
+        # It is handed only the weights the step reads: the fused q/k/v product, not its parts' views.
+        names = json.loads(package.loader.get_metadata()["names"])
+        assert any(".fused_0." in n for n in names) and not any(".q_proj." in n for n in names), names
+        assert len(names) < len(aot.named_tensors(llm.model))
         two_rows = StepFeed(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
                             torch.zeros(2, dtype=torch.long), mode, None, None)  # fmt: skip
         with pytest.raises(ValueError, match=r"step input #0 is \[\[2, 1\]"):

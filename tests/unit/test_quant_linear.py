@@ -280,6 +280,21 @@ def test_head_rescoring_makes_top_logits_exact() -> None:
     assert torch.equal(head.exact_rows(torch.tensor([0, 17, 299])), exact_w[[0, 17, 299]])
 
 
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 262144, 128), (3, 49152, 128), (2, 49152, 16), (2, 300, 16)])
+def test_top_indices_are_topk(rows: int, n: int, k: int) -> None:
+    """The block-wise top-k an output head re-scores (`infer.quant.linear.top_indices`) picks
+    entries of the same values as ``topk``, ties (repeated values) included."""
+    from infer.quant.linear import top_indices
+
+    gen = torch.Generator().manual_seed(n + k)
+    y = torch.randn(rows, n, generator=gen)
+    y[:, ::7] = y[:, ::7].round(decimals=1)  # many equal values near the top
+    got = top_indices(y, k)
+    want = y.topk(k, dim=-1).values
+    assert got.shape == (rows, k) and all(len(set(r)) == k for r in got.tolist())  # k distinct indices
+    assert torch.equal(y.gather(-1, got).sort(dim=-1, descending=True).values, want)
+
+
 def _linears() -> dict[str, nn.Module]:
     """One module per product path: float (float32 / bfloat16), packed int4 (one and two planes),
     int8, dense bfloat16 GGUF, and packed weights with float32 compute."""
