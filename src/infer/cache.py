@@ -104,12 +104,17 @@ class StepKV:
         ring_write: torch.Tensor | None,
         ring_src: torch.Tensor | None,
         key_limit: int | None = None,
+        key_start: int | None = None,
     ) -> None:
         self.k, self.v, self.ring = k, v, ring
         self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
         # Slots in use before the step (host int, an upper bound for every row; None: unknown):
         # a query ``t`` of the step sees no key at or past ``key_limit + t + 1``.
         self.key_limit = None if ring else key_limit
+        # A sliding window's lower bound (host int; None: none or unknown): query ``t`` of the step
+        # sees no key before slot ``key_start + t`` (every row's first query is at slot >= the
+        # cache's `KVCache.first`, and sees ``window`` slots back).
+        self.key_start = None if ring else key_start
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
@@ -165,6 +170,9 @@ class KVCache:
         self.capacity = round_up(max_len, KEY_CHUNK)
         self.batch_size = batch_size
         self.length = 0
+        # The lowest slot a row's first token of the next step goes to (host int, set by whoever
+        # knows it, the engine; None: unknown): lets sliding-window attention skip older keys.
+        self.first: int | None = None
         self.device = torch.device(device)
         if pad is None:
             pad = torch.zeros(batch_size, dtype=torch.long)
@@ -251,6 +259,7 @@ class KVCache:
         if self.ring_slots is not None:
             self.ring_slots.fill_(-1)
         self.length = 0
+        self.first = None
         self.plan = None
 
     # ---- host side: bounds ---------------------------------------------------

@@ -413,6 +413,7 @@ class KVSlots:
         feed = StepFeed(ids, n_new, last, mode, values, noise)
         view = self.view(lo, hi)
         view.length = max(len(self.held[r]) for r in range(lo, hi))
+        view.first = min(len(self.held[r]) for r in range(lo, hi))
         assert view.batch_size == B
         try:
             out = self.stepper(view, feed)
@@ -438,7 +439,7 @@ class KVSlots:
         feeds = {row: list(tokens)}
         self._fit(row, row + 1, k, feeds)
         view = self.view(row, row + 1)
-        view.length = len(self.held[row])
+        view.length = view.first = len(self.held[row])
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
         h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=self.model.device))
         self.held[row].extend(tokens)
@@ -460,7 +461,8 @@ class Engine:
     ``max_batch`` rows run at once (KV memory at most ``max_batch x context x`` bytes per token:
     `KVSlots`); at most ``max_waiting`` requests wait for a row (`EngineFull` past that);
     ``context`` (default the model's) bounds prompt + generated tokens of a request;
-    ``prefill_chunk`` bounds the prompt tokens read per iteration.
+    ``prefill_chunk`` bounds the prompt tokens read per iteration while other requests decode
+    (their next token waits for that forward), ``idle_prefill_chunk`` while none does.
     """
 
     def __init__(
@@ -471,11 +473,13 @@ class Engine:
         max_waiting: int = 64,
         context: int | None = None,
         prefill_chunk: int = 256,
+        idle_prefill_chunk: int = 2048,
     ) -> None:
         model = llm.model
         check_int("max_batch", max_batch, 1)
         check_int("max_waiting", max_waiting, 0)
         check_int("prefill_chunk", prefill_chunk, 1)
+        check_int("idle_prefill_chunk", idle_prefill_chunk, 1)
         limit = model.config.max_position_embeddings
         if context is not None:
             limit = min(limit, check_int("context", context, 2))
@@ -486,12 +490,14 @@ class Engine:
             limit = min(limit, limits.max_context)
             per_forward = limits.max_batch_size * limits.max_prefill_tokens
             prefill_chunk = min(prefill_chunk, per_forward)
+            idle_prefill_chunk = min(idle_prefill_chunk, per_forward)
         self.llm = llm
         self.model = model
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.context = limit
         self.prefill_chunk = prefill_chunk
+        self.idle_prefill_chunk = idle_prefill_chunk
         self._per_forward = per_forward
         self.slots = KVSlots(model, max_batch, limit, llm.stepper)
         self._eos = frozenset(llm._eos_ids())
@@ -814,7 +820,11 @@ class Engine:
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
         reading = sorted(row for row, r in self._running.items() if not r.decoding)
-        budget = self.prefill_chunk
+        # Running streams wait for this forward: a short chunk. Nobody waits: a long one, which
+        # dequantizes each packed weight once for more tokens (Gemma 3, a 4,096-token prompt:
+        # 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads).
+        idle = not any(r.decoding for r in self._running.values())
+        budget = self.idle_prefill_chunk if idle else self.prefill_chunk
         groups: list[list[int]] = []
         for i in reading:
             if groups and groups[-1][-1] == i - 1:

@@ -162,6 +162,23 @@ def test_int4_layout_matches_torch_converter(rows: int) -> None:
     assert int4.cpu_kernel_usable()
 
 
+@pytest.mark.parametrize("rows", [64, 80, 192, 208])
+def test_joined_planes_unpack_as_both_planes(rows: int) -> None:
+    """`int4.unpack_joined_transposed` = the two planes unpacked one by one and joined, for the
+    planes side by side in one packed matrix and in two, full 64-row blocks and the tail."""
+    gen = torch.Generator().manual_seed(rows)
+    k = 96
+    nib = torch.randint(0, 16, (rows, 2 * k), generator=gen, dtype=torch.uint8)
+    both = int4.pack(nib)
+    lo, hi = int4.pack(nib[:, :k].contiguous()), int4.pack(nib[:, k:].contiguous())
+    for start, stop in [(0, rows), (64, rows), (0, 64)]:
+        if stop <= start:
+            continue
+        want = (nib[start:stop, k:] << 4 | nib[start:stop, :k]).T
+        assert torch.equal(int4.unpack_joined_transposed(both, start, stop, k), want)
+        assert torch.equal(int4.unpack_joined_transposed(lo, start, stop, k, hi), want)
+
+
 # ---- embeddings -------------------------------------------------------------------
 
 
@@ -280,7 +297,9 @@ def test_head_rescoring_makes_top_logits_exact() -> None:
     assert torch.equal(head.exact_rows(torch.tensor([0, 17, 299])), exact_w[[0, 17, 299]])
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 262144, 128), (3, 49152, 128), (2, 49152, 16), (2, 300, 16)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 262144, 128), (3, 49152, 128), (2, 49152, 16), (2, 300, 16)]
+)
 def test_top_indices_are_topk(rows: int, n: int, k: int) -> None:
     """The block-wise top-k an output head re-scores (`infer.quant.linear.top_indices`) picks
     entries of the same values as ``topk``, ties (repeated values) included."""

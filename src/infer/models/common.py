@@ -284,6 +284,7 @@ class KVStore(Protocol):
     """What attention needs from a per-layer KV cache (see `infer.cache`)."""
 
     key_limit: int | None  # keys at or past ``key_limit + T`` are masked for every query (None: unknown)
+    key_start: int | None  # query ``t`` sees no key before ``key_start + t`` (None: no such bound)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``."""
@@ -366,12 +367,12 @@ class Attention(Fusable):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
         v = v.transpose(1, 2)  # [B, Hkv, T, hd]
-        key_limit = None
+        key_limit = key_start = None
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, hd]
-            key_limit = cache.key_limit
+            key_limit, key_start = cache.key_limit, cache.key_start
         # [B, H, T, hd]
-        out = attend_any(q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic)
+        out = attend_any(q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic, key_start)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*hd]
         projected: torch.Tensor = self.o_proj(out)
         return projected
@@ -391,6 +392,7 @@ def attend(
     scale: float,
     softcap: float | None = None,
     key_limit: int | None = None,
+    key_start: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]`` -> ``[B, H, T, hd]``.
 
@@ -399,7 +401,9 @@ def attend(
     an online softmax over key blocks, float32 sums for bfloat16 inputs), so no block's
     score matrix is materialized; ``key_limit`` (keys at or past ``key_limit + t + 1``
     are masked for query ``t``: a cache's slots in use before the step) trims the keys
-    each block reads, so a causal prefill does about half the work of a full square.
+    each block reads, so a causal prefill does about half the work of a full square; a
+    sliding window's ``key_start`` (query ``t`` sees no key before ``key_start + t``) trims
+    the older keys, so a long prompt's windowed layers read ``window + block`` keys a block.
     The reduction order is the kernel's: for bitwise batch invariance use `attend_tiled`.
     """
     if mask is not None and mask.dtype != torch.bool:
@@ -413,7 +417,7 @@ def attend(
             return _attend_sdpa_cuda(qb, kb, vb, mb, scale)
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale, enable_gqa=gqa)
 
-    return _blocks(q, k, v, mask, key_limit, block)
+    return _blocks(q, k, v, mask, key_limit, block, key_start)
 
 
 BlockFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -426,17 +430,20 @@ def _blocks(
     mask: torch.Tensor | None,
     key_limit: int | None,
     fn: BlockFn,
+    key_start: int | None = None,
 ) -> torch.Tensor:
-    """``fn`` over blocks of `QUERY_BLOCK` queries, each on the keys it can see (``key_limit``)."""
+    """``fn`` over blocks of `QUERY_BLOCK` queries, each on the keys it can see (``key_limit``,
+    ``key_start``)."""
     T, S = q.shape[2], k.shape[2]
     outs = []
     for start in range(0, T, QUERY_BLOCK):
         stop = min(T, start + QUERY_BLOCK)
         s = S if key_limit is None else min(S, key_limit + stop)
+        lo = 0 if key_start is None else min(max(0, key_start + start), s - 1)
         mb = None
         if mask is not None:
-            mb = mask[..., :s] if mask.shape[-2] == 1 else mask[..., start:stop, :s]
-        kb, vb = (k, v) if s == S else (k[:, :, :s], v[:, :, :s])
+            mb = mask[..., lo:s] if mask.shape[-2] == 1 else mask[..., start:stop, lo:s]
+        kb, vb = (k, v) if (lo, s) == (0, S) else (k[:, :, lo:s], v[:, :, lo:s])
         outs.append(fn(q[:, :, start:stop], kb, vb, mb))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -450,10 +457,12 @@ def attend_any(
     softcap: float | None,
     key_limit: int | None,
     deterministic: bool,
+    key_start: int | None = None,
 ) -> torch.Tensor:
-    """`attend_tiled` in the deterministic mode, else `attend`."""
-    fn = attend_tiled if deterministic else attend
-    return fn(q, k, v, mask, scale, softcap, key_limit)
+    """`attend_tiled` in the deterministic mode (every key from slot 0, in tiles), else `attend`."""
+    if deterministic:
+        return attend_tiled(q, k, v, mask, scale, softcap, key_limit)
+    return attend(q, k, v, mask, scale, softcap, key_limit, key_start)
 
 
 def _fold_gqa(

@@ -101,6 +101,51 @@ def unpack_transposed(
     return out.to(dtype)
 
 
+def _plane_bytes(packed: torch.Tensor, start: int, stop: int, k: int, plane: int) -> torch.Tensor:
+    """The bytes of plane ``plane`` (columns ``plane*k .. (plane+1)*k`` of the unpacked matrix)
+    of rows ``start:stop`` (whole 64-row blocks, or the tail block): ``[blocks, k, width]``."""
+    half_k = packed.shape[1]
+    width = BLOCK_N // 2 if stop - start >= BLOCK_N else (stop - start) // 2
+    byte = packed[start:stop].reshape(-1, 2 * half_k, width)  # [blocks, K', width]
+    return byte[:, plane * k : (plane + 1) * k]
+
+
+def unpack_joined_transposed(
+    packed: torch.Tensor, start: int, stop: int, k: int, packed_hi: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Two planes of ``k`` columns each, their nibbles joined as ``hi << 4 | lo``: ``[k, rows]``
+    uint8 for rows ``start:stop`` (``start`` a multiple of `BLOCK_N`), transposed as
+    `unpack_transposed` returns them.
+
+    The planes sit side by side in ``packed`` (``[N, k]`` bytes), or ``packed`` holds the low
+    one and ``packed_hi`` the high one (``[N, k/2]`` each). The bytes are joined before they
+    are spread: for the row in a byte's low nibble ``(hi << 4) | (lo & 15)``, for the one in
+    its high nibble ``(hi & 0xF0) | (lo >> 4)``, so one pass makes both.
+    """
+    n = packed.shape[0]
+    if start % BLOCK_N:
+        raise ValueError(f"unpack_joined_transposed: start {start} is not a multiple of {BLOCK_N}")
+    parts = []
+    full_stop = min(stop, n - n % BLOCK_N)
+    spans = [(start, full_stop)] if full_stop > start else []
+    if stop > full_stop:
+        spans.append((full_stop, stop))  # the tail block (stop == N)
+    for a, b in spans:
+        if packed_hi is None:
+            lo, hi = _plane_bytes(packed, a, b, k, 0), _plane_bytes(packed, a, b, k, 1)
+        else:
+            lo, hi = _plane_bytes(packed, a, b, k, 0), _plane_bytes(packed_hi, a, b, k, 0)
+        first = torch.bitwise_left_shift(hi, 4).bitwise_or_(lo & 0x0F)  # rows in the low nibbles
+        second = (hi & 0xF0).bitwise_or_(lo >> 4)  # ... and in the high nibbles
+        blocks, width = lo.shape[0], lo.shape[2]
+        if b - a >= BLOCK_N:  # full blocks: rows j, j + 32
+            both = torch.stack((first, second), dim=2)  # [blocks, k, 2, 32]
+            parts.append(both.permute(1, 0, 2, 3).reshape(k, blocks * BLOCK_N))
+        else:  # the tail block: rows 2j, 2j + 1
+            parts.append(torch.stack((first[0], second[0]), dim=2).reshape(k, 2 * width))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Unpack only ``rows`` (``[R]`` int64) of a packed ``[N, K/2]`` matrix -> ``[R, K]`` uint8."""
     n, half_k = packed.shape
@@ -204,5 +249,6 @@ __all__ = [
     "gather_rows",
     "pack",
     "unpack",
+    "unpack_joined_transposed",
     "unpack_transposed",
 ]

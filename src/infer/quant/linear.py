@@ -40,13 +40,12 @@ RESCORE_TOP_K = 16
 GREEDY_CANDIDATES = 128
 # Rows up to which a product runs the packed kernel, by format (int4: by planes); beyond,
 # dequantizing tiles + one GEMM wins: the kernel's cost grows with the rows, the
-# dequantization's does not. Measured on an AMD EPYC (AVX-512, 2 threads), the fused products
-# of the real models' layers: one int4 plane (SmolLM2's Q4_1) 5.7 vs 6.3 ms at 128 rows,
-# 21 vs 12 ms at 512, and a 128-token prefill 556-635 tok/s through the kernel against 357-561
-# dequantized; two planes (Gemma 3's Q5_K/Q4_K mix) 1.5-1.8x faster at 64 rows, even at 128
-# (a prefill of 128 tokens 406-418 tok/s through the kernel, 322-465 dequantized). int8
-# (`quantize="int8"`, 576x1536 to 4096x640): equal at 16 rows, 1.7-2.8x slower at 64.
-KERNEL_MAX_ROWS = {"int4": 128, "int4 planes": 64, "int8": 16}
+# dequantization's does not. Measured on an AMD EPYC (AVX-512 with bf16, 2 threads), the fused
+# products of the real models' layers, kernel vs dequantized (µs): one plane (SmolLM2's Q4_1,
+# Gemma 3's Q4_K) 226-701 vs 330-944 at 64 rows, 435-1419 vs 414-1236 at 128; two planes
+# (Gemma 3's Q5_0 q/k/v and gate/up) 399-1038 vs 541-1548 at 32 rows, 784-2035 vs 613-1732 at
+# 64. int8 (`quantize="int8"`, 576x1536 to 4096x640): equal at 16 rows, 1.7-2.8x slower at 64.
+KERNEL_MAX_ROWS = {"int4": 96, "int4 planes": 48, "int8": 16}
 # Rows up to which an output head's greedy step scans its high plane and re-scores
 # `GREEDY_CANDIDATES` per row (the re-scoring gathers rows x candidates weight rows).
 GREEDY_MAX_ROWS = 16
@@ -415,6 +414,8 @@ class QuantizedLinear(nn.Module):
         """
         k, r = self.in_features, stop - start
         kp = self.planes * k
+        if self.planes == 2 and not torch.compiler.is_compiling():
+            return self._dequant_two_planes_t(start, stop)
         parts = [int4.unpack_transposed(m, start, stop, torch.float32) for m in self._plane_matrices()]
         f = parts[0] if len(parts) == 1 else torch.cat(parts)  # [P*K, rows]
         sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
@@ -427,13 +428,30 @@ class QuantizedLinear(nn.Module):
             return w.to(self.compute_dtype)
         # Eagerly: in place, no temporaries (the tile is ~1M values; each pass over it costs).
         # A multiply, then an add: the compiled loop's two roundings (addcmul would fuse them).
+        # Contiguous scales: broadcasting the strided ``sz[..., 0]`` costs 2.5x the pass.
         f3 = f.view(kp // GROUP, GROUP, r)
+        f3.mul_(scale.contiguous()[:, None]).add_(zero.contiguous()[:, None])
+        return f.to(self.compute_dtype)
+
+    def _dequant_two_planes_t(self, start: int, stop: int) -> torch.Tensor:
+        """`_dequant_tile_t` of two planes, eagerly: their nibbles joined in one byte first.
+
+        Every two-plane type has a high plane of scale ``16 * s`` and zero 0 beside a low plane
+        of scale ``s`` and zero ``z`` (`infer.quant.planes`), so a weight is
+        ``s * (lo + 16 * hi - 136) + z``: one float pass over ``[K, rows]`` instead of two over
+        ``[2K, rows]`` and their sum (Gemma 3's Q5_0 products at 128 tokens: half the time).
+        ``s * (c - 136)`` is exact in float32 (an 8-bit mantissa times a byte), so the weight is
+        rounded once, where the plane-by-plane sum rounds twice.
+        """
+        k, r = self.in_features, stop - start
+        hi = self.packed_hi if self.split else None
+        joined = int4.unpack_joined_transposed(self.packed, start, stop, k, hi)  # [K, rows] uint8
+        f = joined.to(torch.float32).sub_(136.0)
+        sz = self.scale_zero[: k // GROUP, start:stop].to(torch.float32)  # the low plane's [K/32, rows, 2]
+        scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()  # strided broadcasts cost 2.5x
+        f3 = f.view(k // GROUP, GROUP, r)
         f3.mul_(scale[:, None]).add_(zero[:, None])
-        if self.planes == 1:
-            return f.to(self.compute_dtype)
-        w_t = torch.empty(k, r, dtype=self.compute_dtype, device=f.device)
-        torch.add(f[:k], f[k:], out=w_t)
-        return w_t
+        return f.to(self.compute_dtype)
 
     def _int8(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
         if kernel:
