@@ -9,10 +9,13 @@ runs in its own fresh process (so peak RSS and ready time are honest) and report
 
 * ready: seconds from process start to a model ready to generate (imports included);
 * first token: ready plus the first prefill + decode step (compiles them when compiled);
-* prefill: tokens/s of one forward over a prompt of each of ``--prompts`` lengths (default
-  128, 2048, 4096; no cache before it), with the peak RSS once that length has run (the
-  lengths run in increasing order, so it shows how memory grows with the prompt);
-* decode: tokens/s of greedy one-token steps at depth 128 (after a 128-token prompt);
+* prefill: tokens/s of a prompt of each of ``--prompts`` lengths (default 128, 2048, 4096;
+  nothing cached before it), with the peak RSS once that length has run (the lengths run in
+  increasing order, so it shows how memory grows with the prompt). infer: ``llm.generate(prompt,
+  max_new_tokens=1)``, through the engine as a user's prompt goes (chunked, sliding windows
+  trimmed); transformers: one forward;
+* decode: tokens/s of greedy one-token steps at depth 128 (after a 128-token prompt; infer:
+  ``llm.stepper``'s steps, the ones the engine runs);
 * peak RSS of the process.
 
 Runtimes: "infer default" is what a user gets: ``infer.load(path)`` with no flags, generating
@@ -94,9 +97,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(prefill: Any, decode_step: Any, prompts: list[int], reps: int) -> dict[str, Any]:
-    """Median seconds of ``prefill(n)`` (returns a state) per prompt length and of one
-    ``decode_step(state)`` at depth `DEPTH`; the first repetition of each warms up."""
+def measure(
+    prefill: Any, decode_step: Any, prompts: list[int], reps: int, timed_prefill: Any = None
+) -> dict[str, Any]:
+    """Median seconds of ``timed_prefill(n)`` (default ``prefill``) per prompt length and of one
+    ``decode_step(state)`` at depth `DEPTH` after ``prefill(DEPTH)`` (which returns the state);
+    the first repetition of each warms up."""
+    timed_prefill = timed_prefill or prefill
     dec = []
     for _ in range(reps + 1):
         state = prefill(DEPTH)
@@ -109,7 +116,7 @@ def measure(prefill: Any, decode_step: Any, prompts: list[int], reps: int) -> di
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            prefill(n)
+            timed_prefill(n)
             times.append(time.perf_counter() - t0)
         prefill_tok_s[str(n)] = n / statistics.median(times[1:])
         rss_at[str(n)] = peak_rss()
@@ -149,10 +156,19 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
         out.tokens.tolist()  # the host reads each token, as generation does
         return cache, out
 
+    fresh = iter(range(1, 1 << 30))
+
+    def generate_prefill(n: int) -> None:
+        """A prompt of ``n`` tokens through `LLM.generate` (its engine: chunked as it chunks, no
+        ring buffers, sliding windows trimmed), a new first token each call: no prefix reuse."""
+        ids = prompt_ids(vocab, n)
+        ids[0] = 100 + next(fresh)
+        llm.generate(ids, max_new_tokens=1)
+
     t0 = time.perf_counter()
     decode_step(prefill(DEPTH))  # compiles the prefill and decode graphs when compiled
     first_call = time.perf_counter() - t0
-    result = measure(prefill, decode_step, prompts, reps)
+    result = measure(prefill, decode_step, prompts, reps, generate_prefill)
     return {
         "ready_s": ready - T_START,
         "load_s": ready - t_load,

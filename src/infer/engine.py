@@ -732,7 +732,12 @@ class Engine:
 
     def _admit(self, r: _Request) -> None:
         """Give ``r`` a free row: the one holding the longest prefix of its prompt, else an empty
-        one, else a new one, else the least recently used."""
+        one, else the least recently used, else (every row busy) a new one.
+
+        Rows are added only when every row is busy, so the KV memory follows the number of
+        requests that ran at once, not the number of different prompts seen: sequential calls
+        with unrelated 4,096-token prompts kept 16 rows (2.4 GB for Gemma 3 270M) when a new row
+        was preferred to a kept prefix."""
         busy = {q.row for q in self._running.values()}
         free = [i for i in range(self.slots.rows) if i not in busy]
         best, best_n = -1, 0
@@ -745,11 +750,11 @@ class Engine:
             empty = [i for i in free if not self.slots.held[i]]
             if empty:
                 best = empty[0]
-            elif self.slots.rows < self.max_batch:
+            elif free:
+                best = min(free, key=lambda i: self._used.get(i, 0.0))
+            else:  # every row busy (`_take_waiting_locked` admits at most max_batch)
                 best = self.slots.rows
                 self.slots.reserve(best + 1, min(self.context, len(r.prompt) + 1))
-            else:
-                best = min(free, key=lambda i: self._used.get(i, 0.0))
         self.slots.rollback(best, best_n)
         r.row = best
         r.pending = r.prompt[best_n:]

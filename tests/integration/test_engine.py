@@ -175,6 +175,40 @@ def test_long_prefill_is_chunked_and_interleaved_with_decodes(det: infer.LLM) ->
     assert b.token_ids == tokens_of(alone(det, long_prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
 
 
+def test_sliding_window_layers_read_only_their_window(
+    tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt read in chunks: a sliding-window layer attends over the keys its window can see
+    (`KVCache.first`), not every slot before, and the tokens are the cache-free forward's."""
+    from infer.models import common
+    from infer.testing import SLIDING_WINDOW
+
+    llm = infer.load(tiny_ckpt_factory("gemma3"))  # the default mode: windows 8, soft-capping
+    keys: list[int] = []
+    sdpa = common.F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        keys.append(k.shape[2])
+        return sdpa(q, k, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(common.F, "scaled_dot_product_attention", recording)
+    chunk = 6
+    engine = Engine(llm, prefill_chunk=chunk, idle_prefill_chunk=chunk)
+    prompt = prompts(12, 3)[11]  # 47 tokens: 8 chunks
+    try:
+        got = drain(engine.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    finally:
+        engine.close(drain=False)
+    last_chunk = keys[-4 * 4 - 4 :][:4]  # the last prefill chunk's 4 layers (then 3 decode steps)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(4):  # greedy, every step a full forward without a cache
+            ids.append(int(llm.model(torch.tensor([ids]))[0, -1].argmax()))
+    print(f"\nkeys read per layer in the last chunk: {last_chunk} (window {SLIDING_WINDOW}, chunk {chunk})")
+    assert min(last_chunk) <= SLIDING_WINDOW + chunk - 1 < max(last_chunk)  # sliding layers: the window
+    assert tokens_of(got) == ids[len(prompt) :]
+
+
 def test_prefix_cache_reuses_a_finished_requests_kv(det: infer.LLM) -> None:
     """A prompt that extends an earlier request's prompt and reply prefills only the new tokens,
     and generates what a fresh engine does."""
