@@ -11,6 +11,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,18 +181,20 @@ def test_sliding_window_layers_read_only_their_window(
 ) -> None:
     """A prompt read in chunks: a sliding-window layer attends over the keys its window can see
     (`KVCache.first`), not every slot before, and the tokens are the cache-free forward's."""
-    from infer.models import common
+    import torch.nn.functional as F
+
     from infer.testing import SLIDING_WINDOW
 
     llm = infer.load(tiny_ckpt_factory("gemma3"))  # the default mode: windows 8, soft-capping
     keys: list[int] = []
-    sdpa = common.F.scaled_dot_product_attention
+    sdpa = F.scaled_dot_product_attention
 
-    def recording(q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    def recording(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         keys.append(k.shape[2])
-        return sdpa(q, k, *args, **kwargs)  # type: ignore[arg-type]
+        out: torch.Tensor = sdpa(q, k, *args, **kwargs)
+        return out
 
-    monkeypatch.setattr(common.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     chunk = 6
     engine = Engine(llm, prefill_chunk=chunk, idle_prefill_chunk=chunk)
     prompt = prompts(12, 3)[11]  # 47 tokens: 8 chunks
@@ -200,13 +203,19 @@ def test_sliding_window_layers_read_only_their_window(
     finally:
         engine.close(drain=False)
     last_chunk = keys[-4 * 4 - 4 :][:4]  # the last prefill chunk's 4 layers (then 3 decode steps)
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(4):  # greedy, every step a full forward without a cache
-            ids.append(int(llm.model(torch.tensor([ids]))[0, -1].argmax()))
     print(f"\nkeys read per layer in the last chunk: {last_chunk} (window {SLIDING_WINDOW}, chunk {chunk})")
     assert min(last_chunk) <= SLIDING_WINDOW + chunk - 1 < max(last_chunk)  # sliding layers: the window
-    assert tokens_of(got) == ids[len(prompt) :]
+    # The engine's tokens are a full forward's without a cache (greedy; the default mode is within
+    # float32 rounding of it, so the tokens may part only where the top two logits nearly tie).
+    ids = list(prompt)
+    for token in tokens_of(got):
+        with torch.inference_mode():
+            logits = llm.model(torch.tensor([ids]))[0, -1]
+        top2 = logits.topk(2).values
+        if token != int(logits.argmax()):
+            assert float(top2[0] - top2[1]) < 1e-4 * float(logits.abs().max()), (token, int(logits.argmax()))
+            break
+        ids.append(token)
 
 
 def test_prefix_cache_reuses_a_finished_requests_kv(det: infer.LLM) -> None:
