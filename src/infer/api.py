@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, overload
 import torch
 
 from infer.aot import PackageCache, Recipe
+from infer.aot import pays as aot_pays
 from infer.chat_template import check_unicode
 from infer.generate import (
     NonFiniteLogitsError,
@@ -536,7 +537,7 @@ def load(
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
     packages = None
-    if use_compile == "auto" and device.type == "cpu" and not deterministic:
+    if use_compile == "auto" and device.type == "cpu" and not deterministic and aot_pays(model):
         # Ahead-of-time compiled decode steps (infer.aot); the recipe rebuilds this model for a build.
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
         packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize))

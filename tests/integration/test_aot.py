@@ -177,6 +177,21 @@ def test_no_packages_where_they_do_not_apply(tiny_ckpt_factory: Callable[..., Pa
     assert llm.stepper.packaged_steps == 0 and not packages.exists()
 
 
+def test_no_packages_where_compiling_does_not_pay(
+    tmp_path: Path, packages: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed weights with float32 compute have no kernel: each step dequantizes them, and
+    compiled code does that slower than eager (`aot.pays`); the packed default has packages."""
+    from infer.gguf.writer import write_gguf
+    from infer.testing import build_tokenizer, tiny_hf_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    path = write_gguf(tmp_path / "q8.gguf", tiny_hf_model("llama"), tokenizer, qtype="Q8_0")
+    assert infer.load(path).stepper.packages is not None
+    assert infer.load(path, dtype=torch.float32).stepper.packages is None
+
+
 def test_use_builds_nothing(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
     """``INFER_AOT=use`` with an empty cache: plain eager steps, no fingerprint, no
     power-of-two row window, no shape noted, and nothing to build at exit."""
