@@ -118,9 +118,9 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
         return step(self, cache, feed)
 
     monkeypatch.setattr(Stepper, "__call__", recording)
-    for k in range(3):  # prompts sharing no prefix with a kept row take new rows
+    for k in range(3):  # prompts sharing no prefix with a kept row take a kept row, no new one
         llm.generate([200 + k, 17, 30, 41], max_new_tokens=3)
     monkeypatch.undo()
-    assert llm.engine.slots.rows >= 4
+    assert llm.engine.slots.rows == 2  # the two streams above ran at once
     print(f"\ncompiled step batch sizes with {llm.engine.slots.rows} rows allocated: {sorted(set(sizes))}")
     assert set(sizes) == {1}
