@@ -185,3 +185,30 @@ def test_smollm2_default_mode_answers_france(smollm2: infer.LLM) -> None:
     result = smollm2.chat(messages, max_new_tokens=20)
     print(f"\nchat -> {result.text!r}")
     assert result.text.startswith("The capital of France is Paris")
+
+
+def _readme_generate_commands() -> list[list[str]]:
+    """The README's ``uv run infer generate ...`` commands, as argument lists (comments dropped)."""
+    import shlex
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    out = []
+    for line in readme.read_text().splitlines():
+        if line.startswith("uv run infer generate"):
+            out.append(shlex.split(line.split("#", 1)[0])[2:])  # after "uv run"
+    return out
+
+
+def test_readme_first_commands_answer_sensibly(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's first command is a user's first impression (issue 29): the shipped model must
+    answer it well, and its ``--raw`` example must continue the text as the README says."""
+    from infer.cli import main
+
+    commands = _readme_generate_commands()
+    assert len(commands) >= 2, commands
+    expected = ["The capital of France is Paris", "Paris"]
+    for argv, want in zip(commands[:2], expected, strict=True):
+        assert main(argv[1:]) == 0  # argv[0] is "infer"
+        out = capsys.readouterr().out
+        print(f"\n{' '.join(argv)} -> {out!r}")
+        assert want in out, (argv, out)
