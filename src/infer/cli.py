@@ -276,6 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         log_level="info" if args.verbose else "warning",
     )
@@ -406,6 +407,12 @@ def _serve_parser(sub: Any) -> None:
         type=_float_option(0.0),
         default=30.0,
         help="seconds running requests get to finish after SIGTERM before they are ended (default 30)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_int_option(1),
+        default=None,
+        help="larger request bodies are refused with 413 before they are read (default 4 MiB)",
     )
     p.add_argument("--verbose", action="store_true", help="uvicorn's info log (one line per request)")
     _load_options(

@@ -44,6 +44,9 @@ from infer.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 RETRY_AFTER_S = 1
+# A request body larger than this is refused with 413 before it is read whole (`--max-body-bytes`).
+# 4 MiB holds a prompt of ~1M characters or of ~500k token ids: beyond any context infer serves.
+MAX_BODY_BYTES = 4 << 20
 
 
 class APIError(Exception):
@@ -72,6 +75,52 @@ class APIError(Exception):
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 and is never held whole.
+
+    A ``Content-Length`` past the limit is answered at once, before any byte of the body is read;
+    a body without one (chunked) is counted as it arrives and refused at the chunk that passes
+    the limit, so at most ``limit`` bytes (plus one network chunk) are ever buffered for it.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(
+            413,
+            f"the request body is {size}; this server takes at most {self.limit} bytes (--max-body-bytes)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared > self.limit:
+                await self._too_large(f"{declared} bytes").response()(scope, receive, send)
+                return
+        received = 0
+
+        async def limited() -> Any:
+            nonlocal received
+            message = await receive()
+            if message.get("type") == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # Raised inside the route's body read: the app answers it (exception handler).
+                    raise StarletteHTTPException(413, self._too_large(f"over {self.limit} bytes").message)
+            return message
+
+        await self.app(scope, limited, send)
 
 
 @dataclass
@@ -138,6 +187,7 @@ def create_app(
     api_key: str | None = None,
     max_batch: int | None = None,
     max_waiting: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app serving ``llm_or_engine`` (an `infer.LLM` or an `infer.engine.Engine`).
 
@@ -147,8 +197,11 @@ def create_app(
     requests and leaves the engine to the `LLM`.
     ``model_name`` is what ``/v1/models`` lists and requests must name (default: the
     checkpoint's directory or file name). ``api_key``: every endpoint but ``/health``
-    and the chat page wants ``Authorization: Bearer <api_key>``.
+    and the chat page wants ``Authorization: Bearer <api_key>``. A request body over
+    ``max_body_bytes`` is answered 413 before it is read whole (`BodyLimit`).
     """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if isinstance(llm_or_engine, Engine) or hasattr(llm_or_engine, "submit"):
         engine = llm_or_engine
         llm = getattr(engine, "llm", None)
@@ -178,6 +231,7 @@ def create_app(
 
     app = FastAPI(title="infer", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.serve = state
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -190,7 +244,8 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        code = "request_too_large" if exc.status_code == 413 else None
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

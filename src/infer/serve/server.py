@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from infer.serve.app import ServeState, create_app
+from infer.serve.app import MAX_BODY_BYTES, ServeState, create_app
 
 
 class _Server(uvicorn.Server):
@@ -72,6 +72,7 @@ def serve(
     model_name: str | None = None,
     max_batch: int | None = None,
     max_waiting: int | None = None,
+    max_body_bytes: int | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "warning",
     announce: Callable[[str], None] | None = None,
@@ -81,8 +82,9 @@ def serve(
     A `infer.serve.parallel.RankZeroEngine` is closed at the end: that tells the other ranks to stop.
     """
     app = create_app(
-        llm_or_engine, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting
-    )
+        llm_or_engine, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting,
+        max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
+    )  # fmt: skip
     state: ServeState = app.state.serve
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
