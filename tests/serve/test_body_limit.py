@@ -122,4 +122,4 @@ def test_bad_limit_is_refused(tiny_llm: Any) -> None:
 
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1"):
-            create_app(tiny_llm, max_body_bytes=bad)
+            create_app(tiny_llm, max_body_bytes=bad)  # type: ignore[arg-type]
