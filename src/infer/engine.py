@@ -73,6 +73,7 @@ from infer.step import (
     Stepper,
     sampling_inputs,
 )
+from infer.threads import release_openmp_workers
 
 if TYPE_CHECKING:
     from infer.loader.tokenizer import Tokenizer
@@ -221,6 +222,9 @@ class RequestHandle:
             self._async = (asyncio.get_running_loop(), events)
         with self._engine._cond:
             self._engine._start_locked()  # never run the model on the event loop's thread
+        # The engine's thread runs the steps: this thread's OpenMP workers (left from loading the
+        # model here, say) would halve their speed (`infer.threads`).
+        release_openmp_workers()
         try:
             while not self.done:
                 delta = await events.get()
