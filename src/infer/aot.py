@@ -98,6 +98,7 @@ class Recipe:
     dtype: str | None = None
     quantize: str | None = None
     validate: bool = False
+    kv_dtype: str | None = None  # `DecoderLM.kv_dtype` as set at load (None: the model's dtype)
 
     def load(self) -> DecoderLM:
         """The model as `infer.load` builds it (resident, on the CPU, outside the deterministic mode)."""
@@ -107,6 +108,8 @@ class Recipe:
                                      pipeline_parallel=1, deterministic=False, repack_cache=True,
                                      progress=None)  # fmt: skip
         model, _ = build_model(checkpoint, options)
+        if self.kv_dtype is not None:
+            model.kv_dtype = getattr(torch, self.kv_dtype)
         return model
 
 
@@ -191,7 +194,8 @@ def pays(model: DecoderLM) -> bool:
 def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str:
     ring = cache.ring_slots is not None
     flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
-    return f"{fp}-b{batch}-c{cache.capacity}-r{int(ring)}-{flags}"
+    kv = str(cache.dtype).removeprefix("torch.")
+    return f"{fp}-b{batch}-c{cache.capacity}-r{int(ring)}-{flags}-{kv}"
 
 
 # ---- the exported step ---------------------------------------------------------------------
@@ -239,7 +243,10 @@ def _bind(template: KVCache, state: list[torch.Tensor], kv: list[torch.Tensor]) 
     for i, layer in enumerate(template.layers):
         bound = copy.copy(layer)
         bound.cache = cache
-        bound.k, bound.v = kv[2 * i], kv[2 * i + 1]
+        n = len(layer.tensors())  # k, v (and an int8 cache's scales)
+        bound.k, bound.v = kv[n * i], kv[n * i + 1]
+        if n == 4:
+            bound.k_scale, bound.v_scale = kv[n * i + 2], kv[n * i + 3]
         layers.append(bound)
     cache.layers = layers
     cache.length, cache.plan = 0, None
@@ -247,7 +254,7 @@ def _bind(template: KVCache, state: list[torch.Tensor], kv: list[torch.Tensor]) 
 
 
 def _kv(cache: KVCache) -> list[torch.Tensor]:
-    return [t for layer in cache.layers for t in (layer.k, layer.v)]
+    return [t for layer in cache.layers for t in layer.tensors()]
 
 
 def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list[torch.Tensor]:
@@ -259,7 +266,7 @@ def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list
 def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampling, path: Path) -> None:
     """Export and compile the decode step of ``batch`` rows on a KV ``capacity`` (sliding-window
     layers in ``rings`` or not: `KVCache`) into ``path``."""
-    cache = KVCache(model.config, batch, capacity, dtype=model.dtype, device=model.device,
+    cache = KVCache(model.config, batch, capacity, dtype=model.cache_dtype, device=model.device,
                     layers=model.kv_layers, rings=rings)  # fmt: skip
     step = _DecodeStep(model, cache, mode)
 

@@ -473,6 +473,7 @@ def load(
     compile: bool | Literal["auto"] | None = None,
     deterministic: bool = False,
     cache: bool = True,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -511,6 +512,12 @@ def load(
     packed kernels) in a file under the user's cache directory, and reuse it in later
     processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
     single-process loads). ``cache=False`` converts every time and writes nothing.
+
+    ``kv_dtype``: what the KV cache holds ("float32", "bfloat16", "float16", or "int8": int8
+    values with a float32 scale per token and head); narrower K/V are widened to the
+    activations' dtype when attention reads them. None: `default_kv_dtype` (the model's dtype on
+    CPU; docs/engine.md, *KV memory*, has the memory and speed of each, docs/numerics.md the
+    perplexity).
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -534,17 +541,50 @@ def load(
         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         deterministic=deterministic, repack_cache=cache, progress=progress,
     )  # fmt: skip
+    kv = resolve_kv_dtype(kv_dtype)  # checked before the (slow) load
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
+    model.kv_dtype = kv if kv is not None else default_kv_dtype(model)
     packages = None
     if use_compile == "auto" and device.type == "cpu" and not deterministic and aot_pays(model):
         # Ahead-of-time compiled decode steps (infer.aot); the recipe rebuilds this model for a build.
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
-        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize))
+        kv_name = str(model.cache_dtype).removeprefix("torch.")
+        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize, kv_dtype=kv_name))
     stepper = Stepper(model, compile=use_compile, packages=packages)
     llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
     llm.parallel = placed
     return llm
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``load``'s ``kv_dtype`` as a torch dtype (None: `default_kv_dtype`); a clear error otherwise."""
+    from infer.cache import KV_DTYPES
+
+    if kv_dtype is None or kv_dtype == "auto":
+        return None
+    if isinstance(kv_dtype, torch.dtype):
+        kv_dtype = str(kv_dtype).removeprefix("torch.")
+    if not isinstance(kv_dtype, str):
+        raise TypeError(f"kv_dtype must be a string or a torch.dtype, got {type(kv_dtype).__name__}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {kv_dtype!r}")
+    dtype: torch.dtype = getattr(torch, kv_dtype)
+    return dtype
+
+
+def default_kv_dtype(model: DecoderLM) -> torch.dtype | None:
+    """The KV dtype of a model loaded without ``kv_dtype``: on CUDA, bfloat16 where its matrix
+    products are packed bfloat16 products under wider activations (a GGUF file's default); else
+    None, the model's own dtype. On CPU a narrower KV costs more than it saves: torch's fused
+    attention runs 2-8x slower on bfloat16 inputs than on float32 ones (and widening each step's
+    keys costs a copy), measured on decode shapes of SmolLM2 on an AMD EPYC (docs/engine.md)."""
+    from infer.quant.linear import QuantizedLinear
+
+    if model.device.type != "cuda" or model.dtype in (torch.bfloat16, torch.float16):
+        return None
+    products = {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return torch.bfloat16 if torch.bfloat16 in products else None
 
 
 def compile_by_default(device: torch.device) -> bool | Literal["auto"]:

@@ -153,6 +153,7 @@ def _load(args: argparse.Namespace) -> Any:
             pipeline_parallel=args.pipeline_parallel,
             compile=args.compile,
             deterministic=args.deterministic,
+            kv_dtype=args.kv_dtype,
         )
     finally:
         close()
@@ -306,6 +307,13 @@ def _load_options(
         help="float32, bfloat16, float16 (default: the checkpoint's)",
     )
     p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
+    p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        default=None,
+        help="what the KV cache holds (int8: ~0.27x float32's bytes; default: the compute dtype, "
+        "docs/engine.md)",
+    )
     p.add_argument(
         "--memory-budget", type=_bytes_option, default=None, help="stream layers under this budget, e.g. 2GB"
     )

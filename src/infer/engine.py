@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KVCache
+from infer.cache import KVCache, SharedPrefix
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
@@ -77,6 +77,7 @@ from infer.threads import release_openmp_workers
 
 if TYPE_CHECKING:
     from infer.loader.tokenizer import Tokenizer
+    from infer.prefix import Segment
 
 
 class LLM(Protocol):
@@ -92,7 +93,7 @@ class LLM(Protocol):
     def _encode(self, prompt: str | list[int], what: str) -> list[int]: ...
 
 
-MIN_SLOTS = 256  # the KV capacity grows in powers of two from here (up to the context)
+MIN_SLOTS = 128  # the KV capacity grows in powers of two from here (up to the context)
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
@@ -277,24 +278,40 @@ class _Request:
 
 
 class KVSlots:
-    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on demand.
+    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
+    demand, and the prefixes rows share (`infer.prefix.PrefixStore`).
 
-    One `KVCache` (every slot of every layer in slot order, no rings, so a row can be rolled
-    back) grows as rows and lengths are needed: capacities in powers of two from `MIN_SLOTS`
-    up to ``context``, rows up to ``max_rows``; growing copies what is kept. ``held[r]`` lists
-    the tokens whose K/V row ``r`` holds, in slot order (the row's length is ``len(held[r])``).
-    Memory: ``rows x capacity x`` `bytes_per_token`.
+    One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
+    rolled back) grows as rows and lengths are needed: capacities in powers of two from
+    `MIN_SLOTS` up to ``context``, rows up to ``max_rows``; growing copies what is kept.
+    A row holds the tokens of one sequence: the first ``n`` tokens of a shared segment
+    (``prefix[r] = (segment, n)``, read from the store) and then its own, ``held[r]``, in its
+    slots from slot 0 (its positions continue at ``n``: ``pad[r] = -n``). `tokens` is the whole
+    sequence. Memory: ``rows x capacity x`` `bytes_per_token` plus the store's segments.
     """
 
-    def __init__(self, model: DecoderLM, max_rows: int, context: int, stepper: Stepper | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        max_rows: int,
+        context: int,
+        stepper: Stepper | None = None,
+        share: bool | None = None,
+    ) -> None:
+        from infer.prefix import PrefixStore, shares_prefixes
+
         self.model = model
         self.max_rows = max_rows
         self.context = context
         self.stepper = stepper if stepper is not None else Stepper(model)
         self.cache: KVCache | None = None
         self.held: list[list[int]] = []
+        self.prefix: list[tuple[Segment, int] | None] = []
+        # Prefixes shared between rows are stored once (`infer.prefix`); where attention cannot
+        # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
+        self.share = shares_prefixes(model) if share is None else share
+        self.store = PrefixStore(model)
         self._views: dict[tuple[int, int], KVCache] = {}
-        self._arange: dict[int, torch.Tensor] = {}
 
     @property
     def rows(self) -> int:
@@ -308,11 +325,27 @@ class KVSlots:
     def bytes_per_token(self) -> int:
         """K/V bytes one token of one row takes (every layer this process keeps)."""
         m = self.model
-        return KVCache.bytes_needed(m.config, 1, 64, m.dtype, m.kv_layers, rings=False) // 64
+        return KVCache.bytes_needed(m.config, 1, 64, m.cache_dtype, m.kv_layers, rings=False) // 64
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.cache is None else self.cache.nbytes
+        """Bytes of K/V held: the rows' buffers and the shared prefixes'."""
+        return (0 if self.cache is None else self.cache.nbytes) + self.store.nbytes
+
+    def offset(self, row: int) -> int:
+        """Tokens of the shared prefix row ``row`` continues (0: none)."""
+        prefix = self.prefix[row]
+        return 0 if prefix is None else prefix[1]
+
+    def length(self, row: int) -> int:
+        """Tokens in row ``row``'s sequence (its shared prefix and its own)."""
+        return self.offset(row) + len(self.held[row])
+
+    def tokens(self, row: int) -> list[int]:
+        """Row ``row``'s sequence: its shared prefix's tokens, then its own."""
+        prefix = self.prefix[row]
+        head = [] if prefix is None else list(prefix[0].tokens[: prefix[1]])
+        return head + self.held[row]
 
     def reserve(self, rows: int, capacity: int) -> None:
         """Grow to at least ``rows`` rows of ``capacity`` slots (what is held is kept)."""
@@ -327,6 +360,7 @@ class KVSlots:
             rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
         rows = max(rows, self.rows)
         if old is None or capacity > old.max_len:
+            # Powers of two: few shapes for the compiled steps, few regrowths (each copies the rows).
             capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
         else:
             capacity = old.max_len
@@ -335,7 +369,7 @@ class KVSlots:
             model.config,
             rows,
             capacity,
-            dtype=model.dtype,
+            dtype=model.cache_dtype,
             device=model.device,
             layers=model.kv_layers,
             rings=False,
@@ -344,11 +378,13 @@ class KVSlots:
             r = old.batch_size
             for before, after in zip(old.layers, new.layers, strict=True):
                 if before.capacity:
-                    after.k[:r, :, : before.capacity].copy_(before.k)
-                    after.v[:r, :, : before.capacity].copy_(before.v)
+                    for src, dst in zip(before.tensors(), after.tensors(), strict=True):
+                        dst[:r, :, : before.capacity].copy_(src)
             new.slot[:r].copy_(old.slot)
+            new.pad[:r].copy_(old.pad)
         self.cache = new
         self.held += [[] for _ in range(rows - len(self.held))]
+        self.prefix += [None] * (rows - len(self.prefix))
         self._views.clear()
 
     def view(self, lo: int, hi: int) -> KVCache:
@@ -361,16 +397,74 @@ class KVSlots:
             view = self._views[(lo, hi)] = self.cache.rows(lo, hi)
         return view
 
+    def _set_prefix(self, row: int, prefix: tuple[Segment, int] | None) -> None:
+        """Make row ``row`` continue ``prefix`` (its positions start after it)."""
+        old = self.prefix[row]
+        if prefix is not None:
+            self.store.acquire(prefix[0])
+        if old is not None:
+            self.store.release(old[0])
+        self.prefix[row] = prefix
+        assert self.cache is not None
+        self.cache.pad[row] = -(0 if prefix is None else prefix[1])
+
     def rollback(self, row: int, length: int) -> None:
-        """Truncate ``row`` to its first ``length`` tokens: later steps continue from there as if
-        nothing past them had been fed."""
+        """Truncate ``row`` to the first ``length`` tokens of its sequence: later steps continue
+        from there as if nothing past them had been fed (a shared prefix may be cut too: the row
+        then uses fewer of its tokens)."""
         held = self.held[row]
-        if not 0 <= length <= len(held):
-            raise ValueError(f"rollback: length must be in [0, {len(held)}] for row {row}, got {length}")
-        if length < len(held):
-            del held[length:]
-            assert self.cache is not None
-            self.cache.slot[row] = length
+        n = self.offset(row)
+        if not 0 <= length <= n + len(held):
+            raise ValueError(f"rollback: length must be in [0, {n + len(held)}] for row {row}, got {length}")
+        assert self.cache is not None
+        if length < n or (length == 0 and self.prefix[row] is not None):
+            prefix = self.prefix[row]
+            assert prefix is not None
+            self._set_prefix(row, (prefix[0], length) if length else None)
+            held.clear()
+            self.cache.slot[row] = 0
+        elif length - n < len(held):
+            del held[length - n :]
+            self.cache.slot[row] = length - n
+
+    def share_prefix(self, src: int, count: int, dst: int) -> None:
+        """Row ``dst`` (empty) continues the first ``count`` tokens of row ``src``'s sequence,
+        without computing them: stored once and read by both rows (sharing), else copied.
+
+        Sharing: a segment of those tokens is made unless ``src`` already reads one that long;
+        ``src`` then reads its start from the segment too and its own slots shift down (so the
+        tokens are held once)."""
+        assert self.cache is not None and not self.held[dst] and self.prefix[dst] is None
+        n_src = self.offset(src)
+        if not self.share:  # copy: ``src`` holds every token itself (nothing is shared here)
+            assert n_src == 0
+            for layer in self.cache.layers:
+                for t in layer.tensors():
+                    t[dst, :, :count].copy_(t[src, :, :count])
+            self.held[dst] = self.held[src][:count]
+            self.cache.slot[dst] = count
+            return
+        prefix = self.prefix[src]
+        if prefix is not None and count <= n_src:
+            self._set_prefix(dst, (prefix[0], count))
+            return
+        tokens = tuple(self.tokens(src)[:count])
+        segment = self.store.allocate(tokens)  # may move the others (their data goes with them)
+        if prefix is not None:
+            assert self.store.cache is not None
+            self.store.write(segment, self.store.cache, 0, prefix[0].start, n_src, 0)
+        own = count - n_src
+        self.store.write(segment, self.cache, src, 0, own, n_src)
+        self._set_prefix(dst, (segment, count))
+        # ``src`` reads those tokens from the segment now: its remaining slots move down.
+        rest = len(self.held[src]) - own
+        if rest:
+            for layer in self.cache.layers:
+                for t in layer.tensors():
+                    t[src, :, :rest] = t[src, :, own : own + rest].clone()
+        del self.held[src][:own]
+        self.cache.slot[src] = rest
+        self._set_prefix(src, (segment, count))
 
     def _fit(self, lo: int, hi: int, T: int, feeds: dict[int, list[int]]) -> None:
         """Make every row of ``[lo, hi)`` able to take a ``T``-token step (padding included):
@@ -379,14 +473,39 @@ class KVSlots:
             self.reserve(hi, T)
         need = 0
         for r in range(lo, hi):
-            n = len(self.held[r])
+            n = self.length(r)
             if n + T > self.context:
                 if r in feeds:
                     raise ValueError(f"row {r}: {n} + {T} tokens are past the context of {self.context}")
                 self.rollback(r, self.context - T)  # an idle row: its padding must stay inside
-                n = self.context - T
-            need = max(need, n + T)
+            need = max(need, len(self.held[r]) + T)
         self.reserve(hi, need)
+
+    def _shared(self, lo: int, hi: int) -> SharedPrefix | None:
+        """The shared prefix rows ``[lo, hi)`` read in a step (None when none of them has one)."""
+        prefixes = [self.prefix[r] for r in range(lo, hi)]
+        used = [p for p in prefixes if p is not None]
+        if not used or self.store.cache is None:
+            return None
+        start, stop = self.store.region([p[0] for p in used])
+        layers = [layer.rows(self.store.cache, slice(0, 1)) for layer in self.store.cache.layers]
+        for layer in layers:  # the region only: [1, Hkv, R, hd] views
+            layer.k, layer.v = layer.k[:, :, start:stop], layer.v[:, :, start:stop]
+            if layer.k_scale is not None and layer.v_scale is not None:
+                layer.k_scale = layer.k_scale[:, :, start:stop]
+                layer.v_scale = layer.v_scale[:, :, start:stop]
+        device = self.model.device
+        starts = [0 if p is None else p[0].start - start for p in prefixes]
+        counts = [0 if p is None else p[1] for p in prefixes]
+        return SharedPrefix(layers, torch.tensor(starts, device=device), torch.tensor(counts, device=device))
+
+    def _bind(self, lo: int, hi: int) -> KVCache:
+        """The view of rows ``[lo, hi)`` ready for a step: lengths and the shared prefix set."""
+        view = self.view(lo, hi)
+        view.length = max(len(self.held[r]) for r in range(lo, hi))
+        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        view.shared = self._shared(lo, hi)
+        return view
 
     def step(
         self,
@@ -401,7 +520,7 @@ class KVSlots:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]``, the
         others nothing; each row's last fed token goes through the head and sampling."""
         T = max(len(t) for t in feeds.values())
-        if pad_to > T and all(len(self.held[r]) + pad_to <= self.context for r in range(lo, hi)):
+        if pad_to > T and all(self.length(r) + pad_to <= self.context for r in range(lo, hi)):
             T = pad_to
         self._fit(lo, hi, T, feeds)
         B = hi - lo
@@ -415,9 +534,7 @@ class KVSlots:
         n_new = torch.tensor(counts, dtype=torch.long).to(device)
         last = (n_new - 1).clamp_min(0)
         feed = StepFeed(ids, n_new, last, mode, values, noise)
-        view = self.view(lo, hi)
-        view.length = max(len(self.held[r]) for r in range(lo, hi))
-        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        view = self._bind(lo, hi)
         assert view.batch_size == B
         try:
             out = self.stepper(view, feed)
@@ -427,6 +544,8 @@ class KVSlots:
             lengths = [len(self.held[r]) for r in range(lo, hi)]
             view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
             raise
+        finally:
+            view.shared = None
         for r, t in feeds.items():
             self.held[r].extend(t)
         return out
@@ -442,10 +561,13 @@ class KVSlots:
             raise ValueError("verify: tokens must hold at least one token")
         feeds = {row: list(tokens)}
         self._fit(row, row + 1, k, feeds)
-        view = self.view(row, row + 1)
-        view.length = view.first = len(self.held[row])
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
-        h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=self.model.device))
+        view = self._bind(row, row + 1)
+        device = self.model.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        try:
+            h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=device))
+        finally:
+            view.shared = None
         self.held[row].extend(tokens)
         return self.model.head(h)[0].float()  # [k, V]
 

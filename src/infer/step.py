@@ -272,7 +272,7 @@ class Stepper:
         """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
         decode = feed.ids.shape[1] == 1
         if not self.compiled:
-            if self.packages is not None and decode:
+            if self.packages is not None and decode and cache.shared is None:
                 package = self.packages.get(cache, feed.ids.shape[0], feed.mode)
                 if package is not None:
                     self.packaged_steps += 1

@@ -21,6 +21,7 @@ import torch
 import infer
 import infer.aot as aot
 from infer.cache import KVCache
+from infer.engine import MIN_SLOTS
 from infer.step import Sampling, StepFeed
 
 BUILD_TIMEOUT_S = 600
@@ -39,10 +40,11 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling) -> Path:
     """Build, in this process, the package the engine will ask for: one row, the first capacity."""
     # The engine's first KV capacity (infer.engine.MIN_SLOTS), no rings (every row can roll back).
-    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
+    cache = KVCache(llm.config, 1, MIN_SLOTS, dtype=llm.model.cache_dtype, layers=llm.model.kv_layers,
+                    rings=False)  # fmt: skip
     key = aot.package_key(aot.fingerprint(llm.model), cache, 1, mode)
     path = aot.cache_dir() / f"{key}.pt2"
-    aot.build(llm.model, 1, 256, False, mode, path)
+    aot.build(llm.model, 1, MIN_SLOTS, False, mode, path)
     return path
 
 
