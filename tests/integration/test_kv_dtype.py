@@ -30,7 +30,9 @@ def _prefill_logits(llm: infer.LLM) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_narrow_kv_stays_close_and_takes_less_memory(tiny_ckpt_factory: Callable[..., Path], arch: str) -> None:
+def test_narrow_kv_stays_close_and_takes_less_memory(
+    tiny_ckpt_factory: Callable[..., Path], arch: str
+) -> None:
     path = tiny_ckpt_factory(arch)
     ref_llm = infer.load(path, dtype=torch.float32, kv_dtype="float32")
     ref = _prefill_logits(ref_llm)
@@ -44,7 +46,7 @@ def test_narrow_kv_stays_close_and_takes_less_memory(tiny_ckpt_factory: Callable
         per_token = llm.engine.slots.bytes_per_token
         hd = llm.config.computed_head_dim
         want = ref_bytes * (2 if kv != "int8" else (hd + 4)) // (4 * (1 if kv != "int8" else hd))
-        print(f"\n{arch} kv {kv}: logits within {err:.2e} of max |logit|; {per_token} bytes/token vs {ref_bytes}")
+        print(f"\n{arch} kv {kv}: logits within {err:.2e} of max |logit|; {per_token} vs {ref_bytes} B/token")
         assert err < bound[kv]
         assert per_token == want
         # Generation runs on it (the engine's KV slots hold that dtype).
@@ -69,7 +71,9 @@ def test_perplexity_carries_the_kv_rounding(tiny_ckpt_factory: Callable[..., Pat
     path = tiny_ckpt_factory("llama")
     text = "".join(chr(97 + (i * 7) % 26) for i in range(600))
     plain = infer.load(path, dtype=torch.float32).perplexity(text, context=64, max_chunks=4)
-    same = infer.load(path, dtype=torch.float32, kv_dtype="float32").perplexity(text, context=64, max_chunks=4)
+    same = infer.load(path, dtype=torch.float32, kv_dtype="float32").perplexity(
+        text, context=64, max_chunks=4
+    )
     narrow = infer.load(path, dtype=torch.float32, kv_dtype="int8").perplexity(text, context=64, max_chunks=4)
     print(f"\nppl float32 KV {plain.ppl:.6f}, int8 KV {narrow.ppl:.6f}")
     assert same.ppl == plain.ppl  # a KV of the model's own dtype: the plain forward
@@ -80,7 +84,7 @@ def test_perplexity_carries_the_kv_rounding(tiny_ckpt_factory: Callable[..., Pat
 def test_bad_kv_dtype_is_named() -> None:
     with pytest.raises(ValueError, match=r"kv_dtype must be one of float32, bfloat16, float16, int8.*'int4'"):
         resolve_kv_dtype("int4")
-    with pytest.raises(TypeError, match="kv_dtype must be a string or a torch.dtype, got int"):
+    with pytest.raises(TypeError, match=r"kv_dtype must be a string or a torch\.dtype, got int"):
         resolve_kv_dtype(8)  # type: ignore[arg-type]
     assert resolve_kv_dtype(torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype(None) is None and resolve_kv_dtype("auto") is None
