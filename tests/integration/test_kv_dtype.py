@@ -26,7 +26,8 @@ def _prefill_logits(llm: infer.LLM) -> torch.Tensor:
     model = llm.model
     cache = model.make_cache(1, 64)
     with torch.inference_mode():
-        return model(torch.tensor([PROMPT]), cache)[0].float()
+        logits: torch.Tensor = model(torch.tensor([PROMPT]), cache)[0].float()
+    return logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
