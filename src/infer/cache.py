@@ -157,7 +157,6 @@ class StepKV:
         self.shared_k: torch.Tensor | None = None
         self.shared_v: torch.Tensor | None = None
         self.shared_mask: torch.Tensor | None = None
-        self.shared_rows: torch.Tensor | None = None
         self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
         # Slots in use before the step (host int, an upper bound for every row; None: unknown):
         # a query ``t`` of the step sees no key at or past ``key_limit + t + 1``.

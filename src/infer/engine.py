@@ -93,7 +93,8 @@ class LLM(Protocol):
     def _encode(self, prompt: str | list[int], what: str) -> list[int]: ...
 
 
-MIN_SLOTS = 128  # the KV capacity grows in powers of two from here (up to the context)
+MIN_SLOTS = 64  # the KV capacity grows in powers of two from here (up to the context)
+MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
@@ -271,6 +272,9 @@ class _Request:
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
     ended: bool = False  # its final event is sent
+    # (row, n): the first n prompt tokens are being computed by the request in that row; this one
+    # waits for them and then shares them (`Engine._resolve_waits`) instead of computing them too.
+    waits: tuple[int, int] | None = None
 
     @property
     def decoding(self) -> bool:
@@ -385,6 +389,30 @@ class KVSlots:
         self.cache = new
         self.held += [[] for _ in range(rows - len(self.held))]
         self.prefix += [None] * (rows - len(self.prefix))
+        self._views.clear()
+
+    def shrink(self) -> None:
+        """Give back slots no row needs: when every row's own tokens fit in a quarter of the
+        capacity (a long prompt whose start went to a shared segment), halve it until they fit in
+        half (powers of two, at least `MIN_SLOTS`), copying what the rows hold."""
+        if self.cache is None:
+            return
+        need = max((len(h) for h in self.held), default=0)
+        capacity = self.capacity
+        if capacity <= MIN_SLOTS or 4 * need > capacity:
+            return
+        while capacity > MIN_SLOTS and 2 * need <= capacity // 2:
+            capacity //= 2
+        old, model = self.cache, self.model
+        new = KVCache(model.config, old.batch_size, capacity, dtype=model.cache_dtype, device=model.device,
+                      layers=model.kv_layers, rings=False)  # fmt: skip
+        for before, after in zip(old.layers, new.layers, strict=True):
+            if before.capacity:
+                for src, dst in zip(before.tensors(), after.tensors(), strict=True):
+                    dst.copy_(src[:, :, : after.capacity])
+        new.slot.copy_(old.slot)
+        new.pad.copy_(old.pad)
+        self.cache = new
         self._views.clear()
 
     def view(self, lo: int, hi: int) -> KVCache:
@@ -857,37 +885,82 @@ class Engine:
         return out
 
     def _admit(self, r: _Request) -> None:
-        """Give ``r`` a free row: the one holding the longest prefix of its prompt, else an empty
-        one, else the least recently used, else (every row busy) a new one.
+        """Give ``r`` a row and reuse what the engine holds of its prompt.
+
+        The longest prefix of the prompt held anywhere wins: a free row's kept tokens (the
+        prefix cache: ``r`` takes that row), or a running request's tokens, computed or still to
+        be computed (``r`` shares them: `KVSlots.share_prefix`, stored once; or, while they are
+        being computed, waits for them: `_resolve_waits`), if at least `MIN_SHARED` tokens.
+        Otherwise an empty row, else the least recently used, else (every row busy) a new one.
 
         Rows are added only when every row is busy, so the KV memory follows the number of
         requests that ran at once, not the number of different prompts seen: sequential calls
         with unrelated 4,096-token prompts kept 16 rows (2.4 GB for Gemma 3 270M) when a new row
         was preferred to a kept prefix."""
+        slots = self.slots
         busy = {q.row for q in self._running.values()}
-        free = [i for i in range(self.slots.rows) if i not in busy]
+        free = [i for i in range(slots.rows) if i not in busy]
         best, best_n = -1, 0
         limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
         for i in free:
-            n = min(_common_prefix(self.slots.held[i], r.prompt), limit)
+            n = min(_common_prefix(slots.tokens(i), r.prompt), limit)
             if n > best_n:
                 best, best_n = i, n
+        lead, lead_n = -1, 0
+        for i, q in self._running.items():
+            n = min(_common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
+            stored = slots.offset(i)
+            if stored and n < stored + MIN_SHARED:
+                n = min(n, stored)  # the row's own segment: no second copy for a few more tokens
+            if n > lead_n:
+                lead, lead_n = i, n
+        if lead_n >= MIN_SHARED and lead_n > best_n:
+            best, best_n = -1, 0  # shared with the running request instead of a kept row
+        else:
+            lead = -1
         if best < 0:
-            empty = [i for i in free if not self.slots.held[i]]
+            empty = [i for i in free if not slots.held[i] and slots.prefix[i] is None]
             if empty:
                 best = empty[0]
             elif free:
                 best = min(free, key=lambda i: self._used.get(i, 0.0))
             else:  # every row busy (`_take_waiting_locked` admits at most max_batch)
-                best = self.slots.rows
-                self.slots.reserve(best + 1, min(self.context, len(r.prompt) + 1))
-        self.slots.rollback(best, best_n)
+                best = slots.rows
+                slots.reserve(best + 1, 1)  # a row; its slots grow as its prompt is read
+        slots.rollback(best, best_n)
         r.row = best
         r.pending = r.prompt[best_n:]
         r.started = time.perf_counter()
         r.handle.cached = best_n
         self._stats["cached_tokens"] += best_n
         self._running[best] = r
+        if lead >= 0:
+            r.waits = (lead, lead_n)
+            self._resolve_waits()
+
+    def _resolve_waits(self) -> None:
+        """Requests waiting for a prefix another request computes take it once it is computed
+        (shared: `KVSlots.share_prefix`); if that request went away first, they compute it."""
+        slots = self.slots
+        shared = False
+        for r in self._running.values():
+            if r.waits is None:
+                continue
+            lead, n = r.waits
+            held = slots.tokens(lead)
+            if len(held) >= n and held[:n] == r.prompt[:n]:
+                slots.share_prefix(lead, n, r.row)
+                r.pending = r.prompt[n:]
+                r.handle.cached = n
+                self._stats["cached_tokens"] += n
+                shared = True
+            else:
+                leader = self._running.get(lead)
+                if leader is not None and leader is not r and (held + leader.pending)[:n] == r.prompt[:n]:
+                    continue  # still being computed
+            r.waits = None
+        if shared:
+            slots.shrink()  # the leader's long prompt moved to the store: its slots may go
 
     def _iteration(self) -> None:
         for r in list(self._running.values()):
@@ -950,7 +1023,8 @@ class Engine:
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
-        reading = sorted(row for row, r in self._running.items() if not r.decoding)
+        self._resolve_waits()
+        reading = sorted(row for row, r in self._running.items() if not r.decoding and r.waits is None)
         # Running streams wait for this forward: a short chunk. Nobody waits: a long one, which
         # dequantizes each packed weight once for more tokens (Gemma 3, a 4,096-token prompt:
         # 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads).

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from infer.cache import KVCache
 from infer.models.base import DecoderLM
 
-MIN_SHARED = 32  # tokens a prefix must have to be shared (below, a row just recomputes them)
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
 
 
@@ -89,15 +88,6 @@ class PrefixStore:
     def tokens_held(self) -> int:
         return sum(s.length for s in self.segments)
 
-    def match(self, prompt: list[int]) -> tuple[Segment | None, int]:
-        """The segment sharing the longest prefix with ``prompt``, and how many tokens it shares."""
-        best, best_n = None, 0
-        for s in self.segments:
-            n = _common_prefix(s.tokens, prompt)
-            if n > best_n:
-                best, best_n = s, n
-        return best, best_n
-
     def allocate(self, tokens: tuple[int, ...]) -> Segment:
         """A new segment for ``tokens`` (its K/V to be written by the caller: `write`)."""
         n = len(tokens)
@@ -140,6 +130,8 @@ class PrefixStore:
             self.segments.remove(segment)
             if not self.segments:  # nothing live: give the memory back
                 self.cache = None
+            elif self.capacity > 4 * max(64, self.tokens_held):  # mostly empty: pack what lives
+                self._rebuild(0)
 
     def _gap(self, n: int) -> int | None:
         """The first free run of ``n`` slots, or None."""
@@ -155,7 +147,9 @@ class PrefixStore:
     def _rebuild(self, need: int) -> None:
         """New buffers holding the live segments packed from slot 0, with room for ``need`` more."""
         live = self.tokens_held
-        capacity = max(int((live + need) * GROWTH), live + need, 64)
+        # The first segment gets what it needs; a store that must grow gets room for more.
+        capacity = max(live + need, 64) if not live else int((live + need) * GROWTH)
+        capacity = -(-capacity // 64) * 64
         m = self.model
         new = KVCache(m.config, 1, capacity, dtype=m.cache_dtype, device=m.device, layers=m.kv_layers,
                       rings=False)  # fmt: skip
@@ -175,13 +169,4 @@ class PrefixStore:
         return min(s.start for s in segments), max(s.end for s in segments)
 
 
-def _common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-__all__ = ["MIN_SHARED", "PrefixStore", "Segment", "shares_prefixes"]
+__all__ = ["PrefixStore", "Segment", "shares_prefixes"]

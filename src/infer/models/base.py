@@ -179,16 +179,16 @@ def _run_block(
     key_start: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One block, everything it reads passed in. Compiled, the blocks of a model form one
     region, traced and code-generated once per kind of layer and stamped out per layer
-    (eagerly a plain call). ``shared``: a shared prefix's keys, values, mask and rows."""
+    (eagerly a plain call). ``shared``: a shared prefix's keys, values and mask."""
     kv = None
     if k is not None and v is not None and slots is not None and n_new is not None:
         kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit, key_start, k_scale, v_scale)
         if shared is not None:
-            kv.shared_k, kv.shared_v, kv.shared_mask, kv.shared_rows = shared
+            kv.shared_k, kv.shared_v, kv.shared_mask = shared
     out: torch.Tensor = layer(x, cos, sin, mask, kv)
     return out
 
@@ -369,7 +369,7 @@ class DecoderLM(nn.Module):
         shared = None
         if cache.shared is not None and step.shared_masks is not None:
             sk, sv = cache.shared.kv(index)
-            shared = (sk, sv, step.shared_masks[lt], cache.shared.length > 0)
+            shared = (sk, sv, step.shared_masks[lt])
         out = _block_fn()(
             layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
             plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit, key_start, kv.k_scale,

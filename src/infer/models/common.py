@@ -285,12 +285,11 @@ class KVStore(Protocol):
 
     key_limit: int | None  # keys at or past ``key_limit + T`` are masked for every query (None: unknown)
     key_start: int | None  # query ``t`` sees no key before ``key_start + t`` (None: no such bound)
-    # A shared prefix (`infer.prefix`): keys/values ``[1, Hkv, R, hd]`` every row may read, the
-    # mask ``[B, 1, T, R]`` of what each row's queries see of them, and ``[B]`` whether it sees any.
+    # A shared prefix (`infer.prefix`): keys/values ``[1, Hkv, R, hd]`` every row may read, and the
+    # mask ``[B, 1, T, R]`` of what each row's queries see of them.
     shared_k: torch.Tensor | None
     shared_v: torch.Tensor | None
     shared_mask: torch.Tensor | None
-    shared_rows: torch.Tensor | None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``."""
@@ -379,12 +378,11 @@ class Attention(Fusable):
             k, v = cache.update(k, v)  # [B, Hkv, S, hd]
             key_limit, key_start = cache.key_limit, cache.key_start
             if cache.shared_k is not None:
-                shared = (cache.shared_k, cache.shared_v, cache.shared_mask, cache.shared_rows)
+                shared = (cache.shared_k, cache.shared_v, cache.shared_mask)
         if shared is not None:  # a prefix stored once for the rows that share it (`infer.prefix`)
-            sk, sv, smask, srows = shared
-            assert sv is not None and smask is not None and srows is not None and mask is not None
-            out = attend_shared(q, k, v, mask, sk, sv, smask, srows, self.scale, self.softcap, key_limit,
-                                key_start)  # fmt: skip
+            sk, sv, smask = shared
+            assert sv is not None and smask is not None and mask is not None
+            out = attend_shared(q, k, v, mask, sk, sv, smask, self.scale, self.softcap, key_limit, key_start)
         else:  # [B, H, T, hd]
             out = attend_any(
                 q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic, key_start
@@ -547,7 +545,6 @@ def attend_shared(
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
     shared_mask: torch.Tensor,
-    shared_rows: torch.Tensor,
     scale: float,
     softcap: float | None = None,
     key_limit: int | None = None,
@@ -555,8 +552,7 @@ def attend_shared(
 ) -> torch.Tensor:
     """Attention of ``q [B, H, T, hd]`` over each row's private keys ``k, v [B, Hkv, S, hd]``
     (``mask [B, 1, T, S]``) and a prefix stored once, ``shared_k, shared_v [1, Hkv, R, hd]``, of
-    which row ``b``'s queries see ``shared_mask[b] [1, T, R]`` (``shared_rows [B]``: whether row
-    ``b`` sees any) -> ``[B, H, T, hd]``.
+    which row ``b``'s queries see ``shared_mask[b] [1, T, R]`` -> ``[B, H, T, hd]``.
 
     The shared keys are read once for the whole step: every row's queries are folded into one
     query axis (``[1, H, B*T, hd]``) against them, so 16 rows sharing a 2,000-token prompt read it
@@ -581,7 +577,7 @@ def attend_shared(
     pre, pre_lse = _attend_lse(qs, shared_k, shared_v, ms, scale, softcap)  # [1, H, B*T, hd], [1, H, B*T]
     pre = pre.reshape(H, B, T, D).transpose(0, 1)  # [B, H, T, hd]
     pre_lse = pre_lse.reshape(H, B, T).transpose(0, 1)  # [B, H, T]
-    sees = shared_rows[:, None, None]  # [B, 1, 1]
+    sees = shared_mask.any(dim=-1)  # [B, 1, T]: a query sees some shared key (a window may hide them all)
     top = torch.where(sees, torch.maximum(own_lse, pre_lse), own_lse)
     a = torch.exp(own_lse - top)  # [B, H, T]
     b = torch.where(sees, torch.exp(pre_lse - top), 0.0)
