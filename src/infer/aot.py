@@ -29,12 +29,14 @@ running when the package appears) steps at compiled speed.
   checkpoint the same way (`Recipe`), checks that its model has the same fingerprint,
   compiles, and moves the package into place atomically (``os.replace``), so a reader never
   sees a partial file. A running process picks a new package up within `PackageCache.RECHECK_S`,
-  so a server steps compiled code minutes after it first ran a shape. What could not be queued
-  is queued at interpreter exit. The build's log is ``KEY.log``, the builder's ``builder.log``.
+  so a server steps compiled code once the gaps between its requests add up to a build. What
+  could not be queued is queued at interpreter exit. The build's log is ``KEY.log``, the
+  builder's ``builder.log``.
 * **Bounds**: per cache directory at most one builder, ~14 MB (an interpreter without torch)
   while it waits for its turn or for quiet; a worker holds a second copy of the model and the
   compiler while it builds, and is killed when stopped for more than `infer.builder.STOP_LIMIT_S`
-  (25 s), its request tried again later (at most `infer.builder.MAX_TRIES` times). A request
+  (25 s), its request tried again later (at most `infer.builder.MAX_TRIES` times; a running
+  process queues a shape dropped unbuilt again after `PackageCache.REQUEUE_S`). A request
   whose checkpoint is gone or changed is dropped before any worker starts. A build does not
   start without the memory for a second copy of the model and the compiler. A process holds
   at most `MAX_LOADED` packages (least recently used dropped); the cache directory keeps the
