@@ -239,9 +239,17 @@ def queue_dir(directory: Path) -> Path:
 
 def queued(directory: Path) -> list[str]:
     """The keys of the requests in ``directory``'s queue."""
+    return sorted(key for key, _ in _listing(directory))
+
+
+def _listing(directory: Path) -> set[tuple[str, int]]:
+    """``(key, mtime_ns)`` of each request queued (a request queued again has a new time)."""
+    out = set()
     with contextlib.suppress(OSError):
-        return sorted(p.stem for p in queue_dir(directory).glob("*.json"))
-    return []
+        for path in queue_dir(directory).glob("*.json"):
+            with contextlib.suppress(OSError):
+                out.add((path.stem, path.stat().st_mtime_ns))
+    return out
 
 
 def running(directory: Path) -> bool:
@@ -346,13 +354,16 @@ class Builder:
                 os.truncate(self.directory / LOG, 0)
         self.say(f"builder of {self.directory} started")
         deadline = time.monotonic() + WAIT_LIMIT_S
+        left: set[tuple[str, int]] | None = None  # what the last look found and could not take
         while True:
             picked = self.next()
             if picked is None:
                 os.close(lock)  # from here on, a process that queues starts a builder itself...
-                if not queued(self.directory):  # ... and one that queued before this look is seen here
+                now = _listing(self.directory)  # ... and one that queued before this look is seen here
+                if not now or now == left:  # (the same requests again: ones it cannot remove)
                     self.say("queue empty: builder exits")
                     return 0
+                left = now
                 lock = _try_lock(self.directory / LOCK, patience_s=1.0)
                 if lock is None:
                     return 0  # a new builder took over
@@ -397,7 +408,7 @@ class Builder:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infer.builder", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m infer.builder", description="Build a package queue.")
     parser.add_argument("directory", type=Path, help="the package cache directory whose queue to build")
     parser.add_argument("--run-lock", type=Path, default=None, help="the machine-wide build lock")
     args = parser.parse_args(argv)

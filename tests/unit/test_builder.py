@@ -159,20 +159,20 @@ def test_a_request_queued_as_the_builder_leaves_is_taken(
     ckpt = _checkpoint(tmp_path / "ckpt")
     late = _request(cache, ckpt, "key-late")
     (ckpt / "config.json").write_text("{}")  # stale: the builder drops it (it takes it, builds nothing)
-    real_queued = builder.queued
+    real_listing = builder._listing
     calls: list[Path] = []
 
-    def queued(directory: Path) -> list[str]:
+    def listing(directory: Path) -> set[tuple[str, int]]:
         if not calls:  # the look after the release: the request arrives just before it
             builder.add(directory, [late])
         calls.append(directory)
-        return real_queued(directory)
+        return real_listing(directory)
 
-    monkeypatch.setattr(builder, "queued", queued)
+    monkeypatch.setattr(builder, "_listing", listing)
     cache.mkdir()
     assert builder.Builder(cache, run_lock).run() == 0
-    assert real_queued(cache) == [], "the late request was left without a builder"
     assert len(calls) == 2  # looked again after taking it
+    assert real_listing(cache) == set(), "the late request was left without a builder"
 
 
 def test_a_worker_stopped_too_long_is_killed_and_tried_again_a_bounded_number_of_times(
