@@ -17,22 +17,35 @@ running when the package appears) steps at compiled speed.
   (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
   infer itself. Another model, another machine or another version of infer finds no
   package, and builds its own.
-* **Building**: a step whose package is missing runs eagerly and its shape is noted; at
-  interpreter exit (or `PackageCache.build_missing`) one builder starts, in a new session,
-  for the shapes noted: ``python -m infer.idle -- python -m infer.aot REQUESTS``. The
-  builder (``SCHED_IDLE``, one compile thread) loads the same checkpoint the same way
-  (`Recipe`), checks that its model has the same fingerprint, compiles, and moves each
-  package into place atomically (``os.replace``), so a reader never sees a partial file.
-  `infer.idle` stops it (``SIGSTOP``) whenever other processes keep the CPUs busy and lets
-  it go on after a second of quiet: a build beside running steps slows them ~4x even at
-  ``SCHED_IDLE`` (docs/performance.md), so it runs only in the gaps the user leaves. A
-  ``flock`` on ``KEY.lock``, held by the builder while it lives, keeps two processes from
-  building one package (a builder that dies releases it). The build's log is ``KEY.log``.
-* **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
-  the cache directory keeps the newest `MAX_PACKAGES` packages. A build does not start
-  without the memory for a second copy of the model and the compiler (`_enough_memory`).
-* **Settings**: ``INFER_AOT=on`` (the default) uses packages and builds the missing ones;
-  ``use`` uses packages and builds none; ``off`` (or ``compile=False``) uses and builds nothing.
+* **Building**: a step whose package is missing runs eagerly, and its shape is queued for a
+  build at once, on the step that found it missing (a JSON file in the cache directory's
+  ``queue/``; `PackageCache.prepare` queues shapes ahead of need). The directory's one builder
+  (`infer.builder`: started by the process that queues when none lives, in a new session, so
+  it outlives it) takes the queue: one build at a time on the machine, each in a worker,
+  ``python -m infer.aot REQUEST``, started only once the machine is idle and stopped
+  (``SIGSTOP``, `infer.idle`) whenever other processes keep the CPUs busy: a build beside
+  running steps slows them ~4x even at ``SCHED_IDLE`` (docs/performance.md), so it runs only
+  in the gaps the user leaves. The worker (``SCHED_IDLE``, one compile thread) loads the same
+  checkpoint the same way (`Recipe`), checks that its model has the same fingerprint,
+  compiles, and moves the package into place atomically (``os.replace``), so a reader never
+  sees a partial file. A running process picks a new package up within `PackageCache.RECHECK_S`,
+  so a server steps compiled code once the gaps between its requests add up to a build. What
+  could not be queued is queued at interpreter exit. The build's log is ``KEY.log``, the
+  builder's ``builder.log``.
+* **Bounds**: per cache directory at most one builder, ~14 MB (an interpreter without torch)
+  while it waits for its turn or for quiet; a worker holds a second copy of the model and the
+  compiler while it builds, and is killed when stopped for more than `infer.builder.STOP_LIMIT_S`
+  (25 s), its request tried again later (at most `infer.builder.MAX_TRIES` times; a running
+  process queues a shape dropped unbuilt again after `PackageCache.REQUEUE_S`). A request
+  whose checkpoint is gone or changed is dropped before any worker starts. A build does not
+  start without the memory for a second copy of the model and the compiler. A process holds
+  at most `MAX_LOADED` packages (least recently used dropped); the cache directory keeps the
+  newest `MAX_PACKAGES` packages.
+* **Settings**: ``INFER_AOT`` unset uses packages and builds the missing ones, except for a
+  temporary or test checkpoint (`infer.builder.temporary`: under the temporary directory, a
+  pytest directory, or loaded under pytest), whose shapes are not queued; ``INFER_AOT=on``
+  builds those too; ``use`` uses packages and builds none; ``off`` (or ``compile=False``)
+  uses and builds nothing.
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
   and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
@@ -45,7 +58,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -53,10 +65,11 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infer import builder
 from infer.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
@@ -79,7 +93,9 @@ CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it 
 SETTINGS = ("on", "use", "off")
 _SETTING = os.environ.get("INFER_AOT", "on").strip().lower()
 ENABLED = _SETTING != "off"
-BACKGROUND_BUILDS = _SETTING == "on"  # whether the shapes found missing are built after the process
+BACKGROUND_BUILDS = _SETTING == "on"  # whether the shapes found missing are built in the background
+# Temporary and test checkpoints (`infer.builder.temporary`) are built only when asked: ``INFER_AOT=on``.
+TEMPORARY_BUILDS = BACKGROUND_BUILDS and "INFER_AOT" in os.environ
 
 
 def cache_dir() -> Path:
@@ -170,6 +186,7 @@ def fingerprint(model: DecoderLM) -> str:
         platform.machine(),
         _source_digest(),
         repr(model.config),
+        str(model.cache_dtype),  # the KV tensors' dtype (`DecoderLM.kv_dtype`)
         [type(m).__qualname__ for m in model.modules()],
     ]
     for name, t in named_tensors(model).items():
@@ -192,10 +209,13 @@ def pays(model: DecoderLM) -> bool:
 
 
 def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str:
-    ring = cache.ring_slots is not None
+    return shape_key(fp, batch, cache.capacity, cache.ring_slots is not None, mode)
+
+
+def shape_key(fp: str, batch: int, capacity: int, rings: bool, mode: Sampling) -> str:
+    """The package name of the decode step of ``batch`` rows on a KV ``capacity`` (`package_key`)."""
     flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
-    kv = str(cache.dtype).removeprefix("torch.")
-    return f"{fp}-b{batch}-c{cache.capacity}-r{int(ring)}-{flags}-{kv}"
+    return f"{fp}-b{batch}-c{capacity}-r{int(rings)}-{flags}"
 
 
 # ---- the exported step ---------------------------------------------------------------------
@@ -395,29 +415,36 @@ class Package:
 
 
 class PackageCache:
-    """The packages of one model: loaded on demand; the missing ones built after this process.
+    """The packages of one model: loaded on demand; the missing ones queued for the builder.
 
-    A step whose package is missing runs eagerly and its shape is noted; at interpreter exit
-    (or at `build_missing`) one builder starts for every shape noted, stopped by `infer.idle`
-    whenever the machine is busy, so it never competes with this process or the next. A
-    package that appears while this process runs (built by another) is picked up: a missing
-    path is looked at again every `RECHECK_S`.
+    A step whose package is missing runs eagerly and its shape is queued at once for the
+    cache directory's builder (`infer.builder`), which builds it while the machine is idle;
+    `prepare` queues shapes ahead of need. A package that appears while this process runs
+    (built meanwhile) is picked up: a missing path is looked at again every `RECHECK_S`.
+    ``queue_missing=False`` notes missing shapes (`missing`) without queueing them, for a
+    caller that builds them itself (`build_missing` queues them).
     """
 
     RECHECK_S = 1.0
+    REQUEUE_S = 600.0  # a shape still missing this long after it was queued, and out of the queue: again
 
-    def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
+    def __init__(self, model: DecoderLM, recipe: Recipe | None, queue_missing: bool = True) -> None:
         if _SETTING not in SETTINGS:
             raise ValueError(f"the environment variable INFER_AOT must be on, use or off, got {_SETTING!r}")
         self.model = model
         self.recipe = recipe
+        self.queue_missing = queue_missing
         self._fingerprint: str | None = None
         self.loaded: OrderedDict[str, Package] = OrderedDict()
         self.eager: set[str] = set()  # keys that stay eager in this process (a package that failed)
-        self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request
+        self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request (noted missing here)
+        self.queued: dict[str, float] = {}  # key -> when this process last queued it
         self._looked: dict[str, float] = {}  # key -> when its path was last looked at
-        self.builds: list[subprocess.Popen[bytes]] = []
+        self.builds: list[subprocess.Popen[bytes]] = []  # the builders this process started
         self._scanned, self._present = -self.RECHECK_S, False
+        # The checkpoint as loaded: a request for it is dropped if its files change.
+        self._temporary = recipe is not None and builder.temporary(recipe.path)
+        self._files = builder.checkpoint_files(recipe.path) if recipe is not None else []
 
     @property
     def fingerprint(self) -> str:
@@ -426,9 +453,16 @@ class PackageCache:
         return self._fingerprint
 
     @property
+    def builds_allowed(self) -> bool:
+        """Whether missing shapes are queued for a build (``INFER_AOT``; a temporary or test
+        checkpoint only under an explicit ``INFER_AOT=on``)."""
+        return (ENABLED and BACKGROUND_BUILDS and self.recipe is not None
+                and (TEMPORARY_BUILDS or not self._temporary))  # fmt: skip
+
+    @property
     def enabled(self) -> bool:
         """Whether packages may run or be noted (else every step is plain eager, unbucketed)."""
-        return ENABLED and (BACKGROUND_BUILDS or self._any_packages())
+        return ENABLED and (self.builds_allowed or self._any_packages())
 
     def _any_packages(self) -> bool:
         """Whether the cache directory holds a package (looked at again every `RECHECK_S`)."""
@@ -439,7 +473,7 @@ class PackageCache:
         return self._present
 
     def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
-        """The package of this step's shape, or None (the step runs eagerly; the shape is noted)."""
+        """The package of this step's shape, or None (the step runs eagerly; the shape is queued)."""
         if not self.enabled:
             return None  # nothing to load, nothing to note: no fingerprint, no per-step cost
         key = package_key(self.fingerprint, cache, batch, mode)
@@ -455,13 +489,12 @@ class PackageCache:
         self._looked[key] = now
         path = cache_dir() / f"{key}.pt2"
         if not path.exists():
-            if key not in self.missing and self.recipe is not None:
-                self.missing[key] = {
-                    "key": key, "batch": batch, "capacity": cache.capacity,
-                    "rings": cache.ring_slots is not None, "mode": asdict(mode), "out": str(path),
-                    "recipe": asdict(self.recipe),
-                }  # fmt: skip
-                _MISSING[key] = self.missing[key]  # built at exit even if this cache is gone by then
+            if self.builds_allowed:
+                if key not in self.missing:
+                    rings = cache.ring_slots is not None
+                    self.missing[key] = self._request(key, batch, cache.capacity, rings, mode)
+                if self.queue_missing and self._due(key, now):
+                    self._queue([self.missing[key]])
             return None
         self.missing.pop(key, None)
         _MISSING.pop(key, None)
@@ -478,89 +511,119 @@ class PackageCache:
             self.loaded.popitem(last=False)
         return package
 
+    def prepare(
+        self, rows: Iterable[int], capacities: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)
+    ) -> list[str]:
+        """Queue the builds of the decode steps of every ``rows`` x ``capacities`` x ``modes``
+        shape that has no package yet, ahead of need: a server calls it at start for the batch
+        buckets and KV capacities its engine will step (the engine steps a power-of-two window
+        of rows, and capacities in powers of two from `infer.engine.MIN_SLOTS`). The builder
+        takes them in the machine's idle time, and this process picks each package up as it
+        lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        rows, capacities, modes = list(rows), list(capacities), list(modes)
+        for name, values in (("rows", rows), ("capacities", capacities)):
+            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"prepare: {name} must be integers >= 1, got {bad[0]!r}")
+        bad_modes = [m for m in modes if not isinstance(m, Sampling)]
+        if bad_modes:
+            raise TypeError(f"prepare: modes must be infer.step.Sampling values, got {bad_modes[0]!r}")
+        if not self.builds_allowed:
+            return []
+        requests = []
+        for batch in sorted(set(rows)):
+            for capacity in sorted(set(capacities)):
+                for mode in modes:
+                    key = shape_key(self.fingerprint, batch, capacity, False, mode)  # engine KV: no rings
+                    known = key in self.missing or key in self.loaded
+                    if not known and not _done(cache_dir() / f"{key}.pt2"):
+                        self.missing[key] = self._request(key, batch, capacity, False, mode)
+                        requests.append(self.missing[key])
+        self._queue(requests)
+        return [r["key"] for r in requests if r["key"] in self.queued]
+
     def build_missing(self) -> subprocess.Popen[bytes] | None:
-        """Start one builder (a new session, run by `infer.idle`) for the shapes noted as missing
-        that nobody builds yet; it outlives this process. None when there is nothing to do."""
-        build = _start_build(self.missing)
-        if build is not None:
-            self.builds.append(build)
-        return build
+        """Queue the shapes noted missing that this process has not queued yet, and start the
+        directory's builder if none lives (it takes the whole queue); the builder started, or
+        None (one lives, or nothing is to be built)."""
+        if not self.builds_allowed:
+            return None
+        started = self._queue([r for key, r in self.missing.items() if key not in self.queued])
+        if started is None and builder.queued(cache_dir()):
+            started = builder.start(cache_dir())
+            self._keep(started)
+        return started
+
+    def _due(self, key: str, now: float) -> bool:
+        """Whether to queue ``key`` (missing here): not queued yet, or queued `REQUEUE_S` ago and
+        gone from the queue unbuilt (the builder dropped it: the machine stayed busy; a long-running
+        process asks again, as a new process would)."""
+        at = self.queued.get(key)
+        if at is None:
+            return True
+        if now - at < self.REQUEUE_S:
+            return False
+        if (builder.queue_dir(cache_dir()) / f"{key}.json").exists():
+            self.queued[key] = now  # still waiting its turn: look again later
+            return False
+        return True
+
+    def _request(self, key: str, batch: int, capacity: int, rings: bool, mode: Sampling) -> dict[str, Any]:
+        assert self.recipe is not None
+        return {
+            "key": key, "batch": batch, "capacity": capacity, "rings": rings, "mode": asdict(mode),
+            "out": str(cache_dir() / f"{key}.pt2"), "recipe": asdict(self.recipe), "files": self._files,
+        }  # fmt: skip
+
+    def _queue(self, requests: list[dict[str, Any]]) -> subprocess.Popen[bytes] | None:
+        """Queue ``requests`` (on the step thread: a file each, and a builder started when none
+        lives: 1-20 ms, or ~2.5 ms when one lives, once per shape; tiny model, 2 shared cores);
+        what fails is queued at exit. The builder started, if this started one."""
+        todo = [r for r in requests if not _done(Path(r["out"]))]
+        if not todo:
+            return None
+        try:
+            started = builder.submit(cache_dir(), todo)
+        except OSError as e:  # costs speed only: tried again at exit
+            warnings.warn(f"infer: cannot queue the build of a compiled step ({e})", stacklevel=3)
+            _MISSING.update((r["key"], r) for r in todo)
+            return None
+        now = time.monotonic()
+        for r in todo:
+            self.queued[r["key"]] = now
+            _MISSING.pop(r["key"], None)
+        self._keep(started)
+        return started
+
+    def _keep(self, started: subprocess.Popen[bytes] | None) -> None:
+        if started is None:
+            return
+        self.builds.append(started)
+        with contextlib.suppress(RuntimeError):  # reaped as soon as it exits (no zombie in a server)
+            threading.Thread(target=started.wait, name="infer-builder-reaper", daemon=True).start()
 
 
-_MISSING: dict[str, dict[str, Any]] = {}  # every shape noted missing in this process, by key
+_MISSING: dict[str, dict[str, Any]] = {}  # build requests noted here that could not be queued yet
 
 
-def _start_build(missing: dict[str, dict[str, Any]]) -> subprocess.Popen[bytes] | None:
-    """Start one builder for the requests in ``missing`` that nobody builds yet (they leave
-    ``missing`` and `_MISSING`); None when there is nothing to do."""
-    if not (ENABLED and BACKGROUND_BUILDS):
-        return None
-    requests, locks = [], []
-    for key, request in list(missing.items()):
-        out = Path(request["out"])
-        lock = _lock(out)
-        if lock is None:  # another process builds it
-            continue
-        if out.exists() or out.with_suffix(".failed").exists():  # looked at again under the lock
-            os.close(lock)
-            continue
-        requests.append(request)
-        locks.append(lock)
-        del missing[key]
-        _MISSING.pop(key, None)
-    if not requests:
-        return None
-    log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
-    worker = [sys.executable, "-m", "infer.aot", json.dumps(requests)]
-    try:
-        with log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "infer.idle", "--", *worker],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=locks,  # the watcher holds the locks while it lives
-                start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
-            )
-    finally:
-        for lock in locks:
-            os.close(lock)
-
-
-def _lock(out: Path) -> int | None:
-    """An open descriptor holding an exclusive ``flock`` on ``out``'s lock file, or None when
-    another process holds it (it builds that package)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+def _done(out: Path) -> bool:
+    """Whether the package at ``out`` exists or failed to build (nothing to queue)."""
+    return out.exists() or out.with_suffix(".failed").exists()
 
 
 def building(directory: Path | None = None) -> list[str]:
-    """The packages being built in the cache directory now (their lock files are held)."""
-    held = []
-    for path in sorted((directory or cache_dir()).glob("*.lock")):
-        try:
-            fd = os.open(path, os.O_RDWR)  # not created again if its builder just removed it
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            held.append(path.stem)
-        finally:
-            os.close(fd)
-    return held
+    """The packages the cache directory's builder has yet to build or is building ([] when no
+    builder lives)."""
+    return builder.pending(directory or cache_dir())
 
 
 @atexit.register
 def _build_at_exit() -> None:
     with contextlib.suppress(Exception):  # a build that cannot start costs speed only
-        _start_build(_MISSING)
+        requests = [r for r in _MISSING.values() if not _done(Path(r["out"]))]
+        _MISSING.clear()
+        if ENABLED and BACKGROUND_BUILDS and requests:
+            builder.submit(Path(requests[0]["out"]).parent, requests)
 
 
 def _prune(directory: Path) -> None:
@@ -584,61 +647,29 @@ def _yield_the_cpu() -> None:
         os.nice(19)
 
 
-COMPILER_BYTES = 2 << 30  # what AOTInductor's lowering and the C++ compiler take, with room
-
-
-def _enough_memory(checkpoint: Path) -> bool:
-    """Whether the machine has the memory for the builder's copy of the model and the compiler
-    (``MemAvailable`` >= checkpoint bytes + `COMPILER_BYTES`); true where it cannot tell."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        available = int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1])
-        files = [checkpoint] if checkpoint.is_file() else list(checkpoint.rglob("*"))
-        size = sum(f.stat().st_size for f in files if f.is_file())
-    except (OSError, StopIteration, ValueError):
-        return True
-    return available * 1024 >= size + COMPILER_BYTES
-
-
 def _main(argv: list[str]) -> int:
-    """``python -m infer.aot REQUESTS``: build the packages asked for (what `PackageCache` starts)."""
+    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.builder` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
-    parser.add_argument("requests", help="JSON list of {recipe, key, batch, capacity, rings, mode, out}")
-    requests = json.loads(parser.parse_args(argv).requests)
+    parser.add_argument("request", help="JSON {recipe, key, batch, capacity, rings, mode, out, files}")
+    request = json.loads(parser.parse_args(argv).request)
     _yield_the_cpu()
     torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
-    if not _enough_memory(Path(requests[0]["recipe"]["path"])):
-        print("not built: too little memory available now (a later process asks again)", flush=True)
-        return 0
-    model: DecoderLM | None = None
-    failures = 0
-    for request in requests:
-        out = Path(request["out"])
-        t0 = time.perf_counter()
-        try:
-            if model is None:
-                model = Recipe(**request["recipe"]).load()
-            fp = fingerprint(model)
-            if not request["key"].startswith(fp + "-"):
-                raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
-            build(
-                model,
-                request["batch"],
-                request["capacity"],
-                request["rings"],
-                Sampling(**request["mode"]),
-                out,
-            )
-            print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
-        except Exception as e:
-            out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
-            print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
-            failures += 1
-        finally:
-            with contextlib.suppress(OSError):
-                out.with_suffix(".lock").unlink()
-    _prune(Path(requests[0]["out"]).parent)
-    return 1 if failures else 0
+    out = Path(request["out"])
+    t0 = time.perf_counter()
+    try:
+        model = Recipe(**request["recipe"]).load()
+        fp = fingerprint(model)
+        if not request["key"].startswith(fp + "-"):
+            raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
+        mode = Sampling(**request["mode"])
+        build(model, request["batch"], request["capacity"], request["rings"], mode, out)
+    except Exception as e:
+        out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+        print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
+        return 1
+    print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    _prune(out.parent)
+    return 0
 
 
 if __name__ == "__main__":
@@ -647,5 +678,5 @@ if __name__ == "__main__":
 
 __all__ = [
     "MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "building", "fingerprint",
-    "pays",
+    "pays", "shape_key",
 ]  # fmt: skip

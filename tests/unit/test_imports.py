@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, ...]] = [
     (
         "infer.rows",
         "infer.idle",
+        "infer.builder",
         "infer.quant",
         "infer.chat_template",
         "infer.chat_history",
