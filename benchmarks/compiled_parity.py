@@ -125,8 +125,7 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     run(stepper)
     for request in cache.missing.values():
         t0 = time.perf_counter()
-        aot.build(llm.model, request["batch"], request["capacity"], request["rings"],
-                  Sampling(**request["mode"]), Path(request["out"]))  # fmt: skip
+        aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
         print(f"  built {Path(request['out']).name} in {time.perf_counter() - t0:.0f} s", flush=True)
     cache.missing.clear()
     cache._looked.clear()

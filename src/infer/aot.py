@@ -76,15 +76,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.export import Dim
 
 from infer import builder
-from infer.cache import KVCache
+from infer.cache import KVCache, round_up
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
 from infer.models.base import DecoderLM, layer_regions
 from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, model_step
 
-PACKAGE_VERSION = 1
+PACKAGE_VERSION = 2  # 2: one package per rows kind and mode, for every KV capacity
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
@@ -208,14 +209,36 @@ def pays(model: DecoderLM) -> bool:
     )
 
 
-def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str:
-    return shape_key(fp, batch, cache.capacity, cache.ring_slots is not None, mode)
+MULTI_ROWS = (
+    2,
+    16,
+)  # the rows one multi-row package serves (inside every packed kernel's and the head's branches)
 
 
-def shape_key(fp: str, batch: int, capacity: int, rings: bool, mode: Sampling) -> str:
-    """The package name of the decode step of ``batch`` rows on a KV ``capacity`` (`package_key`)."""
+def rows_kind(batch: int) -> str | None:
+    """Which package a step of ``batch`` rows runs: ``"1"``, ``"2-16"`` (`MULTI_ROWS`), or None (eager)."""
+    if batch == 1:
+        return "1"
+    lo, hi = MULTI_ROWS
+    return f"{lo}-{hi}" if lo <= batch <= hi else None
+
+
+def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str | None:
+    """The package a decode step of ``batch`` rows on ``cache`` runs, or None (it runs eagerly:
+    more rows than `MULTI_ROWS`, or a cache with ring buffers, which only the engine's never has)."""
+    if cache.ring_slots is not None:
+        return None
+    return shape_key(fp, batch, mode)
+
+
+def shape_key(fp: str, batch: int, mode: Sampling) -> str | None:
+    """The name of the package serving decode steps of ``batch`` rows in ``mode`` (`package_key`):
+    one package per rows kind (`rows_kind`) and sampling mode, for every KV capacity."""
+    kind = rows_kind(batch)
+    if kind is None:
+        return None
     flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
-    return f"{fp}-b{batch}-c{capacity}-r{int(rings)}-{flags}"
+    return f"{fp}-b{kind}-{flags}"
 
 
 # ---- the exported step ---------------------------------------------------------------------
@@ -283,12 +306,21 @@ def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list
     return [values.temperature, values.top_k, values.top_p, noise]
 
 
-def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampling, path: Path) -> None:
-    """Export and compile the decode step of ``batch`` rows on a KV ``capacity`` (sliding-window
-    layers in ``rings`` or not: `KVCache`) into ``path``."""
-    cache = KVCache(model.config, batch, capacity, dtype=model.cache_dtype, device=model.device,
-                    layers=model.kv_layers, rings=rings)  # fmt: skip
+def build(model: DecoderLM, batch: int, mode: Sampling, path: Path) -> None:
+    """Export and compile the decode step for steps of ``batch`` rows into ``path``: one row, or
+    any count in `MULTI_ROWS` (a dynamic dimension), on any KV capacity (dynamic too: the engine's
+    rows grow as they need), in the engine's layout (slot order, no rings)."""
+    kind = rows_kind(batch)
+    if kind is None:
+        raise ValueError(
+            f"build: no package serves steps of {batch} rows (1, or {MULTI_ROWS[0]}-{MULTI_ROWS[1]})"
+        )
+    multi = kind != "1"
+    example_rows, example_capacity = (4 if multi else 1), 256
+    cache = KVCache(model.config, example_rows, example_capacity, dtype=model.cache_dtype,
+                    device=model.device, layers=model.kv_layers, rings=False)  # fmt: skip
     step = _DecodeStep(model, cache, mode)
+    batch = example_rows
 
     class Functional(nn.Module):
         def forward(self, ids: Any, n_new: Any, last: Any, state: Any, kv: Any, sampling: Any, w: Any) -> Any:
@@ -308,13 +340,31 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             torch.zeros(batch, V, device=device),
         ]
     inputs = (ids, ones, zeros, _state(cache), _kv(cache), sampling)
+    # Dynamic dimensions: the rows (a multi-row package) and every KV buffer's slots.
+    rows = Dim("rows", min=MULTI_ROWS[0], max=MULTI_ROWS[1]) if multi else None
+    slots = Dim("slots", min=2, max=max(example_capacity, round_up(model.config.max_position_embeddings, 64)))
+
+    def dims(t: torch.Tensor, kv: bool = False) -> dict[int, Any] | None:
+        d: dict[int, Any] = {}
+        if rows is not None:
+            d[0] = rows
+        if kv and t.shape[2]:
+            d[2] = slots
+        return d or None
+
+    def shapes(weights: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        return (dims(ids), dims(ones), dims(zeros), [dims(t) for t in _state(cache)],
+                [dims(t, kv=True) for t in _kv(cache)], [dims(t) for t in sampling],
+                dict.fromkeys(weights))  # fmt: skip
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
         # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
         with _all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
             # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
             warnings.simplefilter("ignore", UserWarning)
-            return torch.export.export(Functional(), (*inputs, weights), strict=True)
+            return torch.export.export(
+                Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=True
+            )
 
     # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step
     # reads. The first export finds them (the fused products leave their parts' views unread:
@@ -338,7 +388,10 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             inductor_configs={
                 "aot_inductor.metadata": {
                     "names": json.dumps(names),
-                    "inputs": json.dumps(_specs([ids, ones, zeros, *_state(cache), *_kv(cache), *sampling])),
+                    "inputs": json.dumps(
+                        _input_specs([ids, ones, zeros, *_state(cache)], _kv(cache), sampling)
+                    ),
+                    "rows": json.dumps([1, 1] if not multi else list(MULTI_ROWS)),
                     "weights": json.dumps(_specs(list(weights.values()))),
                 }
             },
@@ -366,6 +419,29 @@ def _specs(tensors: list[torch.Tensor]) -> list[list[Any]]:
     return [[list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")] for t in tensors]
 
 
+def _input_specs(
+    state: list[torch.Tensor], kv: list[torch.Tensor], sampling: list[torch.Tensor]
+) -> list[Any]:
+    """What a package assumes of a step's inputs: each one's dtype and contiguity, its shape with
+    -1 for the dynamic dimensions (the rows; a KV buffer's slots)."""
+    out = []
+    for group, dynamic in ((state, (0,)), (kv, (0, 2)), (sampling, (0,))):
+        for t in group:
+            shape = [-1 if i in dynamic else n for i, n in enumerate(t.shape)]
+            out.append([shape, str(t.dtype).removeprefix("torch.")])
+    return out
+
+
+def _fits(t: torch.Tensor, spec: list[Any]) -> bool:
+    shape, dtype = spec
+    return (
+        str(t.dtype).removeprefix("torch.") == dtype
+        and t.dim() == len(shape)
+        and all(want in (-1, got) for want, got in zip(shape, t.shape, strict=True))
+        and t.is_contiguous()
+    )
+
+
 class Package:
     """A loaded package: the step of one shape, on the model's own tensors.
 
@@ -389,6 +465,7 @@ class Package:
                     f"{path}: tensor {name!r} is {got} (shape, strides, dtype), the package expects {want}"
                 )
         self.inputs = json.loads(meta["inputs"])
+        self.rows = tuple(json.loads(meta["rows"]))
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         step = [
@@ -399,17 +476,21 @@ class Package:
             *_kv(cache),
             *_sampling(feed.values, feed.noise),
         ]
-        got = _specs(step)
-        if got != self.inputs:
-            bad = next(
-                (i for i, (g, w) in enumerate(zip(got, self.inputs, strict=False)) if g != w), len(got)
-            )
-            found = got[bad] if bad < len(got) else None
-            want = self.inputs[bad] if bad < len(self.inputs) else None
+        rows = feed.ids.shape[0]
+        lo, hi = self.rows
+        if not lo <= rows <= hi or feed.ids.shape[1] != 1 or len(step) != len(self.inputs):
             raise ValueError(
-                f"{self.path}: step input #{bad} is {found}, the package expects {want} "
-                "(shape, strides, dtype)"
+                f"{self.path}: a decode step of {rows} rows x {feed.ids.shape[1]} tokens and {len(step)} "
+                f"inputs; the package serves {lo}-{hi} rows x 1 token, {len(self.inputs)} inputs"
             )
+        bad = next((i for i, (t, w) in enumerate(zip(step, self.inputs, strict=True)) if not _fits(t, w)), -1)
+        if bad >= 0:
+            raise ValueError(
+                f"{self.path}: step input #{bad} is {_specs(step[bad : bad + 1])[0]} (shape, strides, "
+                f"dtype), the package expects {self.inputs[bad]} (shape with -1 for any, dtype; contiguous)"
+            )
+        if len({t.shape[2] for t in _kv(cache) if t.shape[2]}) > 1:
+            raise ValueError(f"{self.path}: the KV buffers of one step must have one capacity")
         tokens, logits, nonfinite = self.loader.boxed_run(step + self.weights)
         return StepOutput(tokens, logits, nonfinite)
 
@@ -477,6 +558,8 @@ class PackageCache:
         if not self.enabled:
             return None  # nothing to load, nothing to note: no fingerprint, no per-step cost
         key = package_key(self.fingerprint, cache, batch, mode)
+        if key is None:
+            return None
         package = self.loaded.get(key)
         if package is not None:
             self.loaded.move_to_end(key)
@@ -491,8 +574,7 @@ class PackageCache:
         if not path.exists():
             if self.builds_allowed:
                 if key not in self.missing:
-                    rings = cache.ring_slots is not None
-                    self.missing[key] = self._request(key, batch, cache.capacity, rings, mode)
+                    self.missing[key] = self._request(key, batch, mode)
                 if self.queue_missing and self._due(key, now):
                     self._queue([self.missing[key]])
             return None
@@ -511,20 +593,16 @@ class PackageCache:
             self.loaded.popitem(last=False)
         return package
 
-    def prepare(
-        self, rows: Iterable[int], capacities: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)
-    ) -> list[str]:
-        """Queue the builds of the decode steps of every ``rows`` x ``capacities`` x ``modes``
-        shape that has no package yet, ahead of need: a server calls it at start for the batch
-        buckets and KV capacities its engine will step (the engine steps a power-of-two window
-        of rows, and capacities in powers of two from `infer.engine.MIN_SLOTS`). The builder
-        takes them in the machine's idle time, and this process picks each package up as it
-        lands. The keys queued; [] where builds are off (`builds_allowed`)."""
-        rows, capacities, modes = list(rows), list(capacities), list(modes)
-        for name, values in (("rows", rows), ("capacities", capacities)):
-            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-            if bad:
-                raise ValueError(f"prepare: {name} must be integers >= 1, got {bad[0]!r}")
+    def prepare(self, rows: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)) -> list[str]:
+        """Queue the builds of the packages serving decode steps of ``rows`` rows in ``modes`` that
+        do not exist yet, ahead of need: a server calls it at start for the batch sizes its engine
+        will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity). The
+        builder takes them in the machine's idle time, and this process picks each package up as
+        it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        rows, modes = list(rows), list(modes)
+        bad = [v for v in rows if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"prepare: rows must be integers >= 1, got {bad[0]!r}")
         bad_modes = [m for m in modes if not isinstance(m, Sampling)]
         if bad_modes:
             raise TypeError(f"prepare: modes must be infer.step.Sampling values, got {bad_modes[0]!r}")
@@ -532,13 +610,13 @@ class PackageCache:
             return []
         requests = []
         for batch in sorted(set(rows)):
-            for capacity in sorted(set(capacities)):
-                for mode in modes:
-                    key = shape_key(self.fingerprint, batch, capacity, False, mode)  # engine KV: no rings
-                    known = key in self.missing or key in self.loaded
-                    if not known and not _done(cache_dir() / f"{key}.pt2"):
-                        self.missing[key] = self._request(key, batch, capacity, False, mode)
-                        requests.append(self.missing[key])
+            for mode in modes:
+                key = shape_key(self.fingerprint, batch, mode)
+                if key is None or key in self.missing or key in self.loaded:
+                    continue
+                if not _done(cache_dir() / f"{key}.pt2"):
+                    self.missing[key] = self._request(key, batch, mode)
+                    requests.append(self.missing[key])
         self._queue(requests)
         return [r["key"] for r in requests if r["key"] in self.queued]
 
@@ -568,11 +646,11 @@ class PackageCache:
             return False
         return True
 
-    def _request(self, key: str, batch: int, capacity: int, rings: bool, mode: Sampling) -> dict[str, Any]:
+    def _request(self, key: str, batch: int, mode: Sampling) -> dict[str, Any]:
         assert self.recipe is not None
         return {
-            "key": key, "batch": batch, "capacity": capacity, "rings": rings, "mode": asdict(mode),
-            "out": str(cache_dir() / f"{key}.pt2"), "recipe": asdict(self.recipe), "files": self._files,
+            "key": key, "batch": batch, "mode": asdict(mode), "out": str(cache_dir() / f"{key}.pt2"),
+            "recipe": asdict(self.recipe), "files": self._files,
         }  # fmt: skip
 
     def _queue(self, requests: list[dict[str, Any]]) -> subprocess.Popen[bytes] | None:
@@ -650,7 +728,7 @@ def _yield_the_cpu() -> None:
 def _main(argv: list[str]) -> int:
     """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.builder` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
-    parser.add_argument("request", help="JSON {recipe, key, batch, capacity, rings, mode, out, files}")
+    parser.add_argument("request", help="JSON {recipe, key, batch, mode, out, files}")
     request = json.loads(parser.parse_args(argv).request)
     _yield_the_cpu()
     torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
@@ -662,7 +740,7 @@ def _main(argv: list[str]) -> int:
         if not request["key"].startswith(fp + "-"):
             raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
         mode = Sampling(**request["mode"])
-        build(model, request["batch"], request["capacity"], request["rings"], mode, out)
+        build(model, request["batch"], mode, out)
     except Exception as e:
         out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
         print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
@@ -678,5 +756,5 @@ if __name__ == "__main__":
 
 __all__ = [
     "MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "building", "fingerprint",
-    "pays", "shape_key",
+    "package_key", "pays", "rows_kind", "shape_key",
 ]  # fmt: skip

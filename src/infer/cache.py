@@ -412,7 +412,10 @@ class KVCache:
         """Slot of every key a ``layer_type`` layer attends to: ``[S]`` or ``[B, S]`` (-1: empty)."""
         ring = layer_type == SLIDING_ATTENTION and self.ring_slots is not None
         if not ring:
-            return torch.arange(self.capacity, device=self.slot.device)
+            # The buffers' own length (not the host int): a step exported with a dynamic capacity
+            # (`infer.aot`) then sizes its masks from its inputs.
+            held = next((layer.k for layer in self.layers if layer.capacity and not layer.ring), None)
+            return torch.arange(self.capacity if held is None else held.shape[2], device=self.slot.device)
         assert plan.ring_after is not None and plan.ring_before is not None
         if plan.one_token:
             return plan.ring_after

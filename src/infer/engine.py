@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KVCache, SharedPrefix
+from infer.cache import KEY_CHUNK, KVCache, SharedPrefix, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
@@ -93,7 +93,7 @@ class LLM(Protocol):
     def _encode(self, prompt: str | list[int], what: str) -> list[int]: ...
 
 
-MIN_SLOTS = 64  # the KV capacity grows in powers of two from here (up to the context)
+MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
 MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
@@ -286,7 +286,8 @@ class KVSlots:
     demand, and the prefixes rows share (`infer.prefix.PrefixStore`).
 
     One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
-    rolled back) grows as rows and lengths are needed: capacities in powers of two from
+    rolled back) grows as rows and lengths are needed: capacities a quarter above what the
+    longest row needs, in whole key chunks (powers of two under ``compile=True``), from
     `MIN_SLOTS` up to ``context``, rows up to ``max_rows``; growing copies what is kept.
     A row holds the tokens of one sequence: the first ``n`` tokens of a shared segment
     (``prefix[r] = (segment, n)``, read from the store) and then its own, ``held[r]``, in its
@@ -364,8 +365,12 @@ class KVSlots:
             rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
         rows = max(rows, self.rows)
         if old is None or capacity > old.max_len:
-            # Powers of two: few shapes for the compiled steps, few regrowths (each copies the rows).
-            capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
+            want = max(capacity, self.capacity, MIN_SLOTS)
+            if self.stepper.bucketed:  # powers of two: few graphs for `compile=True`
+                capacity = 1 << (want - 1).bit_length()
+            else:  # a quarter more than asked, in whole key chunks: memory follows the longest row
+                capacity = round_up(want + want // 4, KEY_CHUNK)  # and a growing row copies rarely
+            capacity = min(self.context, capacity)
         else:
             capacity = old.max_len
         model = self.model
@@ -403,6 +408,8 @@ class KVSlots:
             return
         while capacity > MIN_SLOTS and 2 * need <= capacity // 2:
             capacity //= 2
+        if not self.stepper.bucketed:
+            capacity = max(MIN_SLOTS, round_up(2 * need, KEY_CHUNK))
         old, model = self.cache, self.model
         new = KVCache(model.config, old.batch_size, capacity, dtype=model.cache_dtype, device=model.device,
                       layers=model.kv_layers, rings=False)  # fmt: skip

@@ -246,9 +246,11 @@ class Stepper:
 
     @property
     def bucketed(self) -> bool:
-        """Whether steps run in shape buckets (compiled, or packages in use): the engine then
-        steps a power-of-two window of rows, so that a few shapes serve every batch."""
-        return self.compiled or (self.packages is not None and self.packages.enabled)
+        """Whether steps run in shape buckets (``compile=True``: a graph per shape): the engine then
+        steps a power-of-two window of rows and KV capacities in powers of two, so that a few
+        shapes serve every batch. Packages (`infer.aot`) take any rows of their range and any
+        capacity: no buckets."""
+        return self.compiled
 
     def capacity(self, needed: int) -> int:
         """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""

@@ -26,7 +26,7 @@ import infer
 import infer.aot as aot
 from infer import builder
 from infer.cache import KVCache
-from infer.engine import MIN_SLOTS
+from infer.engine import SamplingParams
 from infer.step import Sampling, StepFeed
 
 BUILD_TIMEOUT_S = 600
@@ -72,14 +72,13 @@ def _rss_bytes(pids: list[int]) -> int:
     return sum(int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024 for p in pids)
 
 
-def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling) -> Path:
-    """Build, in this process, the package the engine will ask for: one row, the first capacity."""
-    # The engine's first KV capacity (infer.engine.MIN_SLOTS), no rings (every row can roll back).
-    cache = KVCache(llm.config, 1, MIN_SLOTS, dtype=llm.model.cache_dtype, layers=llm.model.kv_layers,
-                    rings=False)  # fmt: skip
-    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, mode)
+def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling, rows: int = 1) -> Path:
+    """Build, in this process, the package the engine will ask for: steps of ``rows`` rows (one,
+    or any of `aot.MULTI_ROWS`), every KV capacity."""
+    key = aot.shape_key(aot.fingerprint(llm.model), rows, mode)
+    assert key is not None
     path = aot.cache_dir() / f"{key}.pt2"
-    aot.build(llm.model, 1, MIN_SLOTS, False, mode, path)
+    aot.build(llm.model, rows, mode, path)
     return path
 
 
@@ -113,11 +112,28 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         assert len(names) < len(aot.named_tensors(llm.model))
         two_rows = StepFeed(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
                             torch.zeros(2, dtype=torch.long), mode, None, None)  # fmt: skip
-        with pytest.raises(ValueError, match=r"step input #0 is \[\[2, 1\]"):
-            package(KVCache(llm.config, 2, 256, dtype=llm.model.dtype, rings=False), two_rows)
+        with pytest.raises(ValueError, match=r"a decode step of 2 rows .* the package serves 1-1 rows"):
+            package(KVCache(llm.config, 2, 256, dtype=llm.model.cache_dtype, rings=False), two_rows)
+        one_row = StepFeed(two_rows.ids[:1], two_rows.n_new[:1], two_rows.last[:1], mode, None, None)
+        f16 = KVCache(llm.config, 1, 256, dtype=torch.float16, rings=False)
+        wrong = r"step input #5 is \[\[1, 2, 256, .*float16.* expects .*float32"
+        with pytest.raises(ValueError, match=wrong):
+            package(f16, one_row)
         other = infer.load(path, dtype=torch.bfloat16, compile=False).model
         with pytest.raises(ValueError, match="the package expects"):
             aot.Package(path_built, other)
+        # One package serves every step of 2-16 rows, on every KV capacity (both dimensions
+        # dynamic): three streams of different lengths decode from it, with the eager tokens.
+        _build_for(llm, prompt, mode, rows=2)
+        prompts = [prompt, [7, 8] * 40, [3] * 150]  # rows grow past the first capacity
+        handles = [llm.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
+        before = llm.stepper.packaged_steps
+        together = [[t for d in h for t in d.token_ids] for h in handles]
+        alone = [[t for d in eager.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True))
+                  for t in d.token_ids] for p in prompts]  # fmt: skip
+        steps = llm.stepper.packaged_steps - before
+        print(f"{steps} packaged steps for 3 streams; KV capacity {llm.engine.slots.capacity}")
+        assert together == alone and steps >= 29
 
 
 def test_a_background_build_serves_the_next_load(
@@ -166,27 +182,27 @@ def test_prepare_queues_shapes_ahead_of_need(
     llm = infer.load(path)
     cache = llm.stepper.packages
     assert isinstance(cache, aot.PackageCache)
-    assert cache.prepare([1, 2], [256]) == []  # INFER_AOT=use
+    assert cache.prepare([1, 2]) == []  # INFER_AOT=use
     aot.BACKGROUND_BUILDS = True  # INFER_AOT unset: the default...
-    assert cache.prepare([1, 2], [256]) == [] and not packages.exists()  # ... builds no temporary checkpoint
+    assert cache.prepare([1, 2]) == [] and not packages.exists()  # ... builds no temporary checkpoint
     aot.TEMPORARY_BUILDS = True  # INFER_AOT=on
     fd = os.open(builder.RUN_LOCK or "", os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds the machine: the builder waits its turn
     try:
         sampled = Sampling(greedy=False, filtered=True)
-        keys = cache.prepare([1, 2, 2], [256], modes=[Sampling(), sampled])
+        keys = cache.prepare([1, 2, 4, 16, 17], modes=[Sampling(), sampled])  # 17 rows: eager, no package
         assert len(keys) == 4 and builder.queued(packages) == sorted(keys)
-        assert {k.split("-")[1] for k in keys} == {"b1", "b2"} and all("-c256-r0-" in k for k in keys)
-        assert cache.prepare([1], [256]) == []  # queued already
+        assert {k.split("-")[1] for k in keys} == {"b1", "b2"}  # "b1-", "b2-16-": every capacity
+        assert cache.prepare([1, 8]) == []  # queued already
         assert len(cache.builds) == 1
         deadline = time.monotonic() + 30
         while not builder.running(packages) and time.monotonic() < deadline:
             time.sleep(0.1)  # the builder starting: its lock once its interpreter is up
         assert builder.running(packages) and builder.queued(packages) == sorted(keys)
         with pytest.raises(ValueError, match="rows must be integers >= 1, got 0"):
-            cache.prepare([0], [256])
-        with pytest.raises(ValueError, match="capacities must be integers >= 1, got True"):
-            cache.prepare([1], [True])
+            cache.prepare([0])
+        with pytest.raises(ValueError, match="rows must be integers >= 1, got True"):
+            cache.prepare([True])
     finally:
         for pid in reap_processes():  # killed before its turn: it would build four packages
             os.killpg(pid, signal.SIGKILL)  # (a builder leads its process group)
@@ -297,8 +313,7 @@ def test_a_damaged_package_is_removed_and_the_step_stays_eager(
 ) -> None:
     path = tiny_ckpt_factory("llama")
     llm = infer.load(path)
-    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
-    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, Sampling())
+    key = aot.shape_key(aot.fingerprint(llm.model), 1, Sampling())
     damaged = packages / f"{key}.pt2"
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 not a package")
