@@ -404,6 +404,7 @@ async def bench_server(server: Server, args: argparse.Namespace) -> dict[str, An
     if server.name == "infer" and args.build_timeout > 0:
         built = wait_for_builds(args.build_timeout)
         print(f"  infer: its compiled steps were built {built:.0f} s after the warm-up", file=sys.stderr)
+        server.rss.peak = 0  # the peak of serving, not of the background build (a child process)
     levels = []
     for k, clients in enumerate(args.levels):
         level = await run_level(server.url, clients, args, offset=1000 * (k + 1))
