@@ -39,7 +39,11 @@ GIVE_UP_S = 4 * 3600.0  # wall time after which the command is killed (a machine
 
 def busy_limit(cpus: int) -> float:
     """CPUs other processes may keep busy while the command runs: it needs one of its own and
-    half of one to spare (2 CPUs: 0.5, i.e. anything beyond background noise stops it)."""
+    half of one to spare (2 CPUs: 0.5, i.e. anything beyond background noise stops it).
+    ``INFER_BUILD_WHEN_BUSY=1`` lifts the limit (the command always runs): for a machine that is
+    never idle but whose work should not wait for builds, a CI job's say."""
+    if os.environ.get("INFER_BUILD_WHEN_BUSY", "").strip() == "1":
+        return float(cpus)
     return max(0.25, cpus - 1.5)
 
 
