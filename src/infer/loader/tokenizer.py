@@ -7,6 +7,7 @@ chat template is applied.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -86,6 +87,11 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return int(self._tk.get_vocab_size(with_added_tokens=True))
+
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what grammar engines read the vocabulary from)."""
+        text: str = self._tk.to_str()
+        return text
 
     def transformers(self) -> Any:
         """The equivalent transformers tokenizer (imports transformers on first use)."""
@@ -169,6 +175,24 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def backend_json(self) -> str:
+        """The HF ``tokenizers`` JSON (vocabulary, merges, normalizer, pre-tokenizer, decoder, added
+        tokens): what a grammar engine needs to know each token's bytes (`infer.structured`)."""
+        own = getattr(self._tok, "backend_json", None)
+        if own is not None:
+            text: str = own()
+            return text
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                "this tokenizer has no HF fast-tokenizer backend (needed for constrained output)"
+            )
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        text = backend.to_str()
         return text
 
     @property
