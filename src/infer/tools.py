@@ -218,8 +218,8 @@ class ToolFormat:
 
     def _call(self, body: Any) -> ToolCall | None:
         if isinstance(body, str):
-            try:
-                body = json.loads(body)
+            try:  # the JSON value the body opens with (a reply cut by max_tokens may end in a tag's start)
+                body, _ = json.JSONDecoder().raw_decode(body.strip())
             except json.JSONDecodeError:
                 return None
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
