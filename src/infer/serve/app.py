@@ -536,6 +536,7 @@ class _Choice:
             else:
                 self.call_at = self.format.call_start(seen)
         upto = self.call_at if self.call_at is not None else len(seen) - self.format.hold(seen)
+        upto = len(seen[:upto].rstrip())  # whitespace before a call is not content: it waits
         piece = seen[len(self.emitted) : upto] if upto > len(self.emitted) else ""
         self.emitted += piece
         return piece
