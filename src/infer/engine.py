@@ -890,8 +890,9 @@ class Engine:
         tokens: list[int],
     ) -> None:
         """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
-        exact logits, processed (penalties, bias, the constraint's mask), through `sample` with the
-        row's own values and the noise the step drew for it (so a seeded row draws as it would alone)."""
+        exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
+        with `sample`, the row's own values and the noise the step drew for it (so a seeded row
+        draws as it would alone)."""
         picked = [
             (j, r, r.processor) for j, r in enumerate(requests)
             if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
@@ -900,12 +901,17 @@ class Engine:
             return
         index = torch.tensor([j for j, _, _ in picked], dtype=torch.long, device=out.logits.device)
         logits = out.logits.index_select(0, index)  # [k, V], a copy: logprobs read the raw logits
-        for k, (_, _, processor) in enumerate(picked):
-            processor.apply(logits[k])
-        mode, values = sampling_inputs([r.params for _, r, _ in picked], logits.device)
-        drawn = None if mode.greedy or noise is None else noise.index_select(0, index)
-        for (j, _, _), token in zip(picked, sample(logits, mode, values, drawn).tolist(), strict=True):
-            tokens[j] = token
+        for k, (j, r, processor) in enumerate(picked):
+            allowed = processor.apply(logits[k])
+            if processor.error is not None:
+                continue  # `_token` ends the request
+            row = logits[k : k + 1] if allowed is None else logits[k : k + 1, allowed]  # [1, n]
+            mode, values = sampling_inputs([r.params], row.device)
+            drawn = None
+            if not mode.greedy and noise is not None:
+                drawn = noise[j : j + 1] if allowed is None else noise[j : j + 1, allowed]
+            pick = int(sample(row, mode, values, drawn)[0])
+            tokens[j] = pick if allowed is None else int(allowed[pick])
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""

@@ -234,10 +234,14 @@ def check_logit_bias(bias: Any, vocab_size: int | None = None) -> tuple[tuple[in
 class RowProcessor:
     """One request's logits processing: penalties, logit bias and the grammar's mask, in that order.
 
-    ``apply(logits)`` changes that row's ``[V]`` float32 logits in place; ``accept(token)`` takes the
-    sampled token (advances the matcher; counts it for the penalties) and says whether the
-    constraint is complete (nothing but EOS may follow). ``error`` is set when the matcher refused
-    a token or its grammar hit a limit: the engine ends the request with it.
+    ``apply(logits)`` changes that row's ``[V]`` float32 logits in place (penalties, bias) and
+    returns the ids the constraint allows, ascending (None without a constraint): the engine
+    samples among those only, which is what sampling the masked row gives (a disallowed token has
+    probability 0 and ranks last) at the cost of the allowed tokens, not of the vocabulary.
+    ``accept(token)`` takes the sampled token (advances the matcher; counts it for the
+    penalties) and says whether the constraint is complete (nothing but EOS may follow).
+    ``error`` is set when the matcher refused a token, allows none, or its grammar hit a limit:
+    the engine ends the request with it.
 
     Penalties as OpenAI and vLLM define them: ``presence_penalty`` is subtracted once from every
     token generated so far, ``frequency_penalty`` once per time it was generated;
@@ -273,8 +277,8 @@ class RowProcessor:
     def constrained(self) -> bool:
         return self.matcher is not None
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Penalties, bias and mask on one row's ``logits [V]`` (float32, in place)."""
+    def apply(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Penalties and bias on one row's ``logits [V]`` (float32, in place); the allowed ids."""
         if self.repetition != 1.0 and self._seen:
             ids = torch.tensor(sorted(self._seen), dtype=torch.long, device=logits.device)
             got = logits[ids]
@@ -285,13 +289,16 @@ class RowProcessor:
             logits[ids] -= self.frequency * n + self.presence
         if self._bias_ids.numel():
             logits[self._bias_ids.to(logits.device)] += self._bias.to(logits.device)
-        if self.matcher is not None:
-            self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-            if self.matcher.is_error():
-                self.error = _first_line(self.matcher.get_error())
-                return
-            allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
-            logits.masked_fill_(torch.from_numpy(allowed).to(logits.device) == 0, float("-inf"))
+        if self.matcher is None:
+            return None
+        self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        if self.matcher.is_error():
+            self.error = _first_line(self.matcher.get_error())
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+        allowed = torch.from_numpy(np.flatnonzero(bits)).to(logits.device)
+        if not allowed.numel() and self.error is None:
+            self.error = "the constraint allows no token here"
+        return allowed
 
     def accept(self, token: int) -> bool:
         """Take the sampled ``token``; whether the constraint is now complete."""
