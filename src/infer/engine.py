@@ -75,7 +75,7 @@ from infer.step import (
     sample,
     sampling_inputs,
 )
-from infer.structured import PENALTY_MAX, Constraint, Grammars, RowProcessor, check_logit_bias
+from infer.structured import PENALTY_MAX, Constraint, Grammars, RowProcessor, check_logit_bias, narrow
 
 if TYPE_CHECKING:
     from infer.loader.tokenizer import Tokenizer
@@ -176,6 +176,15 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class _RowValues:
+    """One row's sampling values for a host-side draw (`Engine._process`)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 @dataclass
@@ -905,12 +914,20 @@ class Engine:
             allowed = processor.apply(logits[k])
             if processor.error is not None:
                 continue  # `_token` ends the request
-            row = logits[k : k + 1] if allowed is None else logits[k : k + 1, allowed]  # [1, n]
-            mode, values = sampling_inputs([r.params], row.device)
+            row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
+            p = r.params
             drawn = None
-            if not mode.greedy and noise is not None:
-                drawn = noise[j : j + 1] if allowed is None else noise[j : j + 1, allowed]
-            pick = int(sample(row, mode, values, drawn)[0])
+            if not p.greedy and noise is not None:
+                drawn = noise[j] if allowed is None else noise[j, allowed]
+            values = _RowValues(p.temperature, p.top_k, p.top_p)
+            narrowed = None if p.greedy else narrow(row, p.temperature, p.top_k, p.top_p)
+            if narrowed is not None:  # a top-k / top-p draw: sort its candidates, not the vocabulary
+                positions, values.top_p = narrowed
+                row = row[positions]
+                drawn = None if drawn is None else drawn[positions]
+                allowed = positions if allowed is None else allowed[positions]
+            mode, sampled = sampling_inputs([values], row.device)
+            pick = int(sample(row[None], mode, sampled, None if drawn is None else drawn[None])[0])
             tokens[j] = pick if allowed is None else int(allowed[pick])
 
     def _prefill(self) -> None:
