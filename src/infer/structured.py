@@ -23,15 +23,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
     import llguidance
-
-    from infer.loader.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "regex", "grammar"]
 
@@ -143,6 +141,12 @@ def constraint_of(
     return None
 
 
+class Vocabulary(Protocol):
+    """What `Grammars` reads of a tokenizer (`infer.loader.tokenizer.Tokenizer` has it)."""
+
+    def backend_json(self) -> str: ...
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and keeps the compiled grammars (thread-safe).
 
@@ -152,7 +156,7 @@ class Grammars:
     of its matcher.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
