@@ -15,10 +15,14 @@ For SmolLM2-135M-Instruct (Q4_1, 49,152 tokens) and Gemma 3 270M (Q4_K_M, 262,14
 2. **Tool calls** (SmolLM2; Gemma 3 270M has no chat template, so no chat endpoint): ``infer serve``'s
    app on 127.0.0.1, ``tool_choice: "required"``, streamed and not, ``--tool-requests`` prompts each:
    every response must carry a call whose arguments validate against the tool's parameters.
-3. **Overhead**: the decode time per token (each request's decode seconds / its tokens after the
-   first; the median over rows) of unconstrained requests and of requests under a JSON schema
-   whose output cannot end within ``--tokens`` tokens (so every row decodes as many), at batch 1
-   and 16, greedy and sampled, alternating the two ``--rounds`` times; the minimum of the rounds.
+3. **Overhead**: the process CPU time per decode step of unconstrained requests and of requests
+   under a JSON schema whose output cannot end within the run (so every row decodes as many
+   tokens), at batch 1 and 16, greedy and sampled (temperature 0.8, top_p 0.95): the CPU time of a
+   run of ``--tokens`` tokens less that of a run of 8 (prefill and set-up cancel), over the
+   tokens between, with torch on ``--threads`` threads (1 by default: CPU time then counts work,
+   not other processes' load or OpenMP's spinning, on a shared machine). Free and constrained runs
+   alternate ``--rounds`` times; the median of the rounds. ``--wall`` also prints the wall-clock
+   decode time per token (noisy on a shared machine).
 4. **Compile time**: the vocabulary setup (once per model and process) and each schema's compile
    (llguidance; first time, no cache).
 
@@ -253,7 +257,8 @@ def tool_calls(llm: Any, requests: int) -> dict[str, Any]:
     return out
 
 
-def per_token(llm: Any, batch: int, constrained: bool, sampled: bool, tokens: int) -> float:
+def run(llm: Any, batch: int, constrained: bool, sampled: bool, tokens: int) -> tuple[float, float]:
+    """``(process CPU seconds, wall decode seconds per token)`` of ``batch`` requests of ``tokens``."""
     from infer.engine import SamplingParams, collect
     from infer.structured import Constraint
 
@@ -264,24 +269,36 @@ def per_token(llm: Any, batch: int, constrained: bool, sampled: bool, tokens: in
         SamplingParams(max_tokens=tokens, ignore_eos=True, constraint=constraint, seed=i, **sampling)
         for i in range(batch)
     ]
+    cpu = time.process_time()
     handles = [llm.engine.submit(prompt, p) for p in params]
     for h in handles:
         collect(h)
         assert len(h.token_ids) == tokens, (constrained, h.finish_detail, len(h.token_ids))
-    return float(statistics.median(h.decode_seconds / (tokens - 1) for h in handles))
+    cpu = time.process_time() - cpu
+    return cpu, float(statistics.median(h.decode_seconds / (tokens - 1) for h in handles))
+
+
+def per_step(llm: Any, batch: int, constrained: bool, sampled: bool, tokens: int) -> tuple[float, float]:
+    """``(CPU seconds per decode step, wall seconds per token)``: runs of ``tokens`` and of 8, differenced."""
+    short, _ = run(llm, batch, constrained, sampled, 8)
+    long, wall = run(llm, batch, constrained, sampled, tokens)
+    return (long - short) / (tokens - 8), wall
 
 
 def overhead(llm: Any, tokens: int, rounds: int) -> list[dict[str, Any]]:
     rows = []
-    per_token(llm, 1, True, False, 8)  # warm up both paths
-    per_token(llm, 1, False, False, 8)
+    run(llm, 1, True, False, 8)  # warm up both paths
+    run(llm, 1, False, False, 8)
     for batch in (1, 16):
         for sampled in (False, True):
-            free, constrained = [], []
+            free, constrained, walls = [], [], []
             for _ in range(rounds):
-                free.append(per_token(llm, batch, False, sampled, tokens))
-                constrained.append(per_token(llm, batch, True, sampled, tokens))
-            f, c = min(free), min(constrained)
+                f_cpu, f_wall = per_step(llm, batch, False, sampled, tokens)
+                c_cpu, c_wall = per_step(llm, batch, True, sampled, tokens)
+                free.append(f_cpu)
+                constrained.append(c_cpu)
+                walls.append((f_wall, c_wall))
+            f, c = statistics.median(free), statistics.median(constrained)
             row = {
                 "batch": batch,
                 "sampling": "sampled" if sampled else "greedy",
@@ -290,11 +307,13 @@ def overhead(llm: Any, tokens: int, rounds: int) -> list[dict[str, Any]]:
                 "overhead_pct": 100 * (c / f - 1),
                 "free_all_ms": [x * 1e3 for x in free],
                 "json_all_ms": [x * 1e3 for x in constrained],
+                "wall_ms": [(a * 1e3, b * 1e3) for a, b in walls],
             }
             rows.append(row)
+            wall = "".join(f" ({a * 1e3:.0f}/{b * 1e3:.0f})" for a, b in walls)
             print(
-                f"  batch {batch:2d} {row['sampling']:7}: free {f * 1e3:7.1f} ms/token, JSON schema "
-                f"{c * 1e3:7.1f} ms/token, overhead {row['overhead_pct']:+.1f}%",
+                f"  batch {batch:2d} {row['sampling']:7}: free {f * 1e3:7.1f} CPU ms/step, JSON schema "
+                f"{c * 1e3:7.1f} CPU ms/step, overhead {row['overhead_pct']:+.1f}%; wall ms free/JSON{wall}",
                 flush=True,
             )
     return rows
@@ -330,13 +349,17 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--quick", action="store_true", help="8 schemas, 1 timing round, 4 tool requests")
     ap.add_argument("--max-tokens", type=int, default=320, help="per validity request")
-    ap.add_argument("--tokens", type=int, default=40, help="tokens per request when timing")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=40, help="tokens per request when timing (> 8)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads while timing")
+    ap.add_argument("--parts", default="compile,validity,tools,overhead", help="what to run")
     ap.add_argument("--tool-requests", type=int, default=8)
     ap.add_argument("--json", default=str(ROOT / ".bench" / "structured.json"))
     args = ap.parse_args()
     if os.environ.get("INFER_AOT") != "off":
         print("note: INFER_AOT is not 'off': steps may run ahead-of-time packages", flush=True)
+    import torch
+
     import infer
 
     schemas = SCHEMAS[:8] if args.quick else SCHEMAS
@@ -347,11 +370,21 @@ def main() -> None:
     for name, path in models(args.models.split(",")):
         print(f"{name} ({path.name})", flush=True)
         llm = infer.load(path)
-        entry: dict[str, Any] = {"compile": compile_times(llm, schemas)}
-        entry["validity"] = validity(llm, schemas, args.max_tokens)
-        if llm.tokenizer.chat_template:
+        parts = args.parts.split(",")
+        entry: dict[str, Any] = {}
+        if "compile" in parts:
+            entry["compile"] = compile_times(llm, schemas)
+        if "validity" in parts:
+            entry["validity"] = validity(llm, schemas, args.max_tokens)
+        if "tools" in parts and llm.tokenizer.chat_template:
             entry["tools"] = tool_calls(llm, tool_requests)
-        entry["overhead"] = overhead(llm, args.tokens, rounds)
+        if "overhead" in parts:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(args.threads)
+            try:
+                entry["overhead"] = overhead(llm, args.tokens, rounds)
+            finally:
+                torch.set_num_threads(threads)
         report[name] = entry
         llm.engine.close()
     report["load_after"] = os.getloadavg()
