@@ -55,6 +55,7 @@ from infer.cache import KEY_CHUNK, KVCache, SharedPrefix, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
+    check_float,
     check_int,
     cut_at_stop,
     row_generator,
@@ -71,8 +72,10 @@ from infer.step import (
     StepFeed,
     StepOutput,
     Stepper,
+    sample,
     sampling_inputs,
 )
+from infer.structured import PENALTY_MAX, Constraint, Grammars, RowProcessor, check_logit_bias, narrow
 from infer.threads import release_openmp_workers
 
 if TYPE_CHECKING:
@@ -124,6 +127,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # the text must match it (`infer.structured`)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is taken too
+    presence_penalty: float = 0.0  # in [-2, 2], OpenAI's
+    frequency_penalty: float = 0.0  # in [-2, 2], OpenAI's
+    repetition_penalty: float = 1.0  # > 0, 1 = off (vLLM's and transformers')
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1))
@@ -144,10 +152,42 @@ class SamplingParams:
             object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise TypeError(f"constraint must be an infer.structured.Constraint, got {self.constraint!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = check_float(name, getattr(self, name))
+            if not -PENALTY_MAX <= value <= PENALTY_MAX:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            object.__setattr__(self, name, value)
+        repetition = check_float("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
+        object.__setattr__(self, "repetition_penalty", repetition)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's logits are processed (a constraint, a bias or a penalty): see `RowProcessor`."""
+        return (
+            self.constraint is not None
+            or bool(self.logit_bias)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass
+class _RowValues:
+    """One row's sampling values for a host-side draw (`Engine._process`)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 @dataclass
@@ -275,6 +315,7 @@ class _Request:
     # (row, n): the first n prompt tokens are being computed by the request in that row; this one
     # waits for them and then shares them (`Engine._resolve_waits`) instead of computing them too.
     waits: tuple[int, int] | None = None
+    processor: RowProcessor | None = None  # constraint, bias, penalties (`infer.structured`)
 
     @property
     def decoding(self) -> bool:
@@ -673,6 +714,7 @@ class Engine:
         self._ids = itertools.count()
         self._used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
         self._greedy = _Values()
+        self._grammars: Grammars | None = None  # built on the first constrained request
         _ENGINES.add(self)
         self._stats: dict[str, float] = {
             "requests": 0, "finished": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
@@ -711,12 +753,14 @@ class Engine:
                 raise ValueError(
                     f"{where} has {len(toks)} tokens; the model's context is {self.context} tokens"
                 )
+            processor = self._processor(toks, p) if p.processed else None
             handle = RequestHandle(f"req-{next(self._ids)}", len(toks), self)
             generator = None if p.greedy else row_generator(p.seed, self.model.device)
             eos = frozenset(p.stop_token_ids) if p.ignore_eos else self._eos | set(p.stop_token_ids)
             requests.append(
                 _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
-                         time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None)
+                         time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None,
+                         processor=processor)
             )  # fmt: skip
         for r in requests:
             while wait and drive and self._full(max(1, self.max_waiting)):
@@ -740,6 +784,25 @@ class Engine:
                     self._start_locked()
                 self._cond.notify_all()
         return [r.handle for r in requests]
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled constraints of this model's tokenizer (`infer.structured.Grammars`)."""
+        with self._cond:
+            if self._grammars is None:
+                self._grammars = Grammars(self.llm.tokenizer, self.model.vocab_size, sorted(self._eos))
+            return self._grammars
+
+    def _processor(self, prompt: list[int], p: SamplingParams) -> RowProcessor:
+        """The request's `RowProcessor`; `ValueError` naming the argument for a constraint that does
+        not compile or a biased token id past the vocabulary."""
+        check_logit_bias(p.logit_bias, self.model.vocab_size)
+        matcher = None if p.constraint is None else self.grammars.matcher(p.constraint)
+        return RowProcessor(
+            self.model.vocab_size, prompt, matcher=matcher, logit_bias=p.logit_bias,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+        )  # fmt: skip
 
     def _full(self, bound: int) -> bool:
         with self._cond:
@@ -984,7 +1047,10 @@ class Engine:
         self, requests: list[_Request | None]
     ) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
         params = [self._greedy if r is None else r.params for r in requests]
-        exact = any(r is not None and r.params.logprobs is not None for r in requests)
+        # Logprobs and processed rows need every logit exact (a greedy head is exact at the argmax only).
+        exact = any(
+            r is not None and (r.params.logprobs is not None or r.processor is not None) for r in requests
+        )
         mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
         noise = None
         if not mode.greedy:
@@ -1021,12 +1087,54 @@ class Engine:
             out = self.slots.step(lo, hi, feeds, mode, values, noise, pad_to)
             tokens: list[int] = out.tokens.tolist()  # the step's host read
             bad: list[bool] = out.nonfinite.tolist()
+            self._process(out, lo, feeds, requests, noise, tokens)
         except Exception as e:
             for i in feeds:
                 self._finish(self._running[i], "error", e)
             return None
         self._stats["steps"] += 1
         return out, tokens, bad
+
+    def _process(
+        self,
+        out: StepOutput,
+        lo: int,
+        feeds: dict[int, list[int]],
+        requests: list[_Request | None],
+        noise: torch.Tensor | None,
+        tokens: list[int],
+    ) -> None:
+        """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
+        exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
+        with `sample`, the row's own values and the noise the step drew for it (so a seeded row
+        draws as it would alone)."""
+        picked = [
+            (j, r, r.processor) for j, r in enumerate(requests)
+            if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
+        ]  # fmt: skip
+        if not picked:
+            return
+        index = torch.tensor([j for j, _, _ in picked], dtype=torch.long, device=out.logits.device)
+        logits = out.logits.index_select(0, index)  # [k, V], a copy: logprobs read the raw logits
+        for k, (j, r, processor) in enumerate(picked):
+            allowed = processor.apply(logits[k])
+            if processor.error is not None:
+                continue  # `_token` ends the request
+            row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
+            p = r.params
+            drawn = None
+            if not p.greedy and noise is not None:
+                drawn = noise[j] if allowed is None else noise[j, allowed]
+            values = _RowValues(p.temperature, p.top_k, p.top_p)
+            narrowed = None if p.greedy else narrow(row, p.temperature, p.top_k, p.top_p)
+            if narrowed is not None:  # a top-k / top-p draw: sort its candidates, not the vocabulary
+                positions, values.top_p = narrowed
+                row = row[positions]
+                drawn = None if drawn is None else drawn[positions]
+                allowed = positions if allowed is None else allowed[positions]
+            mode, sampled = sampling_inputs([values], row.device)
+            pick = int(sample(row[None], mode, sampled, None if drawn is None else drawn[None])[0])
+            tokens[j] = pick if allowed is None else int(allowed[pick])
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
@@ -1079,6 +1187,10 @@ class Engine:
             error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
             self._finish(r, "error", error)
             return
+        processor = r.processor
+        if processor is not None and processor.error is not None:
+            self._finish(r, "error", ValueError(f"{processor.error} (generated token {n})"))
+            return
         if n == 1:
             r.first = now
         r.generated.append(token)
@@ -1094,9 +1206,14 @@ class Engine:
             logprobs = [TokenLogprob(token, float(lp[token]), top)]
         reason = detail = None
         stops = r.params.stop
+        complete = processor is not None and processor.accept(token)  # nothing but EOS may follow
+        if processor is not None and processor.error is not None:
+            refused = ValueError(f"{processor.error} (generated token {n})")
+            self._finish(r, "error", refused, [token], logprobs)
+            return
         if token in r.eos:
             reason, detail = "stop", ("stop" if token in r.params.stop_token_ids else "eos")
-        elif stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]:
+        elif complete or (stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]):
             reason = detail = "stop"
         elif n >= r.max_new:
             reason = detail = "length"

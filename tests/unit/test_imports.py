@@ -38,6 +38,8 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.chat_template",
         "infer.chat_history",
         "infer.prompts",
+        "infer.structured",
+        "infer.tools",
         "infer.loader.config",
         "infer.loader.options",
         "infer.loader.source",
