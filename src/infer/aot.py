@@ -85,7 +85,7 @@ from infer.loading import build_model
 from infer.models.base import DecoderLM, layer_regions
 from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, model_step
 
-PACKAGE_VERSION = 2  # 2: one package per rows kind and mode, for every KV capacity
+PACKAGE_VERSION = 3  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state out
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
@@ -261,7 +261,7 @@ class _DecodeStep(nn.Module):
         state: list[torch.Tensor],
         kv: list[torch.Tensor],
         sampling: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = _bind(self.template, state, kv)
         values = noise = None
         if sampling:
@@ -491,8 +491,8 @@ class Package:
             )
         if len({t.shape[2] for t in _kv(cache) if t.shape[2]}) > 1:
             raise ValueError(f"{self.path}: the KV buffers of one step must have one capacity")
-        tokens, logits, nonfinite = self.loader.boxed_run(step + self.weights)
-        return StepOutput(tokens, logits, nonfinite)
+        tokens, logits, nonfinite, hidden = self.loader.boxed_run(step + self.weights)
+        return StepOutput(tokens, logits, nonfinite, hidden)
 
 
 class PackageCache:

@@ -305,6 +305,26 @@ class RowProcessor:
             self.error = "the constraint allows no token here"
         return allowed
 
+    def adjust(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """What `apply` does to the logits of tokens ``ids [K]`` (penalties, bias), on their values
+        ``[K]`` (float32): a copy, no mask."""
+        out = values.clone()
+        ids_list = ids.tolist()
+        if self.repetition != 1.0 and self._seen:
+            seen = torch.tensor([t in self._seen for t in ids_list], dtype=torch.bool, device=out.device)
+            out = torch.where(seen, torch.where(out > 0, out / self.repetition, out * self.repetition), out)
+        if (self.presence or self.frequency) and self.counts:
+            n = torch.tensor(
+                [self.counts.get(t, 0) for t in ids_list], dtype=torch.float32, device=out.device
+            )
+            out = out - torch.where(n > 0, self.frequency * n + self.presence, 0.0)
+        if self._bias_ids.numel():
+            bias = dict(zip(self._bias_ids.tolist(), self._bias.tolist(), strict=True))
+            out = out + torch.tensor(
+                [bias.get(t, 0.0) for t in ids_list], dtype=torch.float32, device=out.device
+            )
+        return out
+
     def accept(self, token: int) -> bool:
         """Take the sampled ``token``; whether the constraint is now complete."""
         self.counts[token] = self.counts.get(token, 0) + 1

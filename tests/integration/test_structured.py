@@ -215,3 +215,39 @@ def test_cli_json_schema_and_grammar_files(
     with pytest.raises(SystemExit) as exit_:
         main(["generate", path, "Hi", "--json-schema", str(tmp_path / "missing.json")])
     assert exit_.value.code == 2 and "missing.json: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("processing", ["constraint", "penalties"])
+def test_a_greedy_processed_row_rescored_equals_the_exact_head(processing: str) -> None:
+    """A greedy step's packed head is exact at each row's own argmax only; a greedy constrained or
+    penalized row re-scores its best allowed candidates exactly (`Engine._process`) instead of
+    making every row's step compute the exact head. On SmolLM2 (Q8_0 head: a high-plane scan) its
+    tokens equal those of the exact head's (forced here by asking for logprobs)."""
+    import infer
+    from infer.engine import SamplingParams
+    from infer.realmodels import smollm2_path
+    from infer.structured import Constraint
+
+    llm = infer.load(smollm2_path())
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    extra: dict[str, Any] = (
+        {"constraint": Constraint.json_schema(schema)}
+        if processing == "constraint"
+        else {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    )
+    prompt = llm.tokenizer.encode("Invent a person. Answer in JSON with a name and an age:")
+    rescored = SamplingParams(max_tokens=24, **extra)
+    exact = SamplingParams(max_tokens=24, logprobs=0, **extra)
+    got = [t for d in llm.engine.submit(prompt, rescored) for t in d.token_ids]
+    want = [t for d in llm.engine.submit(prompt, exact) for t in d.token_ids]
+    print(f"\n{processing}: {llm.tokenizer.decode(got)!r}")
+    assert got == want

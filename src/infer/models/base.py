@@ -384,6 +384,26 @@ class DecoderLM(nn.Module):
         """
         return self.executor.head(self, h, greedy)
 
+    def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
+        (before the final norm, as `infer.step.model_step` returns it): what the full head would
+        give them, without computing the rest of the vocabulary where the head can help (a packed
+        head's rows, dequantized with their exact scales: `QuantizedLinear.exact_rows`)."""
+        x = self.norm(h[None, None, :])[0, 0].float()  # [D]
+        head = self.lm_head
+        if (
+            isinstance(head, QuantizedLinear)
+            and hasattr(head, "scale_zero_residual")
+            and not head.packed.is_meta
+        ):
+            values = head.exact_rows(ids) @ x  # [K]
+            if head.bias is not None:
+                values = values + head.bias.float()[ids]
+        else:
+            values = self.executor.head(self, h[None, None, :], False)[0, 0].float()[ids]
+            return values  # (the executor's head soft-caps already)
+        return self.cap_logits(values)
+
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The architecture's final-logit soft-capping (Gemma), if its config has one."""
         cap = self.config.final_logit_softcapping
