@@ -101,7 +101,10 @@ MIN_SHARED = 32  # prompt tokens a running request must share with a new one to 
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
-RESCORED = 256  # a greedy constrained row's best allowed tokens re-scored exactly (`Engine._process`)
+RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`Engine._process`)
+# Greedy processed rows in a step up to which they re-score their candidates; with more, the step
+# computes the exact head (one product for every row costs less than many rows' re-scoring).
+RESCORED_ROWS = 2
 
 
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -1049,11 +1052,12 @@ class Engine:
     ) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
         params = [self._greedy if r is None else r.params for r in requests]
         # Logprobs and sampled processed rows need every logit exact (a greedy head is exact at the
-        # argmax only); a greedy processed row re-scores its best allowed candidates (`_process`).
-        exact = any(
-            r is not None
-            and (r.params.logprobs is not None or (r.processor is not None and not r.params.greedy))
-            for r in requests
+        # argmax only); a few greedy processed rows re-score their best allowed candidates instead
+        # (`_process`), more of them make the step compute the exact head.
+        live = [r for r in requests if r is not None]
+        greedy_processed = sum(1 for r in live if r.processor is not None and r.params.greedy)
+        exact = greedy_processed > RESCORED_ROWS or any(
+            r.params.logprobs is not None or (r.processor is not None and not r.params.greedy) for r in live
         )
         mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
         noise = None
@@ -1120,7 +1124,8 @@ class Engine:
         exactly from the step's hidden state (`DecoderLM.exact_logits`), processes them again, and
         picks the best: exact arithmetic's choice whenever it is among those candidates (the head's
         own greedy scan ranks the exact winner within its first 51 on real text), at the cost of
-        a few hundred rows of the head instead of every one (Gemma 3: 262,144)."""
+        64 rows of the head instead of every one (Gemma 3: 262,144). With more than
+        `RESCORED_ROWS` such rows the step's head is exact instead (`_sampling`)."""
         picked = [
             (j, r, r.processor) for j, r in enumerate(requests)
             if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
