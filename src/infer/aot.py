@@ -623,11 +623,14 @@ class PackageCache:
     def build_missing(self) -> subprocess.Popen[bytes] | None:
         """Queue the shapes noted missing that this process has not queued yet, and start the
         directory's builder if none lives (it takes the whole queue); the builder started, or
-        None (one lives, or nothing is to be built)."""
+        None (one lives, or nothing is to be built). A builder this process started that still
+        runs counts as living even before it takes its lock (a Python start-up: seconds on a busy
+        machine), so a second is not started beside it."""
         if not self.builds_allowed:
             return None
         started = self._queue([r for key, r in self.missing.items() if key not in self.queued])
-        if started is None and builder.queued(cache_dir()):
+        alive = any(b.poll() is None for b in self.builds)  # started, maybe not holding its lock yet
+        if started is None and not alive and builder.queued(cache_dir()):
             started = builder.start(cache_dir())
             self._keep(started)
         return started
