@@ -6,7 +6,10 @@
 For SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (`infer.realmodels`) each server runs in
 its own process, started here on a free 127.0.0.1 port:
 
-* ``infer serve MODEL --max-batch 16`` (the default mode, eager; ``OMP_NUM_THREADS=--threads``);
+* ``infer serve MODEL --max-batch 16`` (the default mode: it queues its compiled steps' packages
+  at start, and the script waits for them after the warm-up request, ``--build-timeout``, so the
+  levels measure what a server gives minutes after it starts; ``OMP_NUM_THREADS=--threads``), and
+  ``infer-det``: the same with ``--deterministic`` (eager fixed-tile steps, bitwise same answers);
 * ``llama-server -m MODEL --parallel 16 -c 16*--ctx-per-slot -t --threads`` (built by
   ``../shared/peers/llamacpp.sh``; ``--llama-server`` or ``$LLAMA_SERVER`` names the binary). Its
   repacked weights segfault on some CPUs: if it does not come up, it is started again with

@@ -268,3 +268,10 @@ def reap_processes(tmp_path: Path) -> Iterator[Callable[[], list[int]]]:
                 os.killpg(pid, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes on one thread: two workers of two threads on two
+    cores would spin against each other in OpenMP. (Tests that need more set it themselves.)"""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)

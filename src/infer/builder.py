@@ -10,7 +10,10 @@ the machine to be idle costs an interpreter and nothing more.
 * **One builder per directory.** ``python -m infer.builder DIR`` holds an exclusive ``flock``
   on ``DIR/builder.lock`` while it lives and takes requests from the queue, oldest first, until
   none is left; a process that queues a request starts a builder only when nobody holds that
-  lock. The builder releases the lock *then* looks at the queue once more, and a producer
+  lock, and takes the lock itself first: the builder inherits the locked descriptor, so the
+  lock is held from the moment a builder is decided on, not from when its Python has started
+  (seconds on a busy machine, in which a second producer would start a second builder). The
+  builder releases the lock *then* looks at the queue once more, and a producer
   writes its request *then* tries the lock, so a request that arrives as the builder leaves
   is taken by one or the other: never left without a builder, never two builders.
 * **One build at a time on the machine.** Before each build the builder takes a second lock,
@@ -279,16 +282,22 @@ def start(directory: Path) -> subprocess.Popen[bytes] | None:
     fd = _try_lock(directory / LOCK, patience_s=0.002)  # a builder holds it for long, a probe for µs
     if fd is None:
         return None
-    os.close(fd)
     run_lock = RUN_LOCK if RUN_LOCK is not None else default_run_lock()
-    with open(directory / LOG, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "infer.builder", str(directory), "--run-lock", str(run_lock)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # outlives the process that queued; a Ctrl-C there does not reach it
-        )
+    argv = [sys.executable, "-m", "infer.builder", str(directory), "--run-lock", str(run_lock)]
+    argv += ["--lock-fd", str(fd)]
+    try:  # the builder inherits the locked descriptor: the lock is held from here on, no gap in
+        # which a second producer (the builder still importing) would start a second builder
+        with open(directory / LOG, "ab") as log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(fd,),
+                start_new_session=True,  # outlives the process that queued; a Ctrl-C there does not reach it
+            )
+    finally:
+        os.close(fd)  # this process's copy: the builder's keeps the lock
 
 
 def submit(directory: Path, requests: list[dict[str, Any]]) -> subprocess.Popen[bytes] | None:
@@ -345,8 +354,9 @@ class Builder:
         with contextlib.suppress(OSError):
             path.unlink()
 
-    def run(self) -> int:
-        lock = _try_lock(self.directory / LOCK, patience_s=1.0)
+    def run(self, lock_fd: int | None = None) -> int:
+        """Take the queue; ``lock_fd``: the directory's lock, already held (inherited from `start`)."""
+        lock = lock_fd if lock_fd is not None else _try_lock(self.directory / LOCK, patience_s=1.0)
         if lock is None:
             return 0  # another builder lives: it takes the queue
         with contextlib.suppress(OSError):
@@ -411,8 +421,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infer.builder", description="Build a package queue.")
     parser.add_argument("directory", type=Path, help="the package cache directory whose queue to build")
     parser.add_argument("--run-lock", type=Path, default=None, help="the machine-wide build lock")
+    parser.add_argument("--lock-fd", type=int, default=None, help="the directory's lock, held (from `start`)")
     args = parser.parse_args(argv)
-    return Builder(args.directory, args.run_lock or default_run_lock()).run()
+    return Builder(args.directory, args.run_lock or default_run_lock()).run(args.lock_fd)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def _browser() -> Any:
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--no-first-run", "--disable-extensions", "--window-size=1000,800"):  # fmt: skip
+                 "--no-first-run", "--disable-extensions", "--window-size=1000,800",
+                 # no crash handler: Chromium's crashpad daemon outlives browser.quit() otherwise
+                 "--disable-crash-reporter", "--disable-breakpad"):  # fmt: skip
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
 

@@ -149,6 +149,22 @@ def test_two_processes_queueing_share_one_builder_that_waits_without_a_model(
     assert "libtorch" not in maps and idle._descendants(pid) == [pid]  # no model, no worker
 
 
+def test_the_lock_is_held_from_the_moment_a_builder_is_started(
+    tmp_path: Path, turn_held: Path, reap_processes: Callable[[], list[int]]
+) -> None:
+    """`builder.start` hands the builder the directory's lock already taken: a producer asking
+    while the new builder is still starting up (no Python yet) finds it held and starts none."""
+    cache = tmp_path / "aot"
+    builder.add(cache, [_request(cache, _checkpoint(tmp_path / "ckpt"), "key-0")])
+    first = builder.start(cache)
+    assert first is not None
+    held = builder.running(cache)  # at once: microseconds after the fork, long before the import
+    second = builder.start(cache)
+    print(f"\nheld at once: {held}; a second start: {second}")
+    assert held and second is None
+    assert len(_builders(reap_processes)) == 1
+
+
 def test_a_request_queued_as_the_builder_leaves_is_taken(
     tmp_path: Path, run_lock: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

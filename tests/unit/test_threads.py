@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,8 +18,17 @@ def _threads() -> int:
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """At least two OpenMP threads (an xdist worker runs on one): a pool with workers to release."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no OpenMP workers to release")
+@pytest.mark.usefixtures("two_threads")
 def test_release_frees_the_calling_threads_pool() -> None:
     def body(out: list[int]) -> None:  # a fresh thread: its pool is its own, the test's is untouched
         a = torch.randn(256, 256)
