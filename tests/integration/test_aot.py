@@ -86,6 +86,7 @@ def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling, rows: int = 1)
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "seed"), [("llama", None), ("gemma3", 7)])
 def test_packaged_decode_steps_give_the_eager_tokens(
     tiny_ckpt_factory: Callable[..., Path], packages: Path, arch: str, seed: int | None
@@ -140,6 +141,7 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         assert together == alone and steps >= 29
 
 
+@pytest.mark.slow
 def test_a_background_build_serves_the_next_load(
     tiny_ckpt_factory: Callable[..., Path], packages: Path
 ) -> None:
@@ -242,6 +244,7 @@ def test_a_running_process_queues_again_what_the_builder_dropped(
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_a_process_queues_what_it_missed_and_the_builder_builds_it(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, reap_processes: Callable[[], list[int]]
 ) -> None:
@@ -274,6 +277,7 @@ def test_a_process_queues_what_it_missed_and_the_builder_builds_it(
     assert reap_processes() == [], "the builder outlived its queue"
 
 
+@pytest.mark.slow
 def test_the_cli_on_a_temporary_checkpoint_queues_nothing_and_leaves_nothing_running(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, reap_processes: Callable[[], list[int]]
 ) -> None:
@@ -288,6 +292,7 @@ def test_the_cli_on_a_temporary_checkpoint_queues_nothing_and_leaves_nothing_run
     assert reap_processes() == []
 
 
+@pytest.mark.slow
 def test_two_cli_runs_leave_one_small_builder(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, turn_held: Path,
     reap_processes: Callable[[], list[int]],

@@ -115,6 +115,7 @@ def test_gguf_packed(qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert_batch_invariant(llm.model, f"gemma3 GGUF {qtype}")
 
 
+@pytest.mark.slow
 @pytest.mark.realmodel
 def test_smollm2_real() -> None:
     """The real SmolLM2-135M Q4_1 at its default dtype (before: token 23 differed in a batch)."""

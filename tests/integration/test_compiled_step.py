@@ -63,6 +63,7 @@ def gemma(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[DecoderLM]:
     yield infer.load(tiny_ckpt_factory("gemma3"), dtype=torch.float32).model
 
 
+@pytest.mark.slow
 def test_greedy_float32(gemma: DecoderLM) -> None:
     """Sliding-window rings, QK-norm, a tied head, soft-capping: greedy, float32."""
     compiled = compare(gemma, "tiny gemma3 float32 greedy", SamplingParams())
@@ -72,12 +73,14 @@ def test_greedy_float32(gemma: DecoderLM) -> None:
     assert torch.equal(again, run(gemma, Stepper(gemma), SamplingParams())[0])
 
 
+@pytest.mark.slow
 def test_seeded_sampling(gemma: DecoderLM) -> None:
     """Temperature, top-k and top-p inside the step; the noise comes from the seeded generator."""
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11)
     compare(gemma, "tiny gemma3 float32 sampling", params)
 
 
+@pytest.mark.slow
 def test_packed_gguf_default_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed Q8_0 matrices (bfloat16 kernel products) and a Q8_0 head's greedy high-plane scan."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -90,6 +93,7 @@ def test_packed_gguf_default_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     compare(llm.model, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams())
 
 
+@pytest.mark.slow
 def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """``infer.load(compile=True)`` generates what the eager `LLM` does (same graphs as above: cached)."""
     path = tiny_ckpt_factory("gemma3")

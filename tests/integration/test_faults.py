@@ -69,6 +69,7 @@ def _interrupt_after(argv: list[str], delay: float | None) -> tuple[int, str]:
     [0.05, 0.3, 0.8, 1.0, 1.2, 1.5, None],
     ids=["0.05s", "0.3s", "0.8s", "1s", "1.2s", "1.5s", "generating"],
 )
+@pytest.mark.slow
 def test_interrupt_at_any_moment_exits_130_with_one_line(
     tiny_ckpt_factory: Callable[..., Path], delay: float | None
 ) -> None:

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from gguf import GGUFWriter
 
 PAGE = 4096
@@ -67,6 +68,7 @@ def test_gguf_file_truncated_after_open(tmp_path: Path) -> None:
     assert all(str(path) in e and "'a.weight'" in e for e in errors)
 
 
+@pytest.mark.slow
 def test_streamed_embedding_rows_after_truncation(tmp_path: Path) -> None:
     from infer.testing import build_checkpoint
 

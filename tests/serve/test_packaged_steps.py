@@ -28,6 +28,8 @@ from .conftest import LiveServer
 
 BUILD_TIMEOUT_S = 600
 
+pytestmark = pytest.mark.slow  # builds a package: minutes of compiler
+
 
 @pytest.fixture
 def packages(

@@ -122,6 +122,7 @@ def test_a_request_whose_checkpoint_is_gone_or_changed_is_dropped(
     assert not builder.running(cache) and reap_processes() == []
 
 
+@pytest.mark.slow
 def test_two_processes_queueing_share_one_builder_that_waits_without_a_model(
     tmp_path: Path, turn_held: Path, reap_processes: Callable[[], list[int]]
 ) -> None:

@@ -61,6 +61,7 @@ def _compare_with_reader(path: Path) -> int:
     return len(keys)
 
 
+@pytest.mark.slow
 @pytest.mark.realmodel
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_matches_gguf_reader_on_real_files(which: str) -> None:

@@ -48,6 +48,7 @@ def test_group_ticks_counts_the_group() -> None:
         child.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 def test_a_command_stops_while_other_processes_keep_the_cpus_busy(tmp_path: Path) -> None:
     """The command writes the time every 50 ms; for 2 s, one spinning process per CPU keeps the

@@ -236,6 +236,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_int8_model_with_hidden_72(tmp_path: Path) -> None:
     """`quantize="int8"` on a model whose hidden size (72) is not a multiple of 16 or 32."""
     from infer.testing import build_checkpoint
