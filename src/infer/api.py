@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from infer.distributed import Parallel
     from infer.engine import Engine, RequestHandle
     from infer.perplexity import PerplexityResult
+    from infer.speculative import Speculative
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
@@ -131,6 +132,7 @@ class LLM:
     model: DecoderLM
     source: Path
     stepper: Stepper
+    speculative: Speculative | None = None  # speculative decoding (`infer.speculative`; set by `load`)
     parallel: Parallel | None = field(default=None, init=False)
     _engine: Engine | None = field(default=None, init=False)
     _engine_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -473,6 +475,9 @@ def load(
     compile: bool | Literal["auto"] | None = None,
     deterministic: bool = False,
     cache: bool = True,
+    lookup: int = 0,
+    draft: str | os.PathLike[str] | LLM | None = None,
+    speculative_tokens: int | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -511,6 +516,17 @@ def load(
     packed kernels) in a file under the user's cache directory, and reuse it in later
     processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
     single-process loads). ``cache=False`` converts every time and writes nothing.
+
+    Speculative decoding (docs/speculative.md; every `generate` / `stream` / `chat` call and the
+    server use it): ``lookup=N`` proposes tokens by n-gram lookup in the prompt and the text so far
+    (the last N tokens, then fewer); ``draft`` proposes them with a draft model: a path (loaded
+    on ``device`` at its default settings), an `LLM`, or ``"self"`` (this checkpoint's weights
+    packed: a GGUF file at its default, packed products, safetensors quantized to Q4_0). Its
+    tokenizer must equal this one's (`ValueError` naming the first token that differs).
+    ``speculative_tokens`` bounds the tokens proposed per pass (default 8); each pass proposes
+    what its measured cost and the acceptance so far say pays, down to none. Greedy tokens are
+    plain decoding's (bitwise in the deterministic mode); sampled tokens are distributed as the
+    model's.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -544,7 +560,36 @@ def load(
     stepper = Stepper(model, compile=use_compile, packages=packages)
     llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
     llm.parallel = placed
+    if lookup or draft is not None or speculative_tokens is not None:
+        llm.speculative = _speculative(llm, lookup, draft, speculative_tokens, device, deterministic)
     return llm
+
+
+def _speculative(
+    llm: LLM,
+    lookup: int,
+    draft: str | os.PathLike[str] | LLM | None,
+    tokens: int | None,
+    device: torch.device,
+    deterministic: bool,
+) -> Speculative:
+    """`load`'s speculative settings, checked, with the draft model loaded."""
+    from infer.speculative import DEFAULT_TOKENS, Speculative, check_draft
+
+    if llm.parallel is not None:
+        raise ValueError("speculative decoding runs in one process; not under tensor/pipeline parallelism")
+    if lookup == 0 and draft is None:
+        raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
+    if isinstance(draft, str) and draft == "self":
+        if llm.source.suffix == ".gguf":  # its default: packed products on bfloat16 activations
+            draft = load(llm.source, device=device, deterministic=deterministic)
+        else:
+            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic)
+    elif draft is not None and not isinstance(draft, LLM):
+        draft = load(draft, device=device, deterministic=deterministic)
+    if draft is not None:
+        check_draft(llm, draft)
+    return Speculative(lookup, draft, DEFAULT_TOKENS if tokens is None else tokens)
 
 
 def compile_by_default(device: torch.device) -> bool | Literal["auto"]:

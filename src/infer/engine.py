@@ -58,12 +58,13 @@ from infer.generate import (
     check_int,
     cut_at_stop,
     row_generator,
-    row_noise,
 )
 from infer.generate import (
     SamplingParams as _Values,
 )
 from infer.models.base import DecoderLM
+from infer.speculative import MAX_TOKENS as MAX_SPECULATIVE
+from infer.speculative import NoiseQueue, RowState, Speculative, Speculator
 from infer.step import (
     MIN_PREFILL,
     Sampling,
@@ -86,6 +87,7 @@ class LLM(Protocol):
     model: DecoderLM
     stepper: Stepper
     tokenizer: Tokenizer
+    speculative: Speculative | None  # speculative decoding (`infer.speculative`), None: off
 
     def _eos_ids(self) -> Sequence[int]: ...
 
@@ -122,6 +124,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
     ignore_eos: bool = False
+    speculative: int | None = None  # tokens proposed per pass at most (None: the model's setting; 0: off)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1))
@@ -142,6 +145,8 @@ class SamplingParams:
             object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.speculative is not None:
+            check_int("speculative", self.speculative, 0, MAX_SPECULATIVE)
 
     @property
     def greedy(self) -> bool:
@@ -261,7 +266,7 @@ class _Request:
     max_new: int  # max_tokens, less when the context ends first
     eos: frozenset[int]
     text: bool  # text deltas (with stop hold-back) while running
-    generator: torch.Generator | None
+    noise: NoiseQueue | None  # a sampled request's randomness (its own generator), token by token
     submitted: float
     row: int = -1
     pending: list[int] = field(default_factory=list)  # tokens to feed next
@@ -270,6 +275,7 @@ class _Request:
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
     ended: bool = False  # its final event is sent
+    spec: RowState | None = None  # its speculation state (`infer.speculative`), made on first use
 
     @property
     def decoding(self) -> bool:
@@ -431,23 +437,51 @@ class KVSlots:
             self.held[r].extend(t)
         return out
 
-    @torch.inference_mode()
     def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens`` (k >= 1) to ``row`` in one step; the logits after each: ``[k, V]`` float32.
 
         Logit ``i`` predicts the token after ``tokens[i]``. Roll back with `rollback`.
         """
-        k = len(tokens)
-        if k < 1:
+        if len(tokens) < 1:
             raise ValueError("verify: tokens must hold at least one token")
-        feeds = {row: list(tokens)}
-        self._fit(row, row + 1, k, feeds)
-        view = self.view(row, row + 1)
-        view.length = view.first = len(self.held[row])
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
-        h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=self.model.device))
-        self.held[row].extend(tokens)
-        return self.model.head(h)[0].float()  # [k, V]
+        return self.verify_rows(row, row + 1, {row: list(tokens)})[row]
+
+    @torch.inference_mode()
+    def verify_rows(
+        self, lo: int, hi: int, feeds: dict[int, list[int]], greedy: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]`` (>= 1
+        token), the others nothing; the logits after every fed token, ``{r: [len(feeds[r]), V]}``
+        float32 (logit ``i`` predicts the token after ``feeds[r][i]``). ``greedy``: only each
+        row's argmax must be exact (a packed head then scans less). Eager, like a prefill chunk:
+        in the deterministic mode each row's logits are bitwise its one-token steps'."""
+        T = max(len(t) for t in feeds.values())
+        self._fit(lo, hi, T, feeds)
+        rows = [feeds.get(r, []) for r in range(lo, hi)]
+        device = self.model.device
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in rows], dtype=torch.long).to(device)
+        n_new = torch.tensor([len(t) for t in rows], dtype=torch.long).to(device)
+        fed = torch.tensor([b * T + j for b, t in enumerate(rows) for j in range(len(t))], dtype=torch.long)
+        view = self.view(lo, hi)
+        view.length = max(len(self.held[r]) for r in range(lo, hi))
+        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        try:
+            h = self.model.hidden(ids, view, None, n_new)  # [B, T, D]
+            h = h.reshape(-1, h.shape[-1])[fed.to(device)][None]  # [1, N, D]: the fed tokens only
+            logits = self.model.head(h, greedy=greedy)[0].float()  # [N, V]
+        except BaseException:
+            lengths = [len(self.held[r]) for r in range(lo, hi)]
+            view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
+            raise
+        out: dict[int, torch.Tensor] = {}
+        start = 0
+        for r in range(lo, hi):
+            t = feeds.get(r)
+            if t:
+                self.held[r].extend(t)
+                out[r] = logits[start : start + len(t)]
+                start += len(t)
+        return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -504,6 +538,13 @@ class Engine:
         self.idle_prefill_chunk = idle_prefill_chunk
         self._per_forward = per_forward
         self.slots = KVSlots(model, max_batch, limit, llm.stepper)
+        self._spec: Speculator | None = None
+        if llm.speculative is not None:
+            draft, draft_slots = llm.speculative.draft, None
+            if draft is not None:  # the draft model's KV: one row per row here
+                room = min(limit, draft.model.config.max_position_embeddings)
+                draft_slots = KVSlots(draft.model, max_batch, room, draft.stepper)
+            self._spec = Speculator(llm.speculative, self.slots, limit, per_forward, draft_slots)
         self._eos = frozenset(llm._eos_ids())
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -555,10 +596,11 @@ class Engine:
                     f"{where} has {len(toks)} tokens; the model's context is {self.context} tokens"
                 )
             handle = RequestHandle(f"req-{next(self._ids)}", len(toks), self)
-            generator = None if p.greedy else row_generator(p.seed, self.model.device)
+            device, vocab = self.model.device, self.model.vocab_size
+            noise = None if p.greedy else NoiseQueue(row_generator(p.seed, device), vocab, device)
             eos = frozenset(p.stop_token_ids) if p.ignore_eos else self._eos | set(p.stop_token_ids)
             requests.append(
-                _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
+                _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, noise,
                          time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None)
             )  # fmt: skip
         for r in requests:
@@ -613,6 +655,8 @@ class Engine:
                 max_waiting=self.max_waiting, context=self.context, kv_rows=self.slots.rows,
                 kv_capacity=self.slots.capacity, kv_bytes=self.slots.nbytes,
             )  # fmt: skip
+            if self._spec is not None:
+                out.update(self._spec.stats())
         return out
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -786,11 +830,17 @@ class Engine:
         mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
         noise = None
         if not mode.greedy:
-            noise = row_noise([None if r is None else r.generator for r in requests], self.model.vocab_size,
-                              self.model.device)  # fmt: skip
+            zeros = torch.zeros(1, self.model.vocab_size, dtype=torch.float32, device=self.model.device)
+            noise = torch.cat([zeros if r is None or r.noise is None else r.noise.take() for r in requests])
         return mode, values, noise
 
     def _decode(self, rows: list[int]) -> None:
+        spec = self._spec
+        if spec is not None and spec.decode([self._running[i] for i in rows], self._token):
+            self._stats["steps"] += 1
+            self._stats["batch_size"] = len(rows)
+            return  # the step ran as a verify pass of proposed tokens (`infer.speculative`)
+        t0 = time.perf_counter()
         lo, hi = rows[0], rows[-1] + 1
         stepper = self.slots.stepper
         if stepper.bucketed:
@@ -807,7 +857,9 @@ class Engine:
         out, tokens, bad = ran
         self._stats["batch_size"] = len(rows)
         for i in rows:
-            self._token(self._running[i], tokens[i - lo], bad[i - lo], out, i - lo)
+            self._token(self._running[i], tokens[i - lo], bad[i - lo], out.logits[i - lo])
+        if spec is not None:
+            spec.observe_decode(len(rows), time.perf_counter() - t0)
 
     def _step(
         self, lo: int, hi: int, feeds: dict[int, list[int]], requests: list[_Request | None], pad_to: int = 0
@@ -865,17 +917,18 @@ class Engine:
                 self._stats["prefill_tokens"] += fed
                 del r.pending[:fed]
                 if not r.pending:  # the prompt is read: this step's logits pick the first token
-                    self._token(r, tokens[j], bad[j], out, j)
+                    self._token(r, tokens[j], bad[j], out.logits[j])
 
-    def _token(self, r: _Request, token: int, nonfinite: bool, out: StepOutput, index: int) -> None:
-        """Take one sampled token of ``r`` (row ``index`` of the step ``out``)."""
+    def _token(self, r: _Request, token: int, nonfinite: bool, logits: torch.Tensor) -> bool:
+        """Take one sampled token of ``r`` (``logits [V]``: the logits it was drawn from); whether
+        ``r`` goes on (a stop, the length or an error ends it)."""
         now = time.perf_counter()
         n = len(r.generated) + 1
         if nonfinite:
             where = "prefill" if n == 1 else f"decode step {n - 1}"
             error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
             self._finish(r, "error", error)
-            return
+            return False
         if n == 1:
             r.first = now
         r.generated.append(token)
@@ -883,7 +936,7 @@ class Engine:
         self._stats["generated_tokens"] += 1
         logprobs = None
         if r.params.logprobs is not None:
-            lp = torch.log_softmax(out.logits[index], dim=-1)
+            lp = torch.log_softmax(logits.float(), dim=-1)
             top: list[tuple[int, float]] = []
             if r.params.logprobs > 0:
                 values, ids = lp.topk(min(r.params.logprobs, lp.shape[-1]))
@@ -903,8 +956,9 @@ class Engine:
             if r.stream is not None:
                 text = r.stream.push(r.generated, r.params.stop)
             self._emit(r, [token], logprobs, None, text=text)
-            return
+            return True
         self._finish(r, reason, None, [token], logprobs, detail)
+        return False
 
     def _finish(
         self,
