@@ -148,20 +148,32 @@ class Acceptance:
 
     A pass that proposed ``k`` tokens and kept ``a`` adds ``a`` kept tokens and one miss when
     ``a < k``; ``alpha = kept / (kept + misses)`` is the geometric model's rate (the chance the
-    next proposal is kept). Counts decay by `DECAY` a pass, from a prior of one of each.
+    next proposal is kept). Counts decay by `DECAY` a pass, from a prior worth two proposals of
+    rate `prior`: longer n-gram matches predict better (``n / (n + 1)``), a draft model 0.7.
     """
 
     def __init__(self) -> None:
         self.kept: dict[int, float] = {}
         self.missed: dict[int, float] = {}
 
+    @staticmethod
+    def prior(kind: int) -> float:
+        return 0.7 if kind == DRAFTED else kind / (kind + 1)
+
+    def _counts(self, kind: int) -> tuple[float, float]:
+        if kind not in self.kept:
+            a = self.prior(kind)
+            self.kept[kind], self.missed[kind] = 2 * a, 2 * (1 - a)
+        return self.kept[kind], self.missed[kind]
+
     def alpha(self, kind: int) -> float:
-        kept = self.kept.get(kind, 1.0)
-        return kept / (kept + self.missed.get(kind, 1.0))
+        kept, missed = self._counts(kind)
+        return kept / (kept + missed)
 
     def update(self, kind: int, proposed: int, kept: int) -> None:
-        self.kept[kind] = self.kept.get(kind, 1.0) * DECAY + kept
-        self.missed[kind] = self.missed.get(kind, 1.0) * DECAY + (1.0 if kept < proposed else 0.0)
+        k, m = self._counts(kind)
+        self.kept[kind] = k * DECAY + kept
+        self.missed[kind] = m * DECAY + (1.0 if kept < proposed else 0.0)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -176,10 +188,13 @@ class PassCost:
 
     ``observe(rows, width, seconds)`` records one decode step (``width`` 1) or verify pass
     (``width`` tokens per row) of ``rows`` decoding rows: the median of the last 8 of each
-    shape is its cost. A shape not measured yet is modelled from the decode step of as many
-    rows: ``decode(rows) * f(rows * width) / f(rows) * g`` with ``f(N) = 1 + N / KNEE_TOKENS``
-    and ``g`` the median ratio of measured verify passes to that model (how much more an
-    eager verify pass costs than a packaged decode step on this machine; 1 until measured).
+    shape is its cost. Verify passes of one row count are a curve in the width: made
+    non-decreasing (a wider pass never costs less than a narrower one measured), interpolated
+    between measured widths and extended past them along the last two measured (else by the
+    prior). With no verify pass of that row count measured, the prior: ``decode(rows) *
+    f(rows * width) / f(rows) * g`` with ``f(N) = 1 + N / KNEE_TOKENS`` and ``g`` the median
+    ratio of measured verify passes to that model (how much more an eager verify pass costs
+    than a packaged decode step on this machine; 1 until measured).
     """
 
     def __init__(self) -> None:
@@ -223,8 +238,23 @@ class PassCost:
                 decode = _shape(rows)
         if width == 1:
             return decode
-        g = statistics.median(self._ratio) if self._ratio else 1.0
-        return decode * _shape(rows * width) / _shape(rows) * g
+        points = sorted((w, self._measured(r, w)) for r, w in self._seconds if r == rows and w > 1)
+        if not points:
+            g = statistics.median(self._ratio) if self._ratio else 1.0
+            return decode * _shape(rows * width) / _shape(rows) * g
+        ws = [w for w, _ in points]
+        cs = [c for _, c in points if c is not None]
+        for i in range(len(cs) - 2, -1, -1):  # non-decreasing in the width
+            cs[i] = min(cs[i], cs[i + 1])
+        if width <= ws[0]:
+            return cs[0] * _shape(rows * width) / _shape(rows * ws[0])
+        if width >= ws[-1]:
+            if len(ws) >= 2:
+                slope = max(0.0, (cs[-1] - cs[-2]) / (ws[-1] - ws[-2]))
+                return cs[-1] + slope * (width - ws[-1])
+            return cs[-1] * _shape(rows * width) / _shape(rows * ws[-1])
+        i = next(i for i, w in enumerate(ws) if w > width)
+        return cs[i - 1] + (cs[i] - cs[i - 1]) * (width - ws[i - 1]) / (ws[i] - ws[i - 1])
 
 
 def _shape(tokens: int) -> float:
