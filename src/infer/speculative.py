@@ -246,8 +246,8 @@ class PassCost:
         cs = [c for _, c in points if c is not None]
         for i in range(len(cs) - 2, -1, -1):  # non-decreasing in the width
             cs[i] = min(cs[i], cs[i + 1])
-        if width <= ws[0]:
-            return cs[0] * _shape(rows * width) / _shape(rows * ws[0])
+        if width <= ws[0]:  # never priced below a decode step: it does the same and more
+            return max(decode, cs[0] * _shape(rows * width) / _shape(rows * ws[0]))
         if width >= ws[-1]:
             if len(ws) >= 2:
                 slope = max(0.0, (cs[-1] - cs[-2]) / (ws[-1] - ws[-2]))
