@@ -56,6 +56,7 @@ DEFAULT_LOOKUP = 3  # n-gram lookup tries the last 3, 2, then 1 tokens
 KNEE_TOKENS = 8  # cost prior: a forward of N tokens costs ~ (1 + N / KNEE_TOKENS) units
 PROBE_EVERY = 64  # passes skipped because they looked too costly before one is tried again
 DECAY = 0.9  # per pass: how fast a row's acceptance estimate forgets
+MARGIN = 0.05  # a verify pass must promise 5% more tokens per second than a plain decode step
 
 
 @dataclass(frozen=True)
@@ -603,7 +604,9 @@ class Speculator:
         longest = max([len(p.tokens) for p in proposals.values()] + [room for room, _ in drafting.values()])
         if self.per_forward is not None:
             longest = min(longest, self.per_forward // rows - 1)
-        best, best_rate = 1, rows / self.cost.cost(rows, 1)
+        # A pass must promise `MARGIN` more tokens per second than a decode step: estimates are
+        # noisy, and a pass that only breaks even costs the rows' latency for nothing.
+        best, best_rate = 1, rows / self.cost.cost(rows, 1) * (1.0 + MARGIN)
         draft_step = 0.0
         if self.drafter is not None and drafting:
             d, n = self.drafter, len(drafting)
