@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import infer
+from infer.cli import main
 from infer.engine import Engine, SamplingParams
 from infer.serve.metrics import Metrics
 from infer.speculative import (
@@ -369,3 +370,26 @@ def test_stats_and_metrics_count_proposals(det: infer.LLM, propose_all: None) ->
     assert stats["spec_tokens"] == stats["spec_accepted"] + stats["spec_passes"]
     for key in ("spec_proposed", "spec_accepted", "spec_tokens_per_pass", "spec_acceptance"):
         assert f"infer_engine_{key} " in text
+
+
+def test_cli_lookup_and_draft_give_plain_decodings_text(
+    gemma_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`infer generate --lookup 3` and `--draft self` print plain decoding's greedy text; a draft of
+    another tokenizer is one line naming the token."""
+    argv = ["generate", str(gemma_path), "abcabcabcab", "--raw", "--max-new-tokens", "24", "--quiet"]
+    assert main([*argv, "--deterministic"]) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--deterministic", "--lookup", "3", "--speculative-tokens", "4"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*argv, "--deterministic", "--draft", "self"]) == 0
+    assert capsys.readouterr().out == plain
+    other = tmp_path / "other"
+    shutil.copytree(gemma_path, other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    data["added_tokens"][0]["content"] = "<|start|>"
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    assert main([*argv, "--model-draft", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    print(f"\n{err}")
+    assert len(err.splitlines()) == 1 and "differs from the target's" in err and "'<|start|>'" in err
