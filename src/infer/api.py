@@ -523,7 +523,7 @@ def load(
     on ``device`` at its default settings), an `LLM`, or ``"self"`` (this checkpoint's weights
     packed: a GGUF file at its default, packed products, safetensors quantized to Q4_0). Its
     tokenizer must equal this one's (`ValueError` naming the first token that differs).
-    ``speculative_tokens`` bounds the tokens proposed per pass (default 8); each pass proposes
+    ``speculative_tokens`` bounds the tokens proposed per pass (default 16); each pass proposes
     what its measured cost and the acceptance so far say pays, down to none. Greedy tokens are
     plain decoding's (bitwise in the deterministic mode); sampled tokens are distributed as the
     model's.

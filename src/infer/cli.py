@@ -367,7 +367,7 @@ def _load_options(
             type=_int_option(1, 32),
             default=None,
             metavar="K",
-            help="tokens proposed per pass at most (1 to 32; default 8): each pass proposes what pays",
+            help="tokens proposed per pass at most (1 to 32; default 16): each pass proposes what pays",
         )
     else:
         p.set_defaults(lookup=0, draft=None, speculative_tokens=None)

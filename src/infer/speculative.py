@@ -51,8 +51,7 @@ if TYPE_CHECKING:
     from infer.engine import KVSlots
 
 MAX_TOKENS = 32  # proposed tokens per pass at most (any setting)
-DEFAULT_TOKENS = 8  # proposed tokens per pass at most, unless set
-DEFAULT_LOOKUP = 3  # n-gram lookup tries the last 3, 2, then 1 tokens
+DEFAULT_TOKENS = 16  # proposed tokens per pass at most, unless set
 KNEE_TOKENS = 8  # cost prior: a forward of N tokens costs ~ (1 + N / KNEE_TOKENS) units
 PROBE_EVERY = 64  # passes skipped because they looked too costly before one is tried again
 DECAY = 0.9  # per pass: how fast a row's acceptance estimate forgets
@@ -611,18 +610,21 @@ class Speculator:
         if self.drafter is not None and drafting:
             d, n = self.drafter, len(drafting)
             draft_step = self.cost.cost(n, 1) * d.size if d.cost.empty else d.cost.cost(n, 1)
+        runner_up, runner_up_rate = 1, 0.0  # the best pass, paying or not
         for width in range(2, longest + 2):
             k = width - 1
             tokens = float(rows - len(proposals) - len(drafting))
             tokens += sum(expected_tokens(p.alpha, min(len(p.tokens), k)) for p in proposals.values())
             tokens += sum(expected_tokens(alpha, min(room, k)) for room, alpha in drafting.values())
-            seconds = self.cost.cost(rows, width) + k * draft_step
-            if tokens / seconds > best_rate:
-                best, best_rate = width, tokens / seconds
+            rate = tokens / (self.cost.cost(rows, width) + k * draft_step)
+            if rate > best_rate:
+                best, best_rate = width, rate
+            if rate > runner_up_rate:
+                runner_up, runner_up_rate = width, rate
         if best == 1 and longest >= 1:
             self._skipped += 1
-            if self._skipped >= PROBE_EVERY:  # costs and rates change: measure a pass now and then
-                best = 2 if self.cost.measured(rows, 2) else longest + 1
+            if self._skipped >= PROBE_EVERY:  # costs and rates change: measure the best pass now and then
+                best = runner_up
         if best > 1:
             self._skipped = 0
         return best
@@ -726,7 +728,6 @@ class Speculator:
 
 
 __all__ = [
-    "DEFAULT_LOOKUP",
     "DEFAULT_TOKENS",
     "MAX_TOKENS",
     "Acceptance",
