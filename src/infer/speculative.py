@@ -409,28 +409,25 @@ class Drafter:
 
     CATCH_UP = 512  # tokens per row per forward when the draft reads a prompt
 
-    def __init__(self, llm: Any, slots: KVSlots, target: torch.nn.Module) -> None:
+    def __init__(self, llm: Any, slots: KVSlots) -> None:
         self.llm = llm
         self.slots = slots
         self.cost = PassCost()  # its one-token steps
-        # Until its steps are measured, a draft step is priced as a target step scaled by the bytes
-        # of weights each reads (decode at small batches reads every weight once).
-        self.size = _weight_bytes(llm.model) / max(1, _weight_bytes(target))
 
     def room(self, r: Request) -> int:
         """Tokens the draft's context leaves for ``r``'s proposals."""
         return self.slots.context - (len(r.prompt) + len(r.generated)) - 1
 
     def draft(
-        self, requests: list[Request], k: int, vocab: int
+        self, requests: list[Request], limits: dict[int, int], vocab: int
     ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """``k`` tokens per request, drawn as each request samples (greedy: the draft's argmax), and
-        for a sampled request the distributions they were drawn from ``[k, vocab]``."""
+        """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
+        drawn as each request samples (greedy: the draft's argmax), and for a sampled request the
+        distributions they were drawn from ``[k, vocab]``."""
         slots = self.slots
         rows = [r.row for r in requests]
-        lo, hi = rows[0], rows[-1] + 1
-        if hi > slots.rows:
-            slots.reserve(hi, 1)
+        if rows[-1] + 1 > slots.rows:
+            slots.reserve(rows[-1] + 1, 1)
         feeds: dict[int, list[int]] = {}
         for r in requests:
             text = [*r.prompt, *r.generated]
@@ -445,20 +442,25 @@ class Drafter:
                 del feeds[i][: len(c)]
         tokens: dict[int, list[int]] = {i: [] for i in rows}
         dists: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests if not r.params.greedy}
-        mode, values = sampling_inputs([r.params for r in requests], self.llm.model.device)
         V = self.llm.model.vocab_size
-        for _ in range(k):
+        device = self.llm.model.device
+        for i in range(max(limits.values())):
             t0 = time.perf_counter()
+            active = [r for r in requests if limits[r.row] > i]  # (a row near the end of its context stops)
+            mode, values = sampling_inputs([r.params for r in active], device)
             noise = None
             if not mode.greedy:
-                zeros = torch.zeros(1, V, dtype=torch.float32, device=self.llm.model.device)
-                noise = torch.cat([
-                    zeros if r.noise is None else gumbel_noise(1, V, r.noise.generator, zeros.device)
-                    for r in requests
-                ])  # fmt: skip
-            out = self._step(lo, hi, feeds, requests, mode, values, noise)
+                zeros = torch.zeros(1, V, dtype=torch.float32, device=device)
+                noise = torch.cat(
+                    [
+                        zeros if r.noise is None else gumbel_noise(1, V, r.noise.generator, device)
+                        for r in active
+                    ]
+                )
+            step = {r.row: feeds[r.row] for r in active}
+            out = self._step(active[0].row, active[-1].row + 1, step, active, mode, values, noise)
             drawn: list[int] = out.tokens.tolist()
-            for b, r in enumerate(requests):
+            for b, r in enumerate(active):
                 t = drawn[b]
                 tokens[r.row].append(t)
                 feeds[r.row] = [t]
@@ -466,7 +468,7 @@ class Drafter:
                     p = r.params
                     q = probabilities(out.logits[b : b + 1], p.temperature, p.top_k, p.top_p)[0]
                     dists[r.row].append(_fit_vocab(q, vocab))
-            self.cost.observe(len(requests), 1, time.perf_counter() - t0)
+            self.cost.observe(len(active), 1, time.perf_counter() - t0)
         out_rows: dict[int, tuple[list[int], torch.Tensor | None]] = {}
         for r in requests:
             toks = tokens[r.row]
@@ -503,11 +505,6 @@ class Drafter:
             full_noise = torch.zeros(hi - lo, noise.shape[1]).index_copy(0, index, noise)
         out = self.slots.step(lo, hi, feeds, mode, full_values, full_noise)
         return StepOutput(out.tokens[index], out.logits[index], out.nonfinite[index])
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -550,7 +547,7 @@ class Speculator:
         self.per_forward = per_forward
         self.drafter = None
         if config.draft is not None and draft_slots is not None:
-            self.drafter = Drafter(config.draft, draft_slots, slots.model)
+            self.drafter = Drafter(config.draft, draft_slots)
         self.vocab = slots.model.vocab_size
         self.cost = PassCost()  # the target's plain decode steps and verify passes
         self._skipped = 0  # passes skipped as too costly since the last one run
@@ -609,7 +606,10 @@ class Speculator:
         draft_step = 0.0
         if self.drafter is not None and drafting:
             d, n = self.drafter, len(drafting)
-            draft_step = self.cost.cost(n, 1) * d.size if d.cost.empty else d.cost.cost(n, 1)
+            if d.cost.empty:  # nothing says what its steps cost here (weight bytes do not: a packed
+                # draft of a float32 target holds the same bytes): measure a pass of 4 at once
+                return min(longest + 1, 5)
+            draft_step = d.cost.cost(n, 1)
         runner_up, runner_up_rate = 1, 0.0  # the best pass, paying or not
         for width in range(2, longest + 2):
             k = width - 1
@@ -636,9 +636,12 @@ class Speculator:
         t0 = time.perf_counter()
         proposals: dict[int, _Proposal] = {}
         drafting: dict[int, tuple[int, float]] = {}
+        # Every row of a pass takes its width (padding included): the row nearest the end of the
+        # context bounds everyone's proposals.
+        most = min(self.context - len(self.slots.held[r.row]) for r in requests) - 1
         for r in requests:
             state = self.row_state(r)
-            room = self._room(r) if state is not None else 0
+            room = min(self._room(r), most) if state is not None else 0
             if state is None or room <= 0:
                 continue
             p = self._lookup(r, room)
@@ -657,8 +660,8 @@ class Speculator:
             assert self.drafter is not None
             t1 = time.perf_counter()
             chosen = [r for r in requests if r.row in drafting]
-            k = min(width - 1, max(room for room, _ in drafting.values()))
-            for row, (tokens, q) in self.drafter.draft(chosen, k, self.vocab).items():
+            limits = {row: min(width - 1, room) for row, (room, _) in drafting.items()}
+            for row, (tokens, q) in self.drafter.draft(chosen, limits, self.vocab).items():
                 room, alpha = drafting[row]
                 if tokens[:room]:
                     proposals[row] = _Proposal(tokens[:room], DRAFTED, alpha, None if q is None else q[:room])

@@ -393,3 +393,28 @@ def test_cli_lookup_and_draft_give_plain_decodings_text(
     err = capsys.readouterr().err.strip()
     print(f"\n{err}")
     assert len(err.splitlines()) == 1 and "differs from the target's" in err and "'<|start|>'" in err
+
+
+def test_speculation_up_to_the_end_of_the_context(
+    det: infer.LLM, gemma_path: Path, propose_all: None
+) -> None:
+    """Proposals never pass the context (the target's or the draft's): requests that run into an
+    engine's 40-token context end with "length" after the tokens plain decoding gives."""
+    q4 = infer.load(gemma_path, quantize="q4_0", deterministic=True)
+    spec = with_spec(det, draft=q4, lookup=3)
+    prompts = [PROMPTS[0][:30], PROMPTS[1], PROMPTS[3][:12]]
+    params = [SamplingParams(max_tokens=100, ignore_eos=True)] * 3
+    out = []
+    for llm in (det, spec):
+        engine = Engine(llm, context=40)
+        try:
+            handles = engine._submit(prompts, params, text=False, wait=True)
+            reasons = [[d.finish_reason for d in h][-1] for h in handles]
+            out.append([(list(h.token_ids), reason) for h, reason in zip(handles, reasons, strict=True)])
+            stats = engine.stats()
+        finally:
+            engine.close(drain=False)
+    assert out[0] == out[1]
+    assert [len(p) + len(t) for p, (t, _) in zip(prompts, out[1], strict=True)] == [40, 40, 40]
+    assert all(reason == "length" for _, reason in out[1]) and stats["spec_accepted"] > 0
+    q4.engine.close(drain=False)
