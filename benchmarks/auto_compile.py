@@ -86,7 +86,7 @@ def main() -> None:
             time.sleep(0.5)
         waited = time.perf_counter() - t0
         built = sorted(p.name for p in cache.glob("*.pt2"))
-        logs = [p.read_text().strip().splitlines()[-1] for p in cache.glob("*.log")]
+        logs = [p.read_text().strip().splitlines()[-1] for p in cache.glob("*.log") if p.stem != "builder"]
         warm = _child(args.model, args.tokens, cache, "default")
         eager = _child(args.model, args.tokens, cache, "eager")
     print(f"{args.model}: {args.tokens} tokens after a 128-token prompt; packages built: {built} ({logs})")

@@ -118,17 +118,16 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     from infer.step import Sampling, Stepper
 
     aot.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
-    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built below, not at exit
-    cache = aot.PackageCache(llm.model, aot.Recipe(str(llm.source), None if dtype == "default" else dtype))
+    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built below, not queued
+    recipe = aot.Recipe(str(llm.source), None if dtype == "default" else dtype)
+    cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
     stepper = Stepper(llm.model, compile="auto", packages=cache)
     run(stepper)
     for request in cache.missing.values():
         t0 = time.perf_counter()
-        aot.build(llm.model, request["batch"], request["capacity"], request["rings"],
-                  Sampling(**request["mode"]), Path(request["out"]))  # fmt: skip
+        aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
         print(f"  built {Path(request['out']).name} in {time.perf_counter() - t0:.0f} s", flush=True)
     cache.missing.clear()
-    aot._MISSING.clear()
     cache._looked.clear()
     stepper.packaged_steps = 0
     return stepper

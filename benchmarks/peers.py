@@ -21,8 +21,9 @@ runs in its own fresh process (so peak RSS and ready time are honest) and report
 Runtimes: "infer default" is what a user gets: ``infer.load(path)`` with no flags, generating
 through ``llm.stepper``, in a second process on the machine. Its caches (``XDG_CACHE_HOME``: the
 tokenizer, the repacked GGUF matrices, the ahead-of-time compiled decode steps of `infer.aot`)
-are a temporary directory that "infer first run" filled: that run found it empty, so it
-decoded eagerly and, at its exit, started the build of the decode step it ran; the benchmark
+are a temporary directory that "infer first run" filled (with ``INFER_AOT=on``: the model is
+assembled under it, and a temporary checkpoint's shapes are built only when asked): that run
+found it empty, so it decoded eagerly and queued the build of the decode step it ran; the benchmark
 waits for that build (`infer.aot.building`) before the second process. The JSON records how many
 steps ran from a package (``packaged_steps``). Beside them ``infer.load(path, compile=True)``
 twice: "compiled cold" with an empty inductor cache, then
@@ -241,7 +242,9 @@ def run_default(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], d
     from infer.aot import building
 
     home = Path(tempfile.mkdtemp(prefix="infer-peers-cache-"))
-    env = {k: v for k, v in os.environ.items() if k != "INFER_AOT"} | {"XDG_CACHE_HOME": str(home)}
+    # The default, except that the model is assembled under this temporary cache home: a
+    # temporary checkpoint's shapes are built only under an explicit INFER_AOT=on (infer.aot).
+    env = os.environ | {"INFER_AOT": "on", "XDG_CACHE_HOME": str(home)}
     try:
         first = spawn(model, "default", args, env)
         t0 = time.perf_counter()

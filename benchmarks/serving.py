@@ -161,7 +161,7 @@ class RssSampler:
 
 @dataclass
 class Server:
-    name: str  # "infer" or "llama-server"
+    name: str  # "infer", "infer-det" (--deterministic) or "llama-server"
     proc: subprocess.Popen[bytes]
     url: str
     rss: RssSampler
@@ -196,7 +196,7 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float) -> bool:
 def start_server(kind: str, path: Path, args: argparse.Namespace, log_dir: Path) -> Server:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     attempts: list[tuple[list[str], list[str]]]
-    if kind == "infer":
+    if kind in ("infer", "infer-det"):
         base = [
             sys.executable,
             "-m",
@@ -206,6 +206,7 @@ def start_server(kind: str, path: Path, args: argparse.Namespace, log_dir: Path)
             "--max-batch",
             str(args.parallel),
             "--quiet",
+            *(["--deterministic"] if kind == "infer-det" else []),
         ]
         attempts = [(base, [])]
     else:
@@ -383,9 +384,85 @@ async def prefix_test(server: Server, args: argparse.Namespace) -> dict[str, Any
     return out
 
 
+async def shared_test(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """16 clients at once (``--levels``' largest), each a ~``--shared-prompt``-token system prompt
+    and a question of its own: one system prompt for all ("shared"), then one each ("distinct",
+    different from their first line on, so no prefix applies). Time to first token, tok/s, and
+    (infer) the KV bytes the engine holds after the shared run (`/metrics`)."""
+    clients = max(args.levels)
+    system = long_text(args.shared_prompt)
+    out: dict[str, Any] = {}
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        for variant in ("shared", "distinct"):
+
+            def prompt(c: int, variant: str = variant) -> str:
+                head = "System." if variant == "shared" else f"System {c}."
+                return (
+                    f"{head}\n{system}\n\nQuestion {c}: which {TOPICS[c % len(TOPICS)]} came first?\nAnswer:"
+                )
+
+            body = {"max_tokens": args.shared_tokens, "temperature": 0, "ignore_eos": True}
+            t0 = time.perf_counter()
+            streams = await asyncio.gather(
+                *(
+                    stream_completion(client, server.url, {**body, "prompt": prompt(c)})
+                    for c in range(clients)
+                )
+            )
+            wall = time.perf_counter() - t0
+            ttft = [st.ttft for st in streams]
+            out[variant] = {
+                "prompt_tokens": [st.prompt_tokens for st in streams],
+                "ttft_p50": pct(ttft, 0.5),
+                "ttft_p95": pct(ttft, 0.95),
+                "tok_s": sum(st.tokens for st in streams) / wall,
+                "wall_s": wall,
+            }
+            if variant == "shared" and server.name.startswith("infer"):
+                metrics = (await client.get(server.url + "/metrics")).text
+                for line in metrics.splitlines():
+                    if line.startswith("infer_engine_kv_bytes "):
+                        out["shared"]["kv_bytes"] = float(line.split()[1])
+                # what the workload holds: one copy of the common prefix, and each stream's rest
+                prompts = out["shared"]["prompt_tokens"]
+                common = min(prompts) - 30  # the question and "Answer:" are the streams' own (~30)
+                held = common + sum(n - common + args.shared_tokens for n in prompts)
+                out["shared"]["held_tokens"] = held
+    out["ttft_p95_ratio"] = out["shared"]["ttft_p95"] / out["distinct"]["ttft_p95"]
+    return out
+
+
+def kv_bytes_per_token(path: Path, f16: bool) -> int:
+    """K/V bytes per token of every layer (f16: llama-server's default; else infer's float32 default)."""
+    import infer
+
+    c = infer.load(path, compile=False).config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.computed_head_dim * (2 if f16 else 4)
+
+
+def wait_for_builds(timeout: float) -> float:
+    """Seconds until the package cache's builder has nothing left to build (`infer.aot.building`):
+    the compiled steps `infer serve` queued at start (`infer.serve.server.prepare_packages`) and
+    on its warm-up; the machine is otherwise idle meanwhile. nan if they were not done by then."""
+    import infer.aot as aot
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not aot.building():
+            return time.monotonic() - t0
+        time.sleep(1.0)
+    return float("nan")
+
+
 async def bench_server(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:  # warm-up
         await stream_completion(client, server.url, {**request_body(10_000, args), "max_tokens": 8})
+    built = float("nan")
+    if server.name.startswith("infer") and args.build_timeout > 0:
+        built = wait_for_builds(args.build_timeout)
+        print(f"  infer: its compiled steps were built {built:.0f} s after the warm-up", file=sys.stderr)
+        server.rss.peak = 0  # the peak of serving, not of the background build (a child process)
     levels = []
     for k, clients in enumerate(args.levels):
         level = await run_level(server.url, clients, args, offset=1000 * (k + 1))
@@ -399,7 +476,10 @@ async def bench_server(server: Server, args: argparse.Namespace) -> dict[str, An
     prefix = await prefix_test(server, args) if args.long_prompt > 0 else {}
     if prefix:
         print(f"  {server.name} prefix: {prefix}", file=sys.stderr, flush=True)
-    return {"levels": levels, "prefix": prefix}
+    shared = await shared_test(server, args) if args.shared_prompt > 0 else {}
+    if shared:
+        print(f"  {server.name} shared prefix: {shared}", file=sys.stderr, flush=True)
+    return {"levels": levels, "prefix": prefix, "shared": shared, "build_wait_s": built}
 
 
 def run_model(model: str, args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +488,8 @@ def run_model(model: str, args: argparse.Namespace, log_dir: Path, results: dict
     path = model_path(model)
     out: dict[str, Any] = {"path": str(path)}
     results["models"][model] = out
+    for kind in args.servers:  # llama-server's f16 KV; infer's default (the activations' float32)
+        out[f"kv_bytes_per_token_{kind}"] = kv_bytes_per_token(path, f16=kind == "llama-server")
     for kind in args.servers:
         print(f"{MODELS[model]}: {kind}", file=sys.stderr, flush=True)
         server = start_server(kind, path, args, log_dir)
@@ -432,29 +514,32 @@ def ratio(a: float, b: float) -> str:
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
-    rows = [
-        "| model | streams | infer tok/s | llama-server tok/s | ratio | infer TTFT p50 / p95 (s) "
-        "| llama TTFT p50 / p95 (s) | TTFT p95 ratio | infer ITL p50 / p95 (ms) | llama ITL p50 / p95 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    servers = args.servers
+    peer = "llama-server" if "llama-server" in servers else None
+    ours = [k for k in servers if k != "llama-server"]
+    head = "| model | streams | " + " | ".join(f"{k} tok/s" for k in servers)
+    head += (
+        "".join(f" | {k} / llama" for k in ours if peer)
+        + " | "
+        + " | ".join(f"{k} TTFT p50 / p95 (s) | {k} ITL p50 / p95 (ms)" for k in servers)
+        + " |"
+    )
+    ncol = 2 + len(servers) + (len(ours) if peer else 0) + 2 * len(servers)
+    rows = [head, "|" + "---|" * ncol]
     for model, res in results["models"].items():
-        inf, lla = res.get("infer"), res.get("llama-server")
         for i, clients in enumerate(args.levels):
-            a = inf["levels"][i] if inf else None
-            b = lla["levels"][i] if lla else None
+            lv = {k: res[k]["levels"][i] for k in servers if k in res}
 
-            def g(d: dict[str, Any] | None, k: str) -> float:
-                return float(d[k]) if d else float("nan")
+            def g(k: str, key: str, lv: dict[str, Any] = lv) -> float:
+                return float(lv[k][key]) if k in lv else float("nan")
 
-            rows.append(
-                f"| {MODELS[model]} | {clients} | {fmt(g(a, 'tok_s'))} | {fmt(g(b, 'tok_s'))} "
-                f"| {ratio(g(a, 'tok_s'), g(b, 'tok_s'))} "
-                f"| {fmt(g(a, 'ttft_p50'))} / {fmt(g(a, 'ttft_p95'))} "
-                f"| {fmt(g(b, 'ttft_p50'))} / {fmt(g(b, 'ttft_p95'))} "
-                f"| {ratio(g(a, 'ttft_p95'), g(b, 'ttft_p95'))} "
-                f"| {g(a, 'itl_p50') * 1e3:.0f} / {g(a, 'itl_p95') * 1e3:.0f} "
-                f"| {g(b, 'itl_p50') * 1e3:.0f} / {g(b, 'itl_p95') * 1e3:.0f} |"
-            )
+            cells = [MODELS[model], str(clients)] + [fmt(g(k, "tok_s")) for k in servers]
+            if peer:
+                cells += [ratio(g(k, "tok_s"), g(peer, "tok_s")) for k in ours]
+            for k in servers:
+                cells.append(f"{fmt(g(k, 'ttft_p50'))} / {fmt(g(k, 'ttft_p95'))}")
+                cells.append(f"{g(k, 'itl_p50') * 1e3:.0f} / {g(k, 'itl_p95') * 1e3:.0f}")
+            rows.append("| " + " | ".join(cells) + " |")
     rows += [
         "",
         f"| model | server | {args.levels[-1]}/{args.levels[0]}-stream tok/s | peak RSS (MiB) "
@@ -464,7 +549,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for model, res in results["models"].items():
-        for kind in args.servers:
+        for kind in servers:
             r = res[kind]
             lv = r["levels"]
             scale = ratio(lv[-1]["tok_s"], lv[0]["tok_s"]) if len(lv) > 1 else "n/a"
@@ -480,6 +565,40 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
                 f"| {fmt(p.get('turn2_ttft_with', float('nan')))} "
                 f"| {fmt(100 * p['ratio'], '%') if 'ratio' in p else 'n/a'} |"
             )
+    if args.shared_prompt > 0:
+        rows += [
+            "",
+            "| model | server | shared prompt: TTFT p50 / p95 (s), tok/s | distinct prompts: TTFT p50 / p95 "
+            "(s), tok/s | TTFT p95 shared / distinct | KV bytes after the shared run | per token | "
+            "tokens held | KV / (one prefix + the rest) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for model, res in results["models"].items():
+            per_token = {k: res.get(f"kv_bytes_per_token_{k}") for k in servers}
+            for kind in servers:
+                sh = res[kind].get("shared") or {}
+                if not sh:
+                    continue
+                a, b = sh["shared"], sh["distinct"]
+                kv = a.get("kv_bytes")
+                bpt = per_token.get(kind) or 0
+                held = a.get("held_tokens")
+                kv_txt = (
+                    f"{kv / 2**20:.0f} MiB"
+                    if kv
+                    else (
+                        f"{bpt * args.parallel * args.ctx_per_slot / 2**20:.0f} MiB allocated"
+                        if bpt
+                        else "n/a"
+                    )
+                )
+                share = f"{kv / (bpt * held):.2f}x" if kv and held and bpt else "n/a"
+                rows.append(
+                    f"| {MODELS[model]} | {kind} | {fmt(a['ttft_p50'])} / {fmt(a['ttft_p95'])}, "
+                    f"{a['tok_s']:.1f} | {fmt(b['ttft_p50'])} / {fmt(b['ttft_p95'])}, {b['tok_s']:.1f} "
+                    f"| {ratio(a['ttft_p95'], b['ttft_p95'])} | {kv_txt} | {bpt} | {held or 'n/a'} "
+                    f"| {share} |"
+                )
     return "\n".join(rows)
 
 
@@ -523,7 +642,11 @@ def chart(results: dict[str, Any], args: argparse.Namespace, path: Path) -> None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
-    p.add_argument("--servers", default="infer,llama-server", help="comma-separated: infer, llama-server")
+    p.add_argument(
+        "--servers",
+        default="infer,infer-det,llama-server",
+        help="comma-separated: infer (the default mode), infer-det (--deterministic), llama-server",
+    )
     p.add_argument("--levels", default="1,4,16", help="concurrent streaming clients, comma-separated")
     p.add_argument("--per-client", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (ignore_eos)")
@@ -533,8 +656,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--long-prompt", type=int, default=2000, help="first-turn tokens of the prefix test (0: skip)"
     )
+    p.add_argument(
+        "--shared-prompt",
+        type=int,
+        default=2000,
+        help="system-prompt tokens of the shared-prefix test (0: skip)",
+    )
+    p.add_argument("--shared-tokens", type=int, default=32, help="greedy tokens per request of that test")
     p.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", LLAMA_SERVER)))
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server gets to come up")
+    p.add_argument(
+        "--build-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait after infer's warm-up for the compiled steps it queued (0: measure it cold)",
+    )
     p.add_argument("--json", type=Path, default=ROOT / ".bench" / "serve.json")
     p.add_argument("--chart", default=str(ROOT / "docs" / "serving_bench.png"), help="PNG path ('' for none)")
     args = p.parse_args(argv)
@@ -545,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODELS:
             p.error(f"--models: {m!r} is not one of {', '.join(MODELS)}")
     for s in args.servers:
-        if s not in ("infer", "llama-server"):
-            p.error(f"--servers: {s!r} is not one of infer, llama-server")
+        if s not in ("infer", "infer-det", "llama-server"):
+            p.error(f"--servers: {s!r} is not one of infer, infer-det, llama-server")
     if "llama-server" in args.servers and not args.llama_server.is_file():
         p.error(
             f"--llama-server: {args.llama_server} does not exist (build it with ../shared/peers/llamacpp.sh)"

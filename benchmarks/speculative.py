@@ -233,20 +233,17 @@ def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, director
     from infer.step import Sampling, Stepper
 
     aot.CACHE_DIR = Path(directory)
-    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built here, not at exit
+    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built here, not queued
     recipe = aot.Recipe(str(llm.source), None, None)
-    llm.stepper = Stepper(llm.model, compile="auto", packages=aot.PackageCache(llm.model, recipe))
+    cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
+    llm.stepper = Stepper(llm.model, compile="auto", packages=cache)
     for ids in prompts:
         run_once(llm, ids, tokens, None)  # notes the shapes
     t0 = time.perf_counter()
-    for request in list(aot._MISSING.values()):
-        mode = Sampling(**request["mode"])
-        out = Path(request["out"])
-        aot.build(llm.model, request["batch"], request["capacity"], request["rings"], mode, out)
-    aot._MISSING.clear()
-    packages = llm.stepper.packages
-    assert isinstance(packages, aot.PackageCache)
-    packages.missing.clear()
+    for request in cache.missing.values():
+        aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
+    cache.missing.clear()
+    cache._looked.clear()
     aot.BACKGROUND_BUILDS = False  # shapes missed later run eagerly; nothing is built at exit
     built = len(list(aot.CACHE_DIR.glob("*.pt2")))
     print(f"{built} packages in {directory} ({time.perf_counter() - t0:.0f} s building)")

@@ -18,15 +18,20 @@ transformers models saved with ``save_pretrained``, with a byte-level tokenizer 
   read-only as well (build a fresh cache per test with ``model.make_cache``).
 * ``tokenizer_dir`` (session): a directory holding only the tiny tokenizer files
   (no ``generation_config.json``).
+* ``reap_processes``: a function listing the live processes whose command line names this
+  test's ``tmp_path`` (the package builders and workers a test starts there); every one
+  left is killed at teardown, so no test leaves a process behind.
 * ``dev_configs``: fresh deep copies of the real hub ``config.json`` dicts of the dev models,
   keyed ``"llama"`` (Llama-3.2-1B-Instruct), ``"qwen3"`` (Qwen3-1.7B), ``"gemma3"`` (gemma-3-1b-it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +233,38 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return path
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes (zombies aside) other than this one whose command line contains ``text``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def reap_processes(tmp_path: Path) -> Iterator[Callable[[], list[int]]]:
+    """Yields a function listing the processes whose command line names a path under
+    ``tmp_path``; at teardown each left is killed (its process group too, when it leads one:
+    a builder's worker and compiler)."""
+    marker = f"{tmp_path}{os.sep}"
+
+    def ours() -> list[int]:
+        return processes_mentioning(marker) if os.path.isdir("/proc") else []
+
+    yield ours
+    for pid in ours():
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)

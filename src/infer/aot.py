@@ -17,22 +17,35 @@ running when the package appears) steps at compiled speed.
   (``torch.backends.cpu.get_cpu_capability()``), the machine, `PACKAGE_VERSION` and the source of
   infer itself. Another model, another machine or another version of infer finds no
   package, and builds its own.
-* **Building**: a step whose package is missing runs eagerly and its shape is noted; at
-  interpreter exit (or `PackageCache.build_missing`) one builder starts, in a new session,
-  for the shapes noted: ``python -m infer.idle -- python -m infer.aot REQUESTS``. The
-  builder (``SCHED_IDLE``, one compile thread) loads the same checkpoint the same way
-  (`Recipe`), checks that its model has the same fingerprint, compiles, and moves each
-  package into place atomically (``os.replace``), so a reader never sees a partial file.
-  `infer.idle` stops it (``SIGSTOP``) whenever other processes keep the CPUs busy and lets
-  it go on after a second of quiet: a build beside running steps slows them ~4x even at
-  ``SCHED_IDLE`` (docs/performance.md), so it runs only in the gaps the user leaves. A
-  ``flock`` on ``KEY.lock``, held by the builder while it lives, keeps two processes from
-  building one package (a builder that dies releases it). The build's log is ``KEY.log``.
-* **Bounds**: a process holds at most `MAX_LOADED` packages (least recently used dropped);
-  the cache directory keeps the newest `MAX_PACKAGES` packages. A build does not start
-  without the memory for a second copy of the model and the compiler (`_enough_memory`).
-* **Settings**: ``INFER_AOT=on`` (the default) uses packages and builds the missing ones;
-  ``use`` uses packages and builds none; ``off`` (or ``compile=False``) uses and builds nothing.
+* **Building**: a step whose package is missing runs eagerly, and its shape is queued for a
+  build at once, on the step that found it missing (a JSON file in the cache directory's
+  ``queue/``; `PackageCache.prepare` queues shapes ahead of need). The directory's one builder
+  (`infer.builder`: started by the process that queues when none lives, in a new session, so
+  it outlives it) takes the queue: one build at a time on the machine, each in a worker,
+  ``python -m infer.aot REQUEST``, started only once the machine is idle and stopped
+  (``SIGSTOP``, `infer.idle`) whenever other processes keep the CPUs busy: a build beside
+  running steps slows them ~4x even at ``SCHED_IDLE`` (docs/performance.md), so it runs only
+  in the gaps the user leaves. The worker (``SCHED_IDLE``, one compile thread) loads the same
+  checkpoint the same way (`Recipe`), checks that its model has the same fingerprint,
+  compiles, and moves the package into place atomically (``os.replace``), so a reader never
+  sees a partial file. A running process picks a new package up within `PackageCache.RECHECK_S`,
+  so a server steps compiled code once the gaps between its requests add up to a build. What
+  could not be queued is queued at interpreter exit. The build's log is ``KEY.log``, the
+  builder's ``builder.log``.
+* **Bounds**: per cache directory at most one builder, ~14 MB (an interpreter without torch)
+  while it waits for its turn or for quiet; a worker holds a second copy of the model and the
+  compiler while it builds, and is killed when stopped for more than `infer.builder.STOP_LIMIT_S`
+  (25 s), its request tried again later (at most `infer.builder.MAX_TRIES` times; a running
+  process queues a shape dropped unbuilt again after `PackageCache.REQUEUE_S`). A request
+  whose checkpoint is gone or changed is dropped before any worker starts. A build does not
+  start without the memory for a second copy of the model and the compiler. A process holds
+  at most `MAX_LOADED` packages (least recently used dropped); the cache directory keeps the
+  newest `MAX_PACKAGES` packages.
+* **Settings**: ``INFER_AOT`` unset uses packages and builds the missing ones, except for a
+  temporary or test checkpoint (`infer.builder.temporary`: under the temporary directory, a
+  pytest directory, or loaded under pytest), whose shapes are not queued; ``INFER_AOT=on``
+  builds those too; ``use`` uses packages and builds none; ``off`` (or ``compile=False``)
+  uses and builds nothing.
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
   and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
@@ -45,7 +58,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -53,24 +65,27 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.export import Dim
 
-from infer.cache import KVCache
+from infer import builder
+from infer.cache import KVCache, round_up
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
 from infer.models.base import DecoderLM, layer_regions
 from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, model_step
 
-PACKAGE_VERSION = 1
+PACKAGE_VERSION = 3  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state out
 MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it elsewhere
@@ -79,7 +94,9 @@ CACHE_DIR: Path | None = None  # None: ``cache_root() / "aot"``; tests point it 
 SETTINGS = ("on", "use", "off")
 _SETTING = os.environ.get("INFER_AOT", "on").strip().lower()
 ENABLED = _SETTING != "off"
-BACKGROUND_BUILDS = _SETTING == "on"  # whether the shapes found missing are built after the process
+BACKGROUND_BUILDS = _SETTING == "on"  # whether the shapes found missing are built in the background
+# Temporary and test checkpoints (`infer.builder.temporary`) are built only when asked: ``INFER_AOT=on``.
+TEMPORARY_BUILDS = BACKGROUND_BUILDS and "INFER_AOT" in os.environ
 
 
 def cache_dir() -> Path:
@@ -98,6 +115,7 @@ class Recipe:
     dtype: str | None = None
     quantize: str | None = None
     validate: bool = False
+    kv_dtype: str | None = None  # `DecoderLM.kv_dtype` as set at load (None: the model's dtype)
 
     def load(self) -> DecoderLM:
         """The model as `infer.load` builds it (resident, on the CPU, outside the deterministic mode)."""
@@ -107,6 +125,8 @@ class Recipe:
                                      pipeline_parallel=1, deterministic=False, repack_cache=True,
                                      progress=None)  # fmt: skip
         model, _ = build_model(checkpoint, options)
+        if self.kv_dtype is not None:
+            model.kv_dtype = getattr(torch, self.kv_dtype)
         return model
 
 
@@ -167,6 +187,7 @@ def fingerprint(model: DecoderLM) -> str:
         platform.machine(),
         _source_digest(),
         repr(model.config),
+        str(model.cache_dtype),  # the KV tensors' dtype (`DecoderLM.kv_dtype`)
         [type(m).__qualname__ for m in model.modules()],
     ]
     for name, t in named_tensors(model).items():
@@ -188,10 +209,36 @@ def pays(model: DecoderLM) -> bool:
     )
 
 
-def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str:
-    ring = cache.ring_slots is not None
+MULTI_ROWS = (
+    2,
+    16,
+)  # the rows one multi-row package serves (inside every packed kernel's and the head's branches)
+
+
+def rows_kind(batch: int) -> str | None:
+    """Which package a step of ``batch`` rows runs: ``"1"``, ``"2-16"`` (`MULTI_ROWS`), or None (eager)."""
+    if batch == 1:
+        return "1"
+    lo, hi = MULTI_ROWS
+    return f"{lo}-{hi}" if lo <= batch <= hi else None
+
+
+def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str | None:
+    """The package a decode step of ``batch`` rows on ``cache`` runs, or None (it runs eagerly:
+    more rows than `MULTI_ROWS`, or a cache with ring buffers, which only the engine's never has)."""
+    if cache.ring_slots is not None:
+        return None
+    return shape_key(fp, batch, mode)
+
+
+def shape_key(fp: str, batch: int, mode: Sampling) -> str | None:
+    """The name of the package serving decode steps of ``batch`` rows in ``mode`` (`package_key`):
+    one package per rows kind (`rows_kind`) and sampling mode, for every KV capacity."""
+    kind = rows_kind(batch)
+    if kind is None:
+        return None
     flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
-    return f"{fp}-b{batch}-c{cache.capacity}-r{int(ring)}-{flags}"
+    return f"{fp}-b{kind}-{flags}"
 
 
 # ---- the exported step ---------------------------------------------------------------------
@@ -214,7 +261,7 @@ class _DecodeStep(nn.Module):
         state: list[torch.Tensor],
         kv: list[torch.Tensor],
         sampling: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = _bind(self.template, state, kv)
         values = noise = None
         if sampling:
@@ -239,7 +286,10 @@ def _bind(template: KVCache, state: list[torch.Tensor], kv: list[torch.Tensor]) 
     for i, layer in enumerate(template.layers):
         bound = copy.copy(layer)
         bound.cache = cache
-        bound.k, bound.v = kv[2 * i], kv[2 * i + 1]
+        n = len(layer.tensors())  # k, v (and an int8 cache's scales)
+        bound.k, bound.v = kv[n * i], kv[n * i + 1]
+        if n == 4:
+            bound.k_scale, bound.v_scale = kv[n * i + 2], kv[n * i + 3]
         layers.append(bound)
     cache.layers = layers
     cache.length, cache.plan = 0, None
@@ -247,7 +297,7 @@ def _bind(template: KVCache, state: list[torch.Tensor], kv: list[torch.Tensor]) 
 
 
 def _kv(cache: KVCache) -> list[torch.Tensor]:
-    return [t for layer in cache.layers for t in (layer.k, layer.v)]
+    return [t for layer in cache.layers for t in layer.tensors()]
 
 
 def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list[torch.Tensor]:
@@ -256,12 +306,21 @@ def _sampling(values: SamplingValues | None, noise: torch.Tensor | None) -> list
     return [values.temperature, values.top_k, values.top_p, noise]
 
 
-def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampling, path: Path) -> None:
-    """Export and compile the decode step of ``batch`` rows on a KV ``capacity`` (sliding-window
-    layers in ``rings`` or not: `KVCache`) into ``path``."""
-    cache = KVCache(model.config, batch, capacity, dtype=model.dtype, device=model.device,
-                    layers=model.kv_layers, rings=rings)  # fmt: skip
+def build(model: DecoderLM, batch: int, mode: Sampling, path: Path) -> None:
+    """Export and compile the decode step for steps of ``batch`` rows into ``path``: one row, or
+    any count in `MULTI_ROWS` (a dynamic dimension), on any KV capacity (dynamic too: the engine's
+    rows grow as they need), in the engine's layout (slot order, no rings)."""
+    kind = rows_kind(batch)
+    if kind is None:
+        raise ValueError(
+            f"build: no package serves steps of {batch} rows (1, or {MULTI_ROWS[0]}-{MULTI_ROWS[1]})"
+        )
+    multi = kind != "1"
+    example_rows, example_capacity = (4 if multi else 1), 256
+    cache = KVCache(model.config, example_rows, example_capacity, dtype=model.cache_dtype,
+                    device=model.device, layers=model.kv_layers, rings=False)  # fmt: skip
     step = _DecodeStep(model, cache, mode)
+    batch = example_rows
 
     class Functional(nn.Module):
         def forward(self, ids: Any, n_new: Any, last: Any, state: Any, kv: Any, sampling: Any, w: Any) -> Any:
@@ -281,13 +340,31 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             torch.zeros(batch, V, device=device),
         ]
     inputs = (ids, ones, zeros, _state(cache), _kv(cache), sampling)
+    # Dynamic dimensions: the rows (a multi-row package) and every KV buffer's slots.
+    rows = Dim("rows", min=MULTI_ROWS[0], max=MULTI_ROWS[1]) if multi else None
+    slots = Dim("slots", min=2, max=max(example_capacity, round_up(model.config.max_position_embeddings, 64)))
+
+    def dims(t: torch.Tensor, kv: bool = False) -> dict[int, Any] | None:
+        d: dict[int, Any] = {}
+        if rows is not None:
+            d[0] = rows
+        if kv and t.shape[2]:
+            d[2] = slots
+        return d or None
+
+    def shapes(weights: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        return (dims(ids), dims(ones), dims(zeros), [dims(t) for t in _state(cache)],
+                [dims(t, kv=True) for t in _kv(cache)], [dims(t) for t in sampling],
+                dict.fromkeys(weights))  # fmt: skip
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
         # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
         with _all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
             # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
             warnings.simplefilter("ignore", UserWarning)
-            return torch.export.export(Functional(), (*inputs, weights), strict=True)
+            return torch.export.export(
+                Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=True
+            )
 
     # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step
     # reads. The first export finds them (the fused products leave their parts' views unread:
@@ -311,7 +388,10 @@ def build(model: DecoderLM, batch: int, capacity: int, rings: bool, mode: Sampli
             inductor_configs={
                 "aot_inductor.metadata": {
                     "names": json.dumps(names),
-                    "inputs": json.dumps(_specs([ids, ones, zeros, *_state(cache), *_kv(cache), *sampling])),
+                    "inputs": json.dumps(
+                        _input_specs([ids, ones, zeros, *_state(cache)], _kv(cache), sampling)
+                    ),
+                    "rows": json.dumps([1, 1] if not multi else list(MULTI_ROWS)),
                     "weights": json.dumps(_specs(list(weights.values()))),
                 }
             },
@@ -339,6 +419,29 @@ def _specs(tensors: list[torch.Tensor]) -> list[list[Any]]:
     return [[list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")] for t in tensors]
 
 
+def _input_specs(
+    state: list[torch.Tensor], kv: list[torch.Tensor], sampling: list[torch.Tensor]
+) -> list[Any]:
+    """What a package assumes of a step's inputs: each one's dtype and contiguity, its shape with
+    -1 for the dynamic dimensions (the rows; a KV buffer's slots)."""
+    out = []
+    for group, dynamic in ((state, (0,)), (kv, (0, 2)), (sampling, (0,))):
+        for t in group:
+            shape = [-1 if i in dynamic else n for i, n in enumerate(t.shape)]
+            out.append([shape, str(t.dtype).removeprefix("torch.")])
+    return out
+
+
+def _fits(t: torch.Tensor, spec: list[Any]) -> bool:
+    shape, dtype = spec
+    return (
+        str(t.dtype).removeprefix("torch.") == dtype
+        and t.dim() == len(shape)
+        and all(want in (-1, got) for want, got in zip(shape, t.shape, strict=True))
+        and t.is_contiguous()
+    )
+
+
 class Package:
     """A loaded package: the step of one shape, on the model's own tensors.
 
@@ -362,6 +465,7 @@ class Package:
                     f"{path}: tensor {name!r} is {got} (shape, strides, dtype), the package expects {want}"
                 )
         self.inputs = json.loads(meta["inputs"])
+        self.rows = tuple(json.loads(meta["rows"]))
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         step = [
@@ -372,45 +476,56 @@ class Package:
             *_kv(cache),
             *_sampling(feed.values, feed.noise),
         ]
-        got = _specs(step)
-        if got != self.inputs:
-            bad = next(
-                (i for i, (g, w) in enumerate(zip(got, self.inputs, strict=False)) if g != w), len(got)
-            )
-            found = got[bad] if bad < len(got) else None
-            want = self.inputs[bad] if bad < len(self.inputs) else None
+        rows = feed.ids.shape[0]
+        lo, hi = self.rows
+        if not lo <= rows <= hi or feed.ids.shape[1] != 1 or len(step) != len(self.inputs):
             raise ValueError(
-                f"{self.path}: step input #{bad} is {found}, the package expects {want} "
-                "(shape, strides, dtype)"
+                f"{self.path}: a decode step of {rows} rows x {feed.ids.shape[1]} tokens and {len(step)} "
+                f"inputs; the package serves {lo}-{hi} rows x 1 token, {len(self.inputs)} inputs"
             )
-        tokens, logits, nonfinite = self.loader.boxed_run(step + self.weights)
-        return StepOutput(tokens, logits, nonfinite)
+        bad = next((i for i, (t, w) in enumerate(zip(step, self.inputs, strict=True)) if not _fits(t, w)), -1)
+        if bad >= 0:
+            raise ValueError(
+                f"{self.path}: step input #{bad} is {_specs(step[bad : bad + 1])[0]} (shape, strides, "
+                f"dtype), the package expects {self.inputs[bad]} (shape with -1 for any, dtype; contiguous)"
+            )
+        if len({t.shape[2] for t in _kv(cache) if t.shape[2]}) > 1:
+            raise ValueError(f"{self.path}: the KV buffers of one step must have one capacity")
+        tokens, logits, nonfinite, hidden = self.loader.boxed_run(step + self.weights)
+        return StepOutput(tokens, logits, nonfinite, hidden)
 
 
 class PackageCache:
-    """The packages of one model: loaded on demand; the missing ones built after this process.
+    """The packages of one model: loaded on demand; the missing ones queued for the builder.
 
-    A step whose package is missing runs eagerly and its shape is noted; at interpreter exit
-    (or at `build_missing`) one builder starts for every shape noted, stopped by `infer.idle`
-    whenever the machine is busy, so it never competes with this process or the next. A
-    package that appears while this process runs (built by another) is picked up: a missing
-    path is looked at again every `RECHECK_S`.
+    A step whose package is missing runs eagerly and its shape is queued at once for the
+    cache directory's builder (`infer.builder`), which builds it while the machine is idle;
+    `prepare` queues shapes ahead of need. A package that appears while this process runs
+    (built meanwhile) is picked up: a missing path is looked at again every `RECHECK_S`.
+    ``queue_missing=False`` notes missing shapes (`missing`) without queueing them, for a
+    caller that builds them itself (`build_missing` queues them).
     """
 
     RECHECK_S = 1.0
+    REQUEUE_S = 600.0  # a shape still missing this long after it was queued, and out of the queue: again
 
-    def __init__(self, model: DecoderLM, recipe: Recipe | None) -> None:
+    def __init__(self, model: DecoderLM, recipe: Recipe | None, queue_missing: bool = True) -> None:
         if _SETTING not in SETTINGS:
             raise ValueError(f"the environment variable INFER_AOT must be on, use or off, got {_SETTING!r}")
         self.model = model
         self.recipe = recipe
+        self.queue_missing = queue_missing
         self._fingerprint: str | None = None
         self.loaded: OrderedDict[str, Package] = OrderedDict()
         self.eager: set[str] = set()  # keys that stay eager in this process (a package that failed)
-        self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request
+        self.missing: dict[str, dict[str, Any]] = {}  # key -> its build request (noted missing here)
+        self.queued: dict[str, float] = {}  # key -> when this process last queued it
         self._looked: dict[str, float] = {}  # key -> when its path was last looked at
-        self.builds: list[subprocess.Popen[bytes]] = []
+        self.builds: list[subprocess.Popen[bytes]] = []  # the builders this process started
         self._scanned, self._present = -self.RECHECK_S, False
+        # The checkpoint as loaded: a request for it is dropped if its files change.
+        self._temporary = recipe is not None and builder.temporary(recipe.path)
+        self._files = builder.checkpoint_files(recipe.path) if recipe is not None else []
 
     @property
     def fingerprint(self) -> str:
@@ -419,9 +534,16 @@ class PackageCache:
         return self._fingerprint
 
     @property
+    def builds_allowed(self) -> bool:
+        """Whether missing shapes are queued for a build (``INFER_AOT``; a temporary or test
+        checkpoint only under an explicit ``INFER_AOT=on``)."""
+        return (ENABLED and BACKGROUND_BUILDS and self.recipe is not None
+                and (TEMPORARY_BUILDS or not self._temporary))  # fmt: skip
+
+    @property
     def enabled(self) -> bool:
         """Whether packages may run or be noted (else every step is plain eager, unbucketed)."""
-        return ENABLED and (BACKGROUND_BUILDS or self._any_packages())
+        return ENABLED and (self.builds_allowed or self._any_packages())
 
     def _any_packages(self) -> bool:
         """Whether the cache directory holds a package (looked at again every `RECHECK_S`)."""
@@ -432,10 +554,12 @@ class PackageCache:
         return self._present
 
     def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
-        """The package of this step's shape, or None (the step runs eagerly; the shape is noted)."""
+        """The package of this step's shape, or None (the step runs eagerly; the shape is queued)."""
         if not self.enabled:
             return None  # nothing to load, nothing to note: no fingerprint, no per-step cost
         key = package_key(self.fingerprint, cache, batch, mode)
+        if key is None:
+            return None
         package = self.loaded.get(key)
         if package is not None:
             self.loaded.move_to_end(key)
@@ -448,13 +572,11 @@ class PackageCache:
         self._looked[key] = now
         path = cache_dir() / f"{key}.pt2"
         if not path.exists():
-            if key not in self.missing and self.recipe is not None:
-                self.missing[key] = {
-                    "key": key, "batch": batch, "capacity": cache.capacity,
-                    "rings": cache.ring_slots is not None, "mode": asdict(mode), "out": str(path),
-                    "recipe": asdict(self.recipe),
-                }  # fmt: skip
-                _MISSING[key] = self.missing[key]  # built at exit even if this cache is gone by then
+            if self.builds_allowed:
+                if key not in self.missing:
+                    self.missing[key] = self._request(key, batch, mode)
+                if self.queue_missing and self._due(key, now):
+                    self._queue([self.missing[key]])
             return None
         self.missing.pop(key, None)
         _MISSING.pop(key, None)
@@ -471,89 +593,118 @@ class PackageCache:
             self.loaded.popitem(last=False)
         return package
 
+    def prepare(self, rows: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)) -> list[str]:
+        """Queue the builds of the packages serving decode steps of ``rows`` rows in ``modes`` that
+        do not exist yet, ahead of need: a server calls it at start for the batch sizes its engine
+        will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity). The
+        builder takes them in the machine's idle time, and this process picks each package up as
+        it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        rows, modes = list(rows), list(modes)
+        bad = [v for v in rows if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"prepare: rows must be integers >= 1, got {bad[0]!r}")
+        bad_modes = [m for m in modes if not isinstance(m, Sampling)]
+        if bad_modes:
+            raise TypeError(f"prepare: modes must be infer.step.Sampling values, got {bad_modes[0]!r}")
+        if not self.builds_allowed:
+            return []
+        requests = []
+        for batch in sorted(set(rows)):
+            for mode in modes:
+                key = shape_key(self.fingerprint, batch, mode)
+                if key is None or key in self.missing or key in self.loaded:
+                    continue
+                if not _done(cache_dir() / f"{key}.pt2"):
+                    self.missing[key] = self._request(key, batch, mode)
+                    requests.append(self.missing[key])
+        self._queue(requests)
+        return [r["key"] for r in requests if r["key"] in self.queued]
+
     def build_missing(self) -> subprocess.Popen[bytes] | None:
-        """Start one builder (a new session, run by `infer.idle`) for the shapes noted as missing
-        that nobody builds yet; it outlives this process. None when there is nothing to do."""
-        build = _start_build(self.missing)
-        if build is not None:
-            self.builds.append(build)
-        return build
+        """Queue the shapes noted missing that this process has not queued yet, and start the
+        directory's builder if none lives (it takes the whole queue); the builder started, or
+        None (one lives, or nothing is to be built). A builder this process started that still
+        runs counts as living even before it takes its lock (a Python start-up: seconds on a busy
+        machine), so a second is not started beside it."""
+        if not self.builds_allowed:
+            return None
+        started = self._queue([r for key, r in self.missing.items() if key not in self.queued])
+        alive = any(b.poll() is None for b in self.builds)  # started, maybe not holding its lock yet
+        if started is None and not alive and builder.queued(cache_dir()):
+            started = builder.start(cache_dir())
+            self._keep(started)
+        return started
+
+    def _due(self, key: str, now: float) -> bool:
+        """Whether to queue ``key`` (missing here): not queued yet, or queued `REQUEUE_S` ago and
+        gone from the queue unbuilt (the builder dropped it: the machine stayed busy; a long-running
+        process asks again, as a new process would)."""
+        at = self.queued.get(key)
+        if at is None:
+            return True
+        if now - at < self.REQUEUE_S:
+            return False
+        if (builder.queue_dir(cache_dir()) / f"{key}.json").exists():
+            self.queued[key] = now  # still waiting its turn: look again later
+            return False
+        return True
+
+    def _request(self, key: str, batch: int, mode: Sampling) -> dict[str, Any]:
+        assert self.recipe is not None
+        return {
+            "key": key, "batch": batch, "mode": asdict(mode), "out": str(cache_dir() / f"{key}.pt2"),
+            "recipe": asdict(self.recipe), "files": self._files,
+        }  # fmt: skip
+
+    def _queue(self, requests: list[dict[str, Any]]) -> subprocess.Popen[bytes] | None:
+        """Queue ``requests`` (on the step thread: a file each, and a builder started when none
+        lives: 1-20 ms, or ~2.5 ms when one lives, once per shape; tiny model, 2 shared cores);
+        what fails is queued at exit. The builder started, if this started one."""
+        todo = [r for r in requests if not _done(Path(r["out"]))]
+        if not todo:
+            return None
+        try:
+            started = builder.submit(cache_dir(), todo)
+        except OSError as e:  # costs speed only: tried again at exit
+            warnings.warn(f"infer: cannot queue the build of a compiled step ({e})", stacklevel=3)
+            _MISSING.update((r["key"], r) for r in todo)
+            return None
+        now = time.monotonic()
+        for r in todo:
+            self.queued[r["key"]] = now
+            _MISSING.pop(r["key"], None)
+        self._keep(started)
+        return started
+
+    def _keep(self, started: subprocess.Popen[bytes] | None) -> None:
+        if started is None:
+            return
+        self.builds.append(started)
+        with contextlib.suppress(RuntimeError):  # reaped as soon as it exits (no zombie in a server)
+            threading.Thread(target=started.wait, name="infer-builder-reaper", daemon=True).start()
 
 
-_MISSING: dict[str, dict[str, Any]] = {}  # every shape noted missing in this process, by key
+_MISSING: dict[str, dict[str, Any]] = {}  # build requests noted here that could not be queued yet
 
 
-def _start_build(missing: dict[str, dict[str, Any]]) -> subprocess.Popen[bytes] | None:
-    """Start one builder for the requests in ``missing`` that nobody builds yet (they leave
-    ``missing`` and `_MISSING`); None when there is nothing to do."""
-    if not (ENABLED and BACKGROUND_BUILDS):
-        return None
-    requests, locks = [], []
-    for key, request in list(missing.items()):
-        out = Path(request["out"])
-        lock = _lock(out)
-        if lock is None:  # another process builds it
-            continue
-        if out.exists() or out.with_suffix(".failed").exists():  # looked at again under the lock
-            os.close(lock)
-            continue
-        requests.append(request)
-        locks.append(lock)
-        del missing[key]
-        _MISSING.pop(key, None)
-    if not requests:
-        return None
-    log = open(Path(requests[0]["out"]).with_suffix(".log"), "wb")  # noqa: SIM115 (the child holds it)
-    worker = [sys.executable, "-m", "infer.aot", json.dumps(requests)]
-    try:
-        with log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "infer.idle", "--", *worker],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=locks,  # the watcher holds the locks while it lives
-                start_new_session=True,  # outlives this process; a Ctrl-C here does not reach it
-            )
-    finally:
-        for lock in locks:
-            os.close(lock)
-
-
-def _lock(out: Path) -> int | None:
-    """An open descriptor holding an exclusive ``flock`` on ``out``'s lock file, or None when
-    another process holds it (it builds that package)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+def _done(out: Path) -> bool:
+    """Whether the package at ``out`` exists or failed to build (nothing to queue)."""
+    return out.exists() or out.with_suffix(".failed").exists()
 
 
 def building(directory: Path | None = None) -> list[str]:
-    """The packages being built in the cache directory now (their lock files are held)."""
-    held = []
-    for path in sorted((directory or cache_dir()).glob("*.lock")):
-        try:
-            fd = os.open(path, os.O_RDWR)  # not created again if its builder just removed it
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            held.append(path.stem)
-        finally:
-            os.close(fd)
-    return held
+    """The packages the cache directory's builder has yet to build or is building ([] when no
+    builder lives)."""
+    return builder.pending(directory or cache_dir())
 
 
 @atexit.register
 def _build_at_exit() -> None:
     with contextlib.suppress(Exception):  # a build that cannot start costs speed only
-        _start_build(_MISSING)
+        requests = [r for r in _MISSING.values() if not _done(Path(r["out"]))]
+        _MISSING.clear()
+        if ENABLED and BACKGROUND_BUILDS and requests:
+            builder.submit(Path(requests[0]["out"]).parent, requests)
 
 
 def _prune(directory: Path) -> None:
@@ -577,61 +728,29 @@ def _yield_the_cpu() -> None:
         os.nice(19)
 
 
-COMPILER_BYTES = 2 << 30  # what AOTInductor's lowering and the C++ compiler take, with room
-
-
-def _enough_memory(checkpoint: Path) -> bool:
-    """Whether the machine has the memory for the builder's copy of the model and the compiler
-    (``MemAvailable`` >= checkpoint bytes + `COMPILER_BYTES`); true where it cannot tell."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        available = int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1])
-        files = [checkpoint] if checkpoint.is_file() else list(checkpoint.rglob("*"))
-        size = sum(f.stat().st_size for f in files if f.is_file())
-    except (OSError, StopIteration, ValueError):
-        return True
-    return available * 1024 >= size + COMPILER_BYTES
-
-
 def _main(argv: list[str]) -> int:
-    """``python -m infer.aot REQUESTS``: build the packages asked for (what `PackageCache` starts)."""
+    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.builder` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
-    parser.add_argument("requests", help="JSON list of {recipe, key, batch, capacity, rings, mode, out}")
-    requests = json.loads(parser.parse_args(argv).requests)
+    parser.add_argument("request", help="JSON {recipe, key, batch, mode, out, files}")
+    request = json.loads(parser.parse_args(argv).request)
     _yield_the_cpu()
     torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
-    if not _enough_memory(Path(requests[0]["recipe"]["path"])):
-        print("not built: too little memory available now (a later process asks again)", flush=True)
-        return 0
-    model: DecoderLM | None = None
-    failures = 0
-    for request in requests:
-        out = Path(request["out"])
-        t0 = time.perf_counter()
-        try:
-            if model is None:
-                model = Recipe(**request["recipe"]).load()
-            fp = fingerprint(model)
-            if not request["key"].startswith(fp + "-"):
-                raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
-            build(
-                model,
-                request["batch"],
-                request["capacity"],
-                request["rings"],
-                Sampling(**request["mode"]),
-                out,
-            )
-            print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
-        except Exception as e:
-            out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
-            print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
-            failures += 1
-        finally:
-            with contextlib.suppress(OSError):
-                out.with_suffix(".lock").unlink()
-    _prune(Path(requests[0]["out"]).parent)
-    return 1 if failures else 0
+    out = Path(request["out"])
+    t0 = time.perf_counter()
+    try:
+        model = Recipe(**request["recipe"]).load()
+        fp = fingerprint(model)
+        if not request["key"].startswith(fp + "-"):
+            raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
+        mode = Sampling(**request["mode"])
+        build(model, request["batch"], mode, out)
+    except Exception as e:
+        out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+        print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
+        return 1
+    print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    _prune(out.parent)
+    return 0
 
 
 if __name__ == "__main__":
@@ -640,5 +759,5 @@ if __name__ == "__main__":
 
 __all__ = [
     "MAX_LOADED", "MAX_PACKAGES", "Package", "PackageCache", "Recipe", "build", "building", "fingerprint",
-    "pays",
+    "package_key", "pays", "rows_kind", "shape_key",
 ]  # fmt: skip

@@ -6,7 +6,7 @@ import dataclasses
 import operator
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, overload
@@ -37,6 +37,8 @@ from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.step import Stepper
+from infer.structured import Constraint, check_logit_bias, constraint_of
+from infer.tools import ToolCall
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
@@ -55,18 +57,33 @@ class GenerationResult:
     """The generated part of one prompt.
 
     ``token_ids`` ends with the EOS id when generation stopped on one;
-    ``text`` is the decoded generation without special tokens, cut before a stop string.
+    ``text`` is the decoded generation without special tokens, cut before a stop string (with
+    tool calls: the text around them). ``finish_reason`` is "eos", "stop" (a stop string, or a
+    constraint that admits nothing more), "length", or "tool_calls" (`LLM.chat` with ``tools``:
+    ``tool_calls`` holds them). ``parsed``: with a ``json_schema``, the finished JSON — an
+    instance of the pydantic model when one was given, else the decoded value.
     """
 
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length" or "tool_calls"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    parsed: Any = None
 
     def __str__(self) -> str:
         return self.text
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The reply as a chat message (OpenAI's shape, with ``tool_calls`` when there are some):
+        append it to the conversation, then the tools' results as ``{"role": "tool", ...}``."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.openai() for c in self.tool_calls]
+        return message
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
@@ -93,6 +110,17 @@ class SamplingOptions(TypedDict, total=False):
     * ``seed`` (default None: fresh randomness): makes sampling reproducible.
     * ``stop`` (default None): a stop string, or a list of them; generation ends before one.
 
+    Structured output (at most one of the three; docs/structured.md):
+
+    * ``json_schema``: the text is JSON matching this schema (a dict, its JSON text, or a
+      pydantic model class; ``{"type": "object"}`` for any JSON object);
+    * ``regex``: the whole text matches this regular expression;
+    * ``grammar``: the text matches this grammar (llguidance's Lark dialect, or GBNF).
+
+    Logits processing, as OpenAI's API and vLLM define it: ``logit_bias`` ({token id: bias in
+    [-100, 100]} added to the logits), ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]),
+    ``repetition_penalty`` (> 0; 1 is off).
+
     The defaults are `infer.generate.SamplingParams`'s; the checks are its and `_stop_strings`'.
     """
 
@@ -101,12 +129,35 @@ class SamplingOptions(TypedDict, total=False):
     top_p: float
     seed: int | None
     stop: str | Sequence[str] | None
+    json_schema: Any
+    regex: str | None
+    grammar: str | None
+    logit_bias: Mapping[int, float] | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+
+
+@dataclass(frozen=True)
+class _Processing:
+    """The structured-output and logits-processing keywords of a call (`SamplingOptions`)."""
+
+    constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self != _Processing()
 
 
 def _generation_args(
     method: str, max_new_tokens: int, sampling: SamplingOptions
-) -> tuple[int, SamplingParams, list[str]]:
-    """``(max_new_tokens, SamplingParams, stop strings)``, checked, from an `LLM` method's arguments.
+) -> tuple[int, SamplingParams, list[str], _Processing]:
+    """``(max_new_tokens, SamplingParams, stop strings, processing)``, checked, from an `LLM`
+    method's arguments.
 
     A keyword that is not a `SamplingOptions` key is a `TypeError` naming it, as Python's own.
     """
@@ -116,7 +167,19 @@ def _generation_args(
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     options: dict[str, Any] = dict(sampling)
     stop = options.pop("stop", None)
-    return max_new_tokens, SamplingParams(**options), _stop_strings(stop)
+    constraint = constraint_of(options.pop("json_schema", None), options.pop("regex", None),
+                               options.pop("grammar", None))  # fmt: skip
+    from infer.engine import SamplingParams as RequestParams
+
+    penalties = {k: options.pop(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if k in options}  # fmt: skip
+    bias = options.pop("logit_bias", None)
+    checked = RequestParams(logit_bias=bias or (), **penalties)  # the engine's checks, naming the keyword
+    processing = _Processing(
+        constraint, checked.logit_bias, checked.presence_penalty, checked.frequency_penalty,
+        checked.repetition_penalty,
+    )  # fmt: skip
+    return max_new_tokens, SamplingParams(**options), _stop_strings(stop), processing
 
 
 @dataclass(eq=False, repr=False)
@@ -258,10 +321,16 @@ class LLM:
             yield from steps
 
     def _generate(
-        self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams, stops: list[str]
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        processing: _Processing = _Processing(),
     ) -> list[GenerationResult]:
         """Every prompt through the engine (continuous batching); results in prompt order."""
         if self.parallel is not None:
+            _no_processing_in_parallel(processing)
             timings: dict[str, float] = {}  # this call's own
             rows = run_to_end(self._run(prompts, max_new_tokens, params, stops, timings))
             return [
@@ -275,12 +344,12 @@ class LLM:
                 )
                 for r in rows
             ]
-        handles = self._submit(prompts, max_new_tokens, params, stops, text=False)
+        handles = self._submit(prompts, max_new_tokens, params, stops, processing, text=False)
         try:
             results = []
             for i, h in enumerate(handles):
                 text = "".join(d.text for d in h)
-                results.append(self._result(h, text, i))
+                results.append(self._result(h, text, i, processing.constraint))
             return results
         finally:
             for h in handles:
@@ -293,6 +362,7 @@ class LLM:
         max_new_tokens: int,
         params: SamplingParams,
         stops: list[str],
+        processing: _Processing,
         *,
         text: bool,
     ) -> list[RequestHandle]:
@@ -304,13 +374,18 @@ class LLM:
                 seed = row_seed(seed, i)  # each prompt of a batch draws its own numbers
             return RequestParams(
                 max_tokens=max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, seed=seed, stop=tuple(stops),
+                top_p=params.top_p, seed=seed, stop=tuple(stops), constraint=processing.constraint,
+                logit_bias=processing.logit_bias, presence_penalty=processing.presence_penalty,
+                frequency_penalty=processing.frequency_penalty,
+                repetition_penalty=processing.repetition_penalty,
             )  # fmt: skip
 
         requests = [request(i) for i in range(len(prompts))]
         return self.engine._submit(prompts, requests, text=text, wait=True, drive=True)
 
-    def _result(self, h: RequestHandle, text: str, row: int) -> GenerationResult:
+    def _result(
+        self, h: RequestHandle, text: str, row: int, constraint: Constraint | None = None
+    ) -> GenerationResult:
         if h.finish_detail == "error":
             error = h.exception
             if isinstance(error, NonFiniteLogitsError):
@@ -321,13 +396,18 @@ class LLM:
             if error is not None:
                 raise error
             raise RuntimeError(f"generation failed for prompt {row}")
+        finish = h.finish_detail if h.finish_detail in ("eos", "stop") else "length"
+        parsed = None
+        if constraint is not None and constraint.kind == "json_schema" and finish != "length":
+            parsed = _parse_json(text, constraint.model)
         return GenerationResult(
             text=text,
             token_ids=list(h.token_ids),
             prompt_tokens=h.prompt_tokens,
-            finish_reason=h.finish_detail if h.finish_detail in ("eos", "stop") else "length",
+            finish_reason=finish,
             prefill_seconds=h.prefill_seconds,
             decode_seconds=h.decode_seconds,
+            parsed=parsed,
         )
 
     # ---- public ---------------------------------------------------------------
@@ -370,10 +450,18 @@ class LLM:
         ``top_k`` in [0, 2**63 - 1], ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
         prompts and stop strings, token ids < vocab size). Non-finite logits raise
         `infer.generate.NonFiniteLogitsError` naming the step and the batch row.
+
+        Structured output: ``json_schema=`` (a dict, JSON text or a pydantic model class; the
+        result's ``parsed`` holds the decoded value or model instance), ``regex=`` or ``grammar=``
+        (Lark or GBNF) constrain every generated token, so the text matches (unless
+        ``max_new_tokens`` ends it first: ``finish_reason`` "length"). A constraint that does not
+        compile is a `ValueError` naming the keyword (`infer.structured.ConstraintError`).
+        ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``
+        process the logits as OpenAI's API and vLLM do (`SamplingOptions`).
         """
-        max_new_tokens, params, stops = _generation_args("generate", max_new_tokens, sampling)
+        max_new_tokens, params, stops, processing = _generation_args("generate", max_new_tokens, sampling)
         prompts, batch = self._encode_batch(prompt)
-        results = self._generate(prompts, max_new_tokens, params, stops)
+        results = self._generate(prompts, max_new_tokens, params, stops, processing)
         return results if batch else results[0]
 
     def stream(
@@ -382,15 +470,27 @@ class LLM:
         """Like `generate` for one prompt, yielding text pieces as they are decoded.
 
         The sampling keywords are `generate`'s (`SamplingOptions`: ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop``), checked on the call, not on the first ``next()``."""
-        max_new_tokens, params, stops = _generation_args("stream", max_new_tokens, sampling)
+        ``top_p``, ``seed``, ``stop``, the constraints and penalties), checked on the call, not on
+        the first ``next()``."""
+        max_new_tokens, params, stops, processing = _generation_args("stream", max_new_tokens, sampling)
         prompts, batch = self._encode_batch(prompt)
         if batch:
             raise TypeError("stream() takes one prompt; use generate() for a batch")
-        return self._stream(prompts[0], max_new_tokens, params, stops)
+        if self.parallel is not None:
+            _no_processing_in_parallel(processing)
+        elif processing.active:  # compile the constraint now: its errors belong to this call
+            if processing.constraint is not None:
+                self.engine.grammars.matcher(processing.constraint)
+            check_logit_bias(processing.logit_bias, self.model.vocab_size)
+        return self._stream(prompts[0], max_new_tokens, params, stops, processing)
 
     def _stream(
-        self, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str]
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        processing: _Processing,
     ) -> Iterator[str]:
         if self.parallel is not None:
             out = TextStream(self.tokenizer)
@@ -406,7 +506,7 @@ class LLM:
                 if final.startswith(out.emitted) and len(final) > len(out.emitted):
                     yield final[len(out.emitted) :]
             return
-        (handle,) = self._submit([ids], max_new_tokens, params, stops, text=True)
+        (handle,) = self._submit([ids], max_new_tokens, params, stops, processing, text=True)
         try:
             for delta in handle:
                 if delta.finish_reason == "error":
@@ -423,6 +523,9 @@ class LLM:
         max_new_tokens: int = 256,
         *,
         parse_special_in_content: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         **sampling: Unpack[SamplingOptions],
     ) -> GenerationResult:
         """Apply the tokenizer's chat template to ``messages`` and generate the assistant's reply.
@@ -432,13 +535,44 @@ class LLM:
         the template writes control tokens. ``parse_special_in_content=True`` turns
         control-token spellings in messages into control tokens (transformers' default).
         The other arguments are `generate`'s: ``max_new_tokens`` and the sampling keywords
-        (`SamplingOptions`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``).
+        (`SamplingOptions`: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, the
+        constraints and penalties).
+
+        ``tools`` (OpenAI's function definitions) are offered to the model in its family's
+        format (`infer.tools`: Qwen's ``<tool_call>``, Llama 3's JSON, Mistral's ``[TOOL_CALLS]``,
+        else described by infer in the system message); the calls it makes come back parsed in
+        ``tool_calls`` (``finish_reason`` "tool_calls"), the text around them in ``text``.
+        ``tool_choice``: "auto" (default), "none", "required", or
+        ``{"type": "function", "function": {"name": ...}}`` — the last two constrain generation
+        so the reply is a call (``parallel_tool_calls``: one or more) whose arguments match the
+        function's ``parameters``. Conversations go on with ``result.message`` and
+        ``{"role": "tool", "tool_call_id": ..., "content": ...}`` messages.
         """
-        max_new_tokens, params, stops = _generation_args("chat", max_new_tokens, sampling)
-        ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
-        # The engine keeps the conversation's KV in its row: the next turn, whose rendered
-        # history starts with these tokens and the reply, prefills only what is new.
-        return self._generate([ids], max_new_tokens, params, stops)[0]
+        from infer.prompts import read_reply, tool_chat
+
+        max_new_tokens, params, stops, processing = _generation_args("chat", max_new_tokens, sampling)
+        if not isinstance(parse_special_in_content, bool):
+            raise TypeError(f"parse_special_in_content must be a bool, got {parse_special_in_content!r}")
+        if tools is None and tool_choice is None:
+            ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
+            # The engine keeps the conversation's KV in its row: the next turn, whose rendered
+            # history starts with these tokens and the reply, prefills only what is new.
+            return self._generate([ids], max_new_tokens, params, stops, processing)[0]
+        chat = tool_chat(
+            self, messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+            constraint=processing.constraint, parse_special_in_content=parse_special_in_content,
+        )  # fmt: skip
+        processing = dataclasses.replace(processing, constraint=chat.constraint)
+        result = self._generate([chat.ids], max_new_tokens, params, stops, processing)[0]
+        content, calls = read_reply(self, chat, result.token_ids, result.text)
+        if calls:
+            result.text, result.tool_calls, result.finish_reason, result.parsed = (
+                content,
+                calls,
+                "tool_calls",
+                None,
+            )
+        return result
 
     def perplexity(
         self, text: str, context: int = DEFAULT_CONTEXT, **options: Unpack[PerplexityOptions]
@@ -461,6 +595,24 @@ class LLM:
         )
 
 
+def _no_processing_in_parallel(processing: _Processing) -> None:
+    if processing.active:
+        raise ValueError(
+            "json_schema, regex, grammar, logit_bias and the penalties need the engine: "
+            "tensor- and pipeline-parallel generation runs without one"
+        )
+
+
+def _parse_json(text: str, model: Any) -> Any:
+    """The JSON in ``text``: a ``model`` instance (pydantic) when given; None when it does not parse."""
+    import json
+
+    try:
+        return model.model_validate_json(text) if model is not None else json.loads(text)
+    except ValueError:
+        return None
+
+
 def load(
     path_or_hub_id: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -478,6 +630,7 @@ def load(
     lookup: int = 0,
     draft: str | os.PathLike[str] | LLM | None = None,
     speculative_tokens: int | None = None,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
 
@@ -517,12 +670,20 @@ def load(
     processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
     single-process loads). ``cache=False`` converts every time and writes nothing.
 
+    ``kv_dtype``: what the KV cache holds ("float32", "bfloat16", "float16", or "int8": int8
+    values with a float32 scale per token and head); narrower K/V are widened to the
+    activations' dtype when attention reads them. None: `default_kv_dtype` (the model's dtype on
+    CPU; docs/engine.md, *KV memory*, has the memory and speed of each, docs/numerics.md the
+    perplexity).
+
     Speculative decoding (docs/speculative.md; every `generate` / `stream` / `chat` call and the
     server use it): ``lookup=N`` proposes tokens by n-gram lookup in the prompt and the text so far
     (the last N tokens, then fewer); ``draft`` proposes them with a draft model: a path (loaded
-    on ``device`` at its default settings), an `LLM`, or ``"self"`` (this checkpoint's weights
-    packed: a GGUF file at its default, packed products, safetensors quantized to Q4_0). Its
-    tokenizer must equal this one's (`ValueError` naming the first token that differs).
+    on ``device`` at its default settings and this ``kv_dtype``), an `LLM`, or ``"self"`` (this
+    checkpoint's weights packed: a GGUF file at its default, packed products, safetensors
+    quantized to Q4_0). Its tokenizer must equal this one's (`ValueError` naming the first token
+    that differs). A request with a constraint, a logit bias or a penalty never speculates, and a
+    decode step it takes part in is a plain one (docs/speculative.md).
     ``speculative_tokens`` bounds the tokens proposed per pass (default 16); each pass proposes
     what its measured cost and the acceptance so far say pays, down to none. Greedy tokens are
     plain decoding's (bitwise in the deterministic mode); sampled tokens are distributed as the
@@ -550,19 +711,53 @@ def load(
         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         deterministic=deterministic, repack_cache=cache, progress=progress,
     )  # fmt: skip
+    kv = resolve_kv_dtype(kv_dtype)  # checked before the (slow) load
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
+    model.kv_dtype = kv if kv is not None else default_kv_dtype(model)
     packages = None
     if use_compile == "auto" and device.type == "cpu" and not deterministic and aot_pays(model):
         # Ahead-of-time compiled decode steps (infer.aot); the recipe rebuilds this model for a build.
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
-        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize))
+        kv_name = str(model.cache_dtype).removeprefix("torch.")
+        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize, kv_dtype=kv_name))
     stepper = Stepper(model, compile=use_compile, packages=packages)
     llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
     llm.parallel = placed
     if lookup or draft is not None or speculative_tokens is not None:
-        llm.speculative = _speculative(llm, lookup, draft, speculative_tokens, device, deterministic)
+        args = (lookup, draft, speculative_tokens, device, deterministic, kv_dtype)
+        llm.speculative = _speculative(llm, *args)
     return llm
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``load``'s ``kv_dtype`` as a torch dtype (None: `default_kv_dtype`); a clear error otherwise."""
+    from infer.cache import KV_DTYPES
+
+    if kv_dtype is None or kv_dtype == "auto":
+        return None
+    if isinstance(kv_dtype, torch.dtype):
+        kv_dtype = str(kv_dtype).removeprefix("torch.")
+    if not isinstance(kv_dtype, str):
+        raise TypeError(f"kv_dtype must be a string or a torch.dtype, got {type(kv_dtype).__name__}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None), got {kv_dtype!r}")
+    dtype: torch.dtype = getattr(torch, kv_dtype)
+    return dtype
+
+
+def default_kv_dtype(model: DecoderLM) -> torch.dtype | None:
+    """The KV dtype of a model loaded without ``kv_dtype``: on CUDA, bfloat16 where its matrix
+    products are packed bfloat16 products under wider activations (a GGUF file's default); else
+    None, the model's own dtype. On CPU a narrower KV costs more than it saves: torch's fused
+    attention runs 2-8x slower on bfloat16 inputs than on float32 ones (and widening each step's
+    keys costs a copy), measured on decode shapes of SmolLM2 on an AMD EPYC (docs/engine.md)."""
+    from infer.quant.linear import QuantizedLinear
+
+    if model.device.type != "cuda" or model.dtype in (torch.bfloat16, torch.float16):
+        return None
+    products = {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return torch.bfloat16 if torch.bfloat16 in products else None
 
 
 def _speculative(
@@ -572,6 +767,7 @@ def _speculative(
     tokens: int | None,
     device: torch.device,
     deterministic: bool,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> Speculative:
     """`load`'s speculative settings, checked, with the draft model loaded."""
     from infer.speculative import DEFAULT_TOKENS, Speculative, check_draft
@@ -582,11 +778,12 @@ def _speculative(
         raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
     if isinstance(draft, str) and draft == "self":
         if llm.source.suffix == ".gguf":  # its default: packed products on bfloat16 activations
-            draft = load(llm.source, device=device, deterministic=deterministic)
+            draft = load(llm.source, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
         else:
-            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic)
+            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic,
+                         kv_dtype=kv_dtype)  # fmt: skip
     elif draft is not None and not isinstance(draft, LLM):
-        draft = load(draft, device=device, deterministic=deterministic)
+        draft = load(draft, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
     if draft is not None:
         check_draft(llm, draft)
     return Speculative(lookup, draft, DEFAULT_TOKENS if tokens is None else tokens)

@@ -63,27 +63,70 @@ class StepPlan:
         return dataclasses.replace(self, **changes)
 
 
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")  # what a KV cache may hold (`kv_dtype`)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., hd]`` -> int8 values ``[..., hd]`` and a float32 scale per vector ``[...]``
+    (symmetric: ``x ~ q * scale``, ``scale = max|x| / 127``; an all-zero vector gets scale 0)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0  # [...]
+    q = torch.where(scale[..., None] > 0, xf / scale.clamp_min(1e-30)[..., None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 ``q [..., hd]`` times ``scale [...]``, in ``dtype``."""
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)
+
+
 class LayerKV:
-    """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers)."""
+    """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers).
+
+    With an int8 cache, ``k``/``v`` hold int8 values and ``k_scale``/``v_scale`` ``[B, Hkv,
+    capacity]`` one float32 scale per token and head (`quantize_int8`); otherwise the scales are
+    None and ``k``/``v`` hold the values in the cache's dtype. int8 values are read back in the
+    activations' dtype.
+    """
 
     def __init__(
-        self, cache: KVCache, capacity: int, ring: bool, shape: tuple[int, int, int], **kw: object
+        self,
+        cache: KVCache,
+        capacity: int,
+        ring: bool,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         B, H, D = shape
         self.cache = cache
         self.capacity = capacity
         self.ring = ring
-        self.k = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
-        self.v = torch.zeros(B, H, capacity, D, **kw)  # type: ignore[call-overload]
+        self.k = torch.zeros(B, H, capacity, D, dtype=dtype, device=device)
+        self.v = torch.zeros(B, H, capacity, D, dtype=dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scale = torch.zeros(B, H, capacity, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(B, H, capacity, dtype=torch.float32, device=device)
 
     @property
     def nbytes(self) -> int:
-        return int(self.k.numel() * self.k.element_size() * 2)
+        scales = 0 if self.k_scale is None else self.k_scale.numel() * 4 * 2
+        return int(self.k.numel() * self.k.element_size() * 2 + scales)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The layer's buffers: ``k, v`` (and their scales for an int8 cache)."""
+        if self.k_scale is None or self.v_scale is None:
+            return [self.k, self.v]
+        return [self.k, self.v, self.k_scale, self.v_scale]
 
     def rows(self, cache: KVCache, rows: slice) -> LayerKV:
         """Rows ``rows`` of this layer's buffers (views: writes land here), bound to ``cache``."""
         view = copy.copy(self)
         view.cache, view.k, view.v = cache, self.k[rows], self.v[rows]
+        if self.k_scale is not None and self.v_scale is not None:
+            view.k_scale, view.v_scale = self.k_scale[rows], self.v_scale[rows]
         return view
 
 
@@ -105,8 +148,15 @@ class StepKV:
         ring_src: torch.Tensor | None,
         key_limit: int | None = None,
         key_start: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         self.k, self.v, self.ring = k, v, ring
+        self.k_scale, self.v_scale = k_scale, v_scale  # an int8 cache's scales (else None)
+        # A shared prefix (`SharedPrefix`, set by `infer.models.base.DecoderLM.run_layer`).
+        self.shared_k: torch.Tensor | None = None
+        self.shared_v: torch.Tensor | None = None
+        self.shared_mask: torch.Tensor | None = None
         self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
         # Slots in use before the step (host int, an upper bound for every row; None: unknown):
         # a query ``t`` of the step sees no key at or past ``key_limit + t + 1``.
@@ -119,11 +169,17 @@ class StepKV:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
 
-        Key ``s`` of what is returned is the one `KVCache.key_slots` lists at ``s``.
+        Key ``s`` of what is returned is the one `KVCache.key_slots` lists at ``s``. The new
+        keys/values are stored in the cache's dtype (rounded: what later steps read), and what
+        is returned is what the buffer holds (an int8 cache's values dequantized, up to the
+        slots in use when ``key_limit`` says so).
         """
         B, H, T = k.shape[0], k.shape[1], k.shape[2]
         rows = torch.arange(B, device=k.device)[:, None, None]  # [B, 1, 1]
         heads = torch.arange(H, device=k.device)[None, :, None]  # [1, H, 1]
+        if self.k_scale is not None and self.v_scale is not None:
+            return self._update_int8(k, v, rows, heads)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if not self.ring:
             slots = self.slots[:, None, :]  # [B, 1, T]
             self.k[rows, heads, slots] = k  # index_put_: compiles to an in-place write
@@ -144,13 +200,60 @@ class StepKV:
         self.v.copy_(values[rows, heads, src])
         return keys, values
 
+    def _update_int8(
+        self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` of an int8 cache (slot order only: int8 caches have no rings)."""
+        assert self.k_scale is not None and self.v_scale is not None and not self.ring
+        slots = self.slots[:, None, :]  # [B, 1, T]
+        qk, sk = quantize_int8(k)
+        qv, sv = quantize_int8(v)
+        self.k[rows, heads, slots] = qk
+        self.v[rows, heads, slots] = qv
+        self.k_scale[rows, heads, slots] = sk
+        self.v_scale[rows, heads, slots] = sv
+        S = self.k.shape[2]
+        if self.key_limit is not None:  # only the slots a query can see are read back
+            S = min(S, self.key_limit + k.shape[2])
+        # [B, Hkv, S, hd] in the activations' dtype (what attention computes in)
+        keys = dequantize_int8(self.k[:, :, :S], self.k_scale[:, :, :S], k.dtype)
+        values = dequantize_int8(self.v[:, :, :S], self.v_scale[:, :, :S], v.dtype)
+        return keys, values
+
+
+@dataclass
+class SharedPrefix:
+    """The prefix keys a step's rows share (`infer.prefix`): a region of a `infer.prefix.PrefixStore`.
+
+    ``layers[i]``: layer ``i``'s region, ``[1, Hkv, R, hd]`` views (a `LayerKV` of one row);
+    ``start [B]``: where row ``b``'s prefix begins in the region; ``length [B]``: how many of its
+    tokens row ``b`` sees (0: none). Row ``b``'s own slots continue at position ``length[b]``
+    (its ``pad`` is ``-length[b]``).
+    """
+
+    layers: list[LayerKV]
+    start: torch.Tensor
+    length: torch.Tensor
+
+    def rows(self, rows: slice) -> SharedPrefix:
+        return SharedPrefix(self.layers, self.start[rows], self.length[rows])
+
+    def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s shared keys and values ``[1, Hkv, R, hd]`` (an int8 store's dequantized)."""
+        layer = self.layers[index]
+        if layer.k_scale is None or layer.v_scale is None:
+            return layer.k, layer.v
+        return (dequantize_int8(layer.k, layer.k_scale, torch.float32),
+                dequantize_int8(layer.v, layer.v_scale, torch.float32))  # fmt: skip
+
 
 class KVCache:
     """The KV cache of a whole model for one batch.
 
     ``max_len`` slots per row (``capacity`` is that rounded up to `KEY_CHUNK`);
-    ``pad[b]`` left-padding slots of row ``b``. ``slot [B]`` (tensor) is the next slot
-    of every row; ``length`` (host int) bounds the slots used so far.
+    ``pad[b]`` left-padding slots of row ``b`` (negative: the row continues a shared prefix of
+    ``-pad[b]`` tokens, ``shared``, so its positions start there). ``slot [B]`` (tensor) is the
+    next slot of every row; ``length`` (host int) bounds the slots used so far.
     """
 
     def __init__(
@@ -182,7 +285,8 @@ class KVCache:
         # ``rings=False`` (the deterministic mode): sliding-window layers keep every slot, in slot
         # order like the full-attention layers, and mask by the window; more memory, but a key's
         # place in the buffer no longer depends on how the prompt was fed.
-        ring = rings and self.window is not None
+        ring = rings and self.window is not None and dtype != torch.int8  # int8 caches keep slot order
+        self.dtype = dtype
         self.ring_size = min(self.window, self.capacity) if ring and self.window is not None else None
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
@@ -195,14 +299,14 @@ class KVCache:
                 self.ring_slots = torch.full((batch_size, capacity), -1, dtype=torch.long, device=self.device)
             if i not in held:  # another process's layer (a pipeline stage): an empty placeholder
                 capacity = 0
-            self.layers.append(LayerKV(self, capacity, ring, shape, dtype=dtype, device=self.device))
+            self.layers.append(LayerKV(self, capacity, ring, shape, dtype, self.device))
         self.plan: StepPlan | None = None
+        self.shared: SharedPrefix | None = None  # a prefix the rows share (set per step by the engine)
 
     def empty_like(self) -> KVCache:
         """A new empty cache of this one's shape (rows, slots, layers kept, rings), dtype and device."""
         held = [i for i, layer in enumerate(self.layers) if layer.capacity]
-        dtype = self.layers[held[0]].k.dtype if held else torch.float32
-        return KVCache(self.config, self.batch_size, self.max_len, dtype=dtype, device=self.device,
+        return KVCache(self.config, self.batch_size, self.max_len, dtype=self.dtype, device=self.device,
                        layers=held, rings=self.ring_size is not None)  # fmt: skip
 
     @staticmethod
@@ -217,6 +321,9 @@ class KVCache:
         """Bytes the K/V buffers will take (of ``layers``; default all), without allocating them."""
         per_slot = 2 * batch_size * config.num_key_value_heads * config.computed_head_dim
         per_slot *= torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.int8:  # a float32 scale per token and head
+            per_slot += 2 * batch_size * config.num_key_value_heads * 4
+            rings = False
         capacity = round_up(max_len, KEY_CHUNK)
         total = 0
         for i in range(config.num_hidden_layers) if layers is None else layers:
@@ -236,7 +343,7 @@ class KVCache:
         if self.ring_slots is not None:
             out.append(self.ring_slots)
         for layer in self.layers:
-            out += [layer.k, layer.v]
+            out += layer.tensors()
         return out
 
     def rows(self, start: int, stop: int) -> KVCache:
@@ -250,6 +357,7 @@ class KVCache:
             view.ring_slots = self.ring_slots[rows]
         view.layers = [layer.rows(view, rows) for layer in self.layers]
         view.plan = self.plan.rows(rows) if self.plan is not None else None
+        view.shared = self.shared.rows(rows) if self.shared is not None else None
         return view
 
     def reset(self) -> None:
@@ -304,7 +412,10 @@ class KVCache:
         """Slot of every key a ``layer_type`` layer attends to: ``[S]`` or ``[B, S]`` (-1: empty)."""
         ring = layer_type == SLIDING_ATTENTION and self.ring_slots is not None
         if not ring:
-            return torch.arange(self.capacity, device=self.slot.device)
+            # The buffers' own length (not the host int): a step exported with a dynamic capacity
+            # (`infer.aot`) then sizes its masks from its inputs.
+            held = next((layer.k for layer in self.layers if layer.capacity and not layer.ring), None)
+            return torch.arange(self.capacity if held is None else held.shape[2], device=self.slot.device)
         assert plan.ring_after is not None and plan.ring_before is not None
         if plan.one_token:
             return plan.ring_after
@@ -314,6 +425,22 @@ class KVCache:
         """Boolean mask ``[B, 1, T, S]`` (True = attend) of the step's queries over `key_slots`."""
         window = self.window if layer_type == SLIDING_ATTENTION else None
         return slot_mask(plan.slots, self.key_slots(layer_type, plan), self.pad, window)
+
+    def shared_mask(self, layer_type: str, plan: StepPlan) -> torch.Tensor:
+        """Mask ``[B, 1, T, R]`` (True = attend) of the step's queries over the shared region:
+        row ``b`` sees ``[start[b], start[b] + length[b])``, within the sliding window if any."""
+        assert self.shared is not None
+        shared = self.shared
+        R = next(layer.k.shape[2] for layer in shared.layers if layer.capacity)
+        j = torch.arange(R, device=self.slot.device)[None, None, :]  # [1, 1, R]
+        start = shared.start[:, None, None]  # [B, 1, 1]
+        seen = (j >= start) & (j < start + shared.length[:, None, None])  # [B, 1, R]
+        T = plan.slots.shape[1]
+        seen = seen.expand(-1, T, -1)  # [B, T, R]
+        if layer_type == SLIDING_ATTENTION and self.window is not None:
+            key_pos = j - start  # [B, 1, R]
+            seen = seen & (plan.positions[:, :, None] - key_pos < self.window)
+        return seen[:, None]  # [B, 1, T, R]
 
     def advance(self, plan: StepPlan) -> None:
         """Move every row past its new tokens (in place: the step's last act)."""
@@ -344,4 +471,8 @@ def slot_mask(
     return mask[:, None]  # [B, 1, T, S]
 
 
-__all__ = ["KEY_CHUNK", "KVCache", "LayerKV", "StepKV", "StepPlan", "slot_mask"]
+__all__ = [
+    "KEY_CHUNK", "KV_DTYPES", "KVCache", "LayerKV", "SharedPrefix", "StepKV", "StepPlan", "dequantize_int8",
+    "quantize_int8",
+    "slot_mask",
+]  # fmt: skip

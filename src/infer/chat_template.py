@@ -3,7 +3,7 @@
 A chat template is Jinja code from the model's files. `render_chat_template` runs it
 in jinja2's `ImmutableSandboxedEnvironment` (no attribute escapes, no mutation of
 lists and dicts) with the variables and helpers transformers gives templates
-(``messages``, ``add_generation_prompt``, ``tools=None``, ``documents=None``, the
+(``messages``, ``add_generation_prompt``, ``tools`` (None unless given), ``documents=None``, the
 special tokens such as ``bos_token``, ``raise_exception``, ``strftime_now``,
 ``namespace``, ``dict``, a ``tojson`` that does not escape HTML), so real templates
 render exactly what transformers' ``apply_chat_template`` renders.
@@ -529,6 +529,7 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     variables: Mapping[str, Any] | None = None,
     limits: RenderLimits | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render ``template`` for checked ``messages`` (see `check_messages`) within ``limits``.
 
@@ -548,7 +549,7 @@ def render_chat_template(
         context = {
             **(variables or {}),
             "messages": messages,
-            "tools": None,
+            "tools": tools,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }

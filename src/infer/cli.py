@@ -74,6 +74,36 @@ def _stop_option(text: str) -> str:
     return text
 
 
+def _text_file(text: str) -> str:
+    """An argparse type: the contents of a UTF-8 text file (a grammar)."""
+    try:
+        with open(text, encoding="utf-8") as f:
+            content = f.read()
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+    if not content.strip():
+        raise argparse.ArgumentTypeError(f"{text}: the file is empty")
+    return content
+
+
+def _json_file(text: str) -> Any:
+    """An argparse type: the JSON object a file holds (a JSON schema)."""
+    import json
+
+    content = _text_file(text)
+    try:
+        value = json.loads(content)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text}: a JSON schema must be an object, got {type(value).__name__}"
+        )
+    return value
+
+
 def _bytes_option(text: str) -> str:
     """An argparse type: a size such as ``2GB`` (kept as text; parsed again by StreamingConfig)."""
     from infer.streaming.config import parse_bytes
@@ -156,6 +186,7 @@ def _load(args: argparse.Namespace) -> Any:
             lookup=args.lookup,
             draft=args.draft,
             speculative_tokens=args.speculative_tokens,
+            kv_dtype=args.kv_dtype,
         )
     finally:
         close()
@@ -185,13 +216,20 @@ def _read_line(llm: Any, prompt: str) -> str:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingOptions:
-    return {
+    options: SamplingOptions = {
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop or None,
     }
+    if args.json_schema is not None:
+        options["json_schema"] = args.json_schema
+    if args.grammar is not None:
+        options["grammar"] = args.grammar
+    if args.regex is not None:
+        options["regex"] = args.regex
+    return options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -316,6 +354,13 @@ def _load_options(
     )
     p.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
     p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        default=None,
+        help="what the KV cache holds (int8: ~0.27x float32's bytes; default: the compute dtype, "
+        "docs/engine.md)",
+    )
+    p.add_argument(
         "--memory-budget", type=_bytes_option, default=None, help="stream layers under this budget, e.g. 2GB"
     )
     p.add_argument("--group-size", type=_int_option(1), default=4, help="layers per streamed group (>= 1)")
@@ -404,6 +449,18 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="stop string (non-empty; repeatable)",
+    )
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema", type=_json_file, default=None, metavar="FILE",
+        help="answer with JSON matching the JSON schema in FILE (docs/structured.md)",
+    )  # fmt: skip
+    structured.add_argument(
+        "--grammar", type=_text_file, default=None, metavar="FILE",
+        help="answer in the grammar in FILE (llguidance Lark, or GBNF as llama.cpp takes it)",
+    )  # fmt: skip
+    structured.add_argument(
+        "--regex", default=None, metavar="RE", help="answer with text matching the regular expression RE"
     )
 
 

@@ -51,13 +51,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KVCache
+from infer.cache import KEY_CHUNK, KVCache, SharedPrefix, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
+    check_float,
     check_int,
     cut_at_stop,
     row_generator,
+    row_noise,
 )
 from infer.generate import (
     SamplingParams as _Values,
@@ -72,12 +74,15 @@ from infer.step import (
     StepFeed,
     StepOutput,
     Stepper,
+    sample,
     sampling_inputs,
 )
+from infer.structured import PENALTY_MAX, Constraint, Grammars, RowProcessor, check_logit_bias, narrow
 from infer.threads import release_openmp_workers
 
 if TYPE_CHECKING:
     from infer.loader.tokenizer import Tokenizer
+    from infer.prefix import Segment
 
 
 class LLM(Protocol):
@@ -94,10 +99,15 @@ class LLM(Protocol):
     def _encode(self, prompt: str | list[int], what: str) -> list[int]: ...
 
 
-MIN_SLOTS = 256  # the KV capacity grows in powers of two from here (up to the context)
+MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
+MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
+RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`Engine._process`)
+# Greedy processed rows in a step up to which they re-score their candidates; with more, the step
+# computes the exact head (one product for every row costs less than many rows' re-scoring).
+RESCORED_ROWS = 2
 
 
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -124,6 +134,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # the text must match it (`infer.structured`)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is taken too
+    presence_penalty: float = 0.0  # in [-2, 2], OpenAI's
+    frequency_penalty: float = 0.0  # in [-2, 2], OpenAI's
+    repetition_penalty: float = 1.0  # > 0, 1 = off (vLLM's and transformers')
     speculative: int | None = None  # tokens proposed per pass at most (None: the model's setting; 0: off)
 
     def __post_init__(self) -> None:
@@ -145,12 +160,44 @@ class SamplingParams:
             object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise TypeError(f"constraint must be an infer.structured.Constraint, got {self.constraint!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = check_float(name, getattr(self, name))
+            if not -PENALTY_MAX <= value <= PENALTY_MAX:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            object.__setattr__(self, name, value)
+        repetition = check_float("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
+        object.__setattr__(self, "repetition_penalty", repetition)
         if self.speculative is not None:
             check_int("speculative", self.speculative, 0, MAX_SPECULATIVE)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's logits are processed (a constraint, a bias or a penalty): see `RowProcessor`."""
+        return (
+            self.constraint is not None
+            or bool(self.logit_bias)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass
+class _RowValues:
+    """One row's sampling values for a host-side draw (`Engine._process`)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 @dataclass
@@ -266,7 +313,7 @@ class _Request:
     max_new: int  # max_tokens, less when the context ends first
     eos: frozenset[int]
     text: bool  # text deltas (with stop hold-back) while running
-    noise: NoiseQueue | None  # a sampled request's randomness (its own generator), token by token
+    generator: torch.Generator | None
     submitted: float
     row: int = -1
     pending: list[int] = field(default_factory=list)  # tokens to feed next
@@ -275,6 +322,13 @@ class _Request:
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
     ended: bool = False  # its final event is sent
+    # (row, n): the first n prompt tokens are being computed by the request in that row; this one
+    # waits for them and then shares them (`Engine._resolve_waits`) instead of computing them too.
+    waits: tuple[int, int] | None = None
+    processor: RowProcessor | None = None  # constraint, bias, penalties (`infer.structured`)
+    # With speculation on: a sampled request's noise, token by token, drawn from ``generator``
+    # (a verify pass reads ahead and gives back the rows of rejected positions).
+    noise: NoiseQueue | None = None
     spec: RowState | None = None  # its speculation state (`infer.speculative`), made on first use
 
     @property
@@ -283,24 +337,41 @@ class _Request:
 
 
 class KVSlots:
-    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on demand.
+    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
+    demand, and the prefixes rows share (`infer.prefix.PrefixStore`).
 
-    One `KVCache` (every slot of every layer in slot order, no rings, so a row can be rolled
-    back) grows as rows and lengths are needed: capacities in powers of two from `MIN_SLOTS`
-    up to ``context``, rows up to ``max_rows``; growing copies what is kept. ``held[r]`` lists
-    the tokens whose K/V row ``r`` holds, in slot order (the row's length is ``len(held[r])``).
-    Memory: ``rows x capacity x`` `bytes_per_token`.
+    One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
+    rolled back) grows as rows and lengths are needed: capacities a quarter above what the
+    longest row needs, in whole key chunks (powers of two under ``compile=True``), from
+    `MIN_SLOTS` up to ``context``, rows up to ``max_rows``; growing copies what is kept.
+    A row holds the tokens of one sequence: the first ``n`` tokens of a shared segment
+    (``prefix[r] = (segment, n)``, read from the store) and then its own, ``held[r]``, in its
+    slots from slot 0 (its positions continue at ``n``: ``pad[r] = -n``). `tokens` is the whole
+    sequence. Memory: ``rows x capacity x`` `bytes_per_token` plus the store's segments.
     """
 
-    def __init__(self, model: DecoderLM, max_rows: int, context: int, stepper: Stepper | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        max_rows: int,
+        context: int,
+        stepper: Stepper | None = None,
+        share: bool | None = None,
+    ) -> None:
+        from infer.prefix import PrefixStore, shares_prefixes
+
         self.model = model
         self.max_rows = max_rows
         self.context = context
         self.stepper = stepper if stepper is not None else Stepper(model)
         self.cache: KVCache | None = None
         self.held: list[list[int]] = []
+        self.prefix: list[tuple[Segment, int] | None] = []
+        # Prefixes shared between rows are stored once (`infer.prefix`); where attention cannot
+        # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
+        self.share = shares_prefixes(model) if share is None else share
+        self.store = PrefixStore(model)
         self._views: dict[tuple[int, int], KVCache] = {}
-        self._arange: dict[int, torch.Tensor] = {}
 
     @property
     def rows(self) -> int:
@@ -314,11 +385,27 @@ class KVSlots:
     def bytes_per_token(self) -> int:
         """K/V bytes one token of one row takes (every layer this process keeps)."""
         m = self.model
-        return KVCache.bytes_needed(m.config, 1, 64, m.dtype, m.kv_layers, rings=False) // 64
+        return KVCache.bytes_needed(m.config, 1, 64, m.cache_dtype, m.kv_layers, rings=False) // 64
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.cache is None else self.cache.nbytes
+        """Bytes of K/V held: the rows' buffers and the shared prefixes'."""
+        return (0 if self.cache is None else self.cache.nbytes) + self.store.nbytes
+
+    def offset(self, row: int) -> int:
+        """Tokens of the shared prefix row ``row`` continues (0: none)."""
+        prefix = self.prefix[row]
+        return 0 if prefix is None else prefix[1]
+
+    def length(self, row: int) -> int:
+        """Tokens in row ``row``'s sequence (its shared prefix and its own)."""
+        return self.offset(row) + len(self.held[row])
+
+    def tokens(self, row: int) -> list[int]:
+        """Row ``row``'s sequence: its shared prefix's tokens, then its own."""
+        prefix = self.prefix[row]
+        head = [] if prefix is None else list(prefix[0].tokens[: prefix[1]])
+        return head + self.held[row]
 
     def reserve(self, rows: int, capacity: int) -> None:
         """Grow to at least ``rows`` rows of ``capacity`` slots (what is held is kept)."""
@@ -333,7 +420,12 @@ class KVSlots:
             rows = min(self.max_rows, max(rows, 2 * self.rows))  # rows double: few regrowths
         rows = max(rows, self.rows)
         if old is None or capacity > old.max_len:
-            capacity = min(self.context, max(MIN_SLOTS, 1 << (max(capacity, self.capacity) - 1).bit_length()))
+            want = max(capacity, self.capacity, MIN_SLOTS)
+            if self.stepper.bucketed:  # powers of two: few graphs for `compile=True`
+                capacity = 1 << (want - 1).bit_length()
+            else:  # a quarter more than asked, in whole key chunks: memory follows the longest row
+                capacity = round_up(want + want // 4, KEY_CHUNK)  # and a growing row copies rarely
+            capacity = min(self.context, capacity)
         else:
             capacity = old.max_len
         model = self.model
@@ -341,7 +433,7 @@ class KVSlots:
             model.config,
             rows,
             capacity,
-            dtype=model.dtype,
+            dtype=model.cache_dtype,
             device=model.device,
             layers=model.kv_layers,
             rings=False,
@@ -350,11 +442,39 @@ class KVSlots:
             r = old.batch_size
             for before, after in zip(old.layers, new.layers, strict=True):
                 if before.capacity:
-                    after.k[:r, :, : before.capacity].copy_(before.k)
-                    after.v[:r, :, : before.capacity].copy_(before.v)
+                    for src, dst in zip(before.tensors(), after.tensors(), strict=True):
+                        dst[:r, :, : before.capacity].copy_(src)
             new.slot[:r].copy_(old.slot)
+            new.pad[:r].copy_(old.pad)
         self.cache = new
         self.held += [[] for _ in range(rows - len(self.held))]
+        self.prefix += [None] * (rows - len(self.prefix))
+        self._views.clear()
+
+    def shrink(self) -> None:
+        """Give back slots no row needs: when every row's own tokens fit in a quarter of the
+        capacity (a long prompt whose start went to a shared segment), halve it until they fit in
+        half (powers of two, at least `MIN_SLOTS`), copying what the rows hold."""
+        if self.cache is None:
+            return
+        need = max((len(h) for h in self.held), default=0)
+        capacity = self.capacity
+        if capacity <= MIN_SLOTS or 4 * need > capacity:
+            return
+        while capacity > MIN_SLOTS and 2 * need <= capacity // 2:
+            capacity //= 2
+        if not self.stepper.bucketed:
+            capacity = max(MIN_SLOTS, round_up(2 * need, KEY_CHUNK))
+        old, model = self.cache, self.model
+        new = KVCache(model.config, old.batch_size, capacity, dtype=model.cache_dtype, device=model.device,
+                      layers=model.kv_layers, rings=False)  # fmt: skip
+        for before, after in zip(old.layers, new.layers, strict=True):
+            if before.capacity:
+                for src, dst in zip(before.tensors(), after.tensors(), strict=True):
+                    dst.copy_(src[:, :, : after.capacity])
+        new.slot.copy_(old.slot)
+        new.pad.copy_(old.pad)
+        self.cache = new
         self._views.clear()
 
     def view(self, lo: int, hi: int) -> KVCache:
@@ -367,16 +487,74 @@ class KVSlots:
             view = self._views[(lo, hi)] = self.cache.rows(lo, hi)
         return view
 
+    def _set_prefix(self, row: int, prefix: tuple[Segment, int] | None) -> None:
+        """Make row ``row`` continue ``prefix`` (its positions start after it)."""
+        old = self.prefix[row]
+        if prefix is not None:
+            self.store.acquire(prefix[0])
+        if old is not None:
+            self.store.release(old[0])
+        self.prefix[row] = prefix
+        assert self.cache is not None
+        self.cache.pad[row] = -(0 if prefix is None else prefix[1])
+
     def rollback(self, row: int, length: int) -> None:
-        """Truncate ``row`` to its first ``length`` tokens: later steps continue from there as if
-        nothing past them had been fed."""
+        """Truncate ``row`` to the first ``length`` tokens of its sequence: later steps continue
+        from there as if nothing past them had been fed (a shared prefix may be cut too: the row
+        then uses fewer of its tokens)."""
         held = self.held[row]
-        if not 0 <= length <= len(held):
-            raise ValueError(f"rollback: length must be in [0, {len(held)}] for row {row}, got {length}")
-        if length < len(held):
-            del held[length:]
-            assert self.cache is not None
-            self.cache.slot[row] = length
+        n = self.offset(row)
+        if not 0 <= length <= n + len(held):
+            raise ValueError(f"rollback: length must be in [0, {n + len(held)}] for row {row}, got {length}")
+        assert self.cache is not None
+        if length < n or (length == 0 and self.prefix[row] is not None):
+            prefix = self.prefix[row]
+            assert prefix is not None
+            self._set_prefix(row, (prefix[0], length) if length else None)
+            held.clear()
+            self.cache.slot[row] = 0
+        elif length - n < len(held):
+            del held[length - n :]
+            self.cache.slot[row] = length - n
+
+    def share_prefix(self, src: int, count: int, dst: int) -> None:
+        """Row ``dst`` (empty) continues the first ``count`` tokens of row ``src``'s sequence,
+        without computing them: stored once and read by both rows (sharing), else copied.
+
+        Sharing: a segment of those tokens is made unless ``src`` already reads one that long;
+        ``src`` then reads its start from the segment too and its own slots shift down (so the
+        tokens are held once)."""
+        assert self.cache is not None and not self.held[dst] and self.prefix[dst] is None
+        n_src = self.offset(src)
+        if not self.share:  # copy: ``src`` holds every token itself (nothing is shared here)
+            assert n_src == 0
+            for layer in self.cache.layers:
+                for t in layer.tensors():
+                    t[dst, :, :count].copy_(t[src, :, :count])
+            self.held[dst] = self.held[src][:count]
+            self.cache.slot[dst] = count
+            return
+        prefix = self.prefix[src]
+        if prefix is not None and count <= n_src:
+            self._set_prefix(dst, (prefix[0], count))
+            return
+        tokens = tuple(self.tokens(src)[:count])
+        segment = self.store.allocate(tokens)  # may move the others (their data goes with them)
+        if prefix is not None:
+            assert self.store.cache is not None
+            self.store.write(segment, self.store.cache, 0, prefix[0].start, n_src, 0)
+        own = count - n_src
+        self.store.write(segment, self.cache, src, 0, own, n_src)
+        self._set_prefix(dst, (segment, count))
+        # ``src`` reads those tokens from the segment now: its remaining slots move down.
+        rest = len(self.held[src]) - own
+        if rest:
+            for layer in self.cache.layers:
+                for t in layer.tensors():
+                    t[src, :, :rest] = t[src, :, own : own + rest].clone()
+        del self.held[src][:own]
+        self.cache.slot[src] = rest
+        self._set_prefix(src, (segment, count))
 
     def _fit(self, lo: int, hi: int, T: int, feeds: dict[int, list[int]]) -> None:
         """Make every row of ``[lo, hi)`` able to take a ``T``-token step (padding included):
@@ -385,14 +563,39 @@ class KVSlots:
             self.reserve(hi, T)
         need = 0
         for r in range(lo, hi):
-            n = len(self.held[r])
+            n = self.length(r)
             if n + T > self.context:
                 if r in feeds:
                     raise ValueError(f"row {r}: {n} + {T} tokens are past the context of {self.context}")
                 self.rollback(r, self.context - T)  # an idle row: its padding must stay inside
-                n = self.context - T
-            need = max(need, n + T)
+            need = max(need, len(self.held[r]) + T)
         self.reserve(hi, need)
+
+    def _shared(self, lo: int, hi: int) -> SharedPrefix | None:
+        """The shared prefix rows ``[lo, hi)`` read in a step (None when none of them has one)."""
+        prefixes = [self.prefix[r] for r in range(lo, hi)]
+        used = [p for p in prefixes if p is not None]
+        if not used or self.store.cache is None:
+            return None
+        start, stop = self.store.region([p[0] for p in used])
+        layers = [layer.rows(self.store.cache, slice(0, 1)) for layer in self.store.cache.layers]
+        for layer in layers:  # the region only: [1, Hkv, R, hd] views
+            layer.k, layer.v = layer.k[:, :, start:stop], layer.v[:, :, start:stop]
+            if layer.k_scale is not None and layer.v_scale is not None:
+                layer.k_scale = layer.k_scale[:, :, start:stop]
+                layer.v_scale = layer.v_scale[:, :, start:stop]
+        device = self.model.device
+        starts = [0 if p is None else p[0].start - start for p in prefixes]
+        counts = [0 if p is None else p[1] for p in prefixes]
+        return SharedPrefix(layers, torch.tensor(starts, device=device), torch.tensor(counts, device=device))
+
+    def _bind(self, lo: int, hi: int) -> KVCache:
+        """The view of rows ``[lo, hi)`` ready for a step: lengths and the shared prefix set."""
+        view = self.view(lo, hi)
+        view.length = max(len(self.held[r]) for r in range(lo, hi))
+        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        view.shared = self._shared(lo, hi)
+        return view
 
     def step(
         self,
@@ -407,7 +610,7 @@ class KVSlots:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]``, the
         others nothing; each row's last fed token goes through the head and sampling."""
         T = max(len(t) for t in feeds.values())
-        if pad_to > T and all(len(self.held[r]) + pad_to <= self.context for r in range(lo, hi)):
+        if pad_to > T and all(self.length(r) + pad_to <= self.context for r in range(lo, hi)):
             T = pad_to
         self._fit(lo, hi, T, feeds)
         B = hi - lo
@@ -421,9 +624,7 @@ class KVSlots:
         n_new = torch.tensor(counts, dtype=torch.long).to(device)
         last = (n_new - 1).clamp_min(0)
         feed = StepFeed(ids, n_new, last, mode, values, noise)
-        view = self.view(lo, hi)
-        view.length = max(len(self.held[r]) for r in range(lo, hi))
-        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        view = self._bind(lo, hi)
         assert view.batch_size == B
         try:
             out = self.stepper(view, feed)
@@ -433,6 +634,8 @@ class KVSlots:
             lengths = [len(self.held[r]) for r in range(lo, hi)]
             view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
             raise
+        finally:
+            view.shared = None
         for r, t in feeds.items():
             self.held[r].extend(t)
         return out
@@ -453,8 +656,9 @@ class KVSlots:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]`` (>= 1
         token), the others nothing; the logits after every fed token, ``{r: [len(feeds[r]), V]}``
         float32 (logit ``i`` predicts the token after ``feeds[r][i]``). ``greedy``: only each
-        row's argmax must be exact (a packed head then scans less). Eager, like a prefill chunk:
-        in the deterministic mode each row's logits are bitwise its one-token steps'."""
+        row's argmax must be exact (a packed head then scans less). Eager, like a prefill chunk
+        (rows read their shared prefixes as a step does): in the deterministic mode each row's
+        logits are bitwise its one-token steps'."""
         T = max(len(t) for t in feeds.values())
         self._fit(lo, hi, T, feeds)
         rows = [feeds.get(r, []) for r in range(lo, hi)]
@@ -462,9 +666,7 @@ class KVSlots:
         ids = torch.tensor([t + [0] * (T - len(t)) for t in rows], dtype=torch.long).to(device)
         n_new = torch.tensor([len(t) for t in rows], dtype=torch.long).to(device)
         fed = torch.tensor([b * T + j for b, t in enumerate(rows) for j in range(len(t))], dtype=torch.long)
-        view = self.view(lo, hi)
-        view.length = max(len(self.held[r]) for r in range(lo, hi))
-        view.first = min(len(self.held[r]) for r in range(lo, hi))
+        view = self._bind(lo, hi)
         try:
             h = self.model.hidden(ids, view, None, n_new)  # [B, T, D]
             h = h.reshape(-1, h.shape[-1])[fed.to(device)][None]  # [1, N, D]: the fed tokens only
@@ -473,6 +675,8 @@ class KVSlots:
             lengths = [len(self.held[r]) for r in range(lo, hi)]
             view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
             raise
+        finally:
+            view.shared = None
         out: dict[int, torch.Tensor] = {}
         start = 0
         for r in range(lo, hi):
@@ -541,9 +745,9 @@ class Engine:
         self._spec: Speculator | None = None
         if llm.speculative is not None:
             draft, draft_slots = llm.speculative.draft, None
-            if draft is not None:  # the draft model's KV: one row per row here
+            if draft is not None:  # the draft model's KV: one row per row here (never shared)
                 room = min(limit, draft.model.config.max_position_embeddings)
-                draft_slots = KVSlots(draft.model, max_batch, room, draft.stepper)
+                draft_slots = KVSlots(draft.model, max_batch, room, draft.stepper, share=False)
             self._spec = Speculator(llm.speculative, self.slots, limit, per_forward, draft_slots)
         self._eos = frozenset(llm._eos_ids())
         self._cond = threading.Condition()
@@ -557,6 +761,7 @@ class Engine:
         self._ids = itertools.count()
         self._used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
         self._greedy = _Values()
+        self._grammars: Grammars | None = None  # built on the first constrained request
         _ENGINES.add(self)
         self._stats: dict[str, float] = {
             "requests": 0, "finished": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
@@ -595,14 +800,17 @@ class Engine:
                 raise ValueError(
                     f"{where} has {len(toks)} tokens; the model's context is {self.context} tokens"
                 )
+            processor = self._processor(toks, p) if p.processed else None
             handle = RequestHandle(f"req-{next(self._ids)}", len(toks), self)
-            device, vocab = self.model.device, self.model.vocab_size
-            noise = None if p.greedy else NoiseQueue(row_generator(p.seed, device), vocab, device)
+            generator = None if p.greedy else row_generator(p.seed, self.model.device)
             eos = frozenset(p.stop_token_ids) if p.ignore_eos else self._eos | set(p.stop_token_ids)
             requests.append(
-                _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, noise,
-                         time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None)
+                _Request(handle, toks, p, min(p.max_tokens, self.context - len(toks)), eos, text, generator,
+                         time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None,
+                         processor=processor)
             )  # fmt: skip
+            if self._spec is not None and generator is not None:
+                requests[-1].noise = NoiseQueue(generator, self.model.vocab_size, self.model.device)
         for r in requests:
             while wait and drive and self._full(max(1, self.max_waiting)):
                 self._drive_once()  # make room by running the loop (or wait while another does)
@@ -625,6 +833,25 @@ class Engine:
                     self._start_locked()
                 self._cond.notify_all()
         return [r.handle for r in requests]
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled constraints of this model's tokenizer (`infer.structured.Grammars`)."""
+        with self._cond:
+            if self._grammars is None:
+                self._grammars = Grammars(self.llm.tokenizer, self.model.vocab_size, sorted(self._eos))
+            return self._grammars
+
+    def _processor(self, prompt: list[int], p: SamplingParams) -> RowProcessor:
+        """The request's `RowProcessor`; `ValueError` naming the argument for a constraint that does
+        not compile or a biased token id past the vocabulary."""
+        check_logit_bias(p.logit_bias, self.model.vocab_size)
+        matcher = None if p.constraint is None else self.grammars.matcher(p.constraint)
+        return RowProcessor(
+            self.model.vocab_size, prompt, matcher=matcher, logit_bias=p.logit_bias,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+        )  # fmt: skip
 
     def _full(self, bound: int) -> bool:
         with self._cond:
@@ -779,37 +1006,82 @@ class Engine:
         return out
 
     def _admit(self, r: _Request) -> None:
-        """Give ``r`` a free row: the one holding the longest prefix of its prompt, else an empty
-        one, else the least recently used, else (every row busy) a new one.
+        """Give ``r`` a row and reuse what the engine holds of its prompt.
+
+        The longest prefix of the prompt held anywhere wins: a free row's kept tokens (the
+        prefix cache: ``r`` takes that row), or a running request's tokens, computed or still to
+        be computed (``r`` shares them: `KVSlots.share_prefix`, stored once; or, while they are
+        being computed, waits for them: `_resolve_waits`), if at least `MIN_SHARED` tokens.
+        Otherwise an empty row, else the least recently used, else (every row busy) a new one.
 
         Rows are added only when every row is busy, so the KV memory follows the number of
         requests that ran at once, not the number of different prompts seen: sequential calls
         with unrelated 4,096-token prompts kept 16 rows (2.4 GB for Gemma 3 270M) when a new row
         was preferred to a kept prefix."""
+        slots = self.slots
         busy = {q.row for q in self._running.values()}
-        free = [i for i in range(self.slots.rows) if i not in busy]
+        free = [i for i in range(slots.rows) if i not in busy]
         best, best_n = -1, 0
         limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
         for i in free:
-            n = min(_common_prefix(self.slots.held[i], r.prompt), limit)
+            n = min(_common_prefix(slots.tokens(i), r.prompt), limit)
             if n > best_n:
                 best, best_n = i, n
+        lead, lead_n = -1, 0
+        for i, q in self._running.items():
+            n = min(_common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
+            stored = slots.offset(i)
+            if stored and n < stored + MIN_SHARED:
+                n = min(n, stored)  # the row's own segment: no second copy for a few more tokens
+            if n > lead_n:
+                lead, lead_n = i, n
+        if lead_n >= MIN_SHARED and lead_n > best_n:
+            best, best_n = -1, 0  # shared with the running request instead of a kept row
+        else:
+            lead = -1
         if best < 0:
-            empty = [i for i in free if not self.slots.held[i]]
+            empty = [i for i in free if not slots.held[i] and slots.prefix[i] is None]
             if empty:
                 best = empty[0]
             elif free:
                 best = min(free, key=lambda i: self._used.get(i, 0.0))
             else:  # every row busy (`_take_waiting_locked` admits at most max_batch)
-                best = self.slots.rows
-                self.slots.reserve(best + 1, min(self.context, len(r.prompt) + 1))
-        self.slots.rollback(best, best_n)
+                best = slots.rows
+                slots.reserve(best + 1, 1)  # a row; its slots grow as its prompt is read
+        slots.rollback(best, best_n)
         r.row = best
         r.pending = r.prompt[best_n:]
         r.started = time.perf_counter()
         r.handle.cached = best_n
         self._stats["cached_tokens"] += best_n
         self._running[best] = r
+        if lead >= 0:
+            r.waits = (lead, lead_n)
+            self._resolve_waits()
+
+    def _resolve_waits(self) -> None:
+        """Requests waiting for a prefix another request computes take it once it is computed
+        (shared: `KVSlots.share_prefix`); if that request went away first, they compute it."""
+        slots = self.slots
+        shared = False
+        for r in self._running.values():
+            if r.waits is None:
+                continue
+            lead, n = r.waits
+            held = slots.tokens(lead)
+            if len(held) >= n and held[:n] == r.prompt[:n]:
+                slots.share_prefix(lead, n, r.row)
+                r.pending = r.prompt[n:]
+                r.handle.cached = n
+                self._stats["cached_tokens"] += n
+                shared = True
+            else:
+                leader = self._running.get(lead)
+                if leader is not None and leader is not r and (held + leader.pending)[:n] == r.prompt[:n]:
+                    continue  # still being computed
+            r.waits = None
+        if shared:
+            slots.shrink()  # the leader's long prompt moved to the store: its slots may go
 
     def _iteration(self) -> None:
         for r in list(self._running.values()):
@@ -826,21 +1098,34 @@ class Engine:
         self, requests: list[_Request | None]
     ) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
         params = [self._greedy if r is None else r.params for r in requests]
-        exact = any(r is not None and r.params.logprobs is not None for r in requests)
+        # Logprobs and sampled processed rows need every logit exact (a greedy head is exact at the
+        # argmax only); a few greedy processed rows re-score their best allowed candidates instead
+        # (`_process`), more of them make the step compute the exact head.
+        live = [r for r in requests if r is not None]
+        greedy_processed = sum(1 for r in live if r.processor is not None and r.params.greedy)
+        exact = greedy_processed > RESCORED_ROWS or any(
+            r.params.logprobs is not None or (r.processor is not None and not r.params.greedy) for r in live
+        )
         mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
         noise = None
-        if not mode.greedy:
+        if not mode.greedy and self._spec is not None:  # the rows a verify pass read ahead come first
             zeros = torch.zeros(1, self.model.vocab_size, dtype=torch.float32, device=self.model.device)
             noise = torch.cat([zeros if r is None or r.noise is None else r.noise.take() for r in requests])
+        elif not mode.greedy:
+            noise = row_noise([None if r is None else r.generator for r in requests], self.model.vocab_size,
+                              self.model.device)  # fmt: skip
         return mode, values, noise
 
     def _decode(self, rows: list[int]) -> None:
         spec = self._spec
-        if spec is not None and spec.decode([self._running[i] for i in rows], self._token):
-            self._stats["steps"] += 1
-            self._stats["batch_size"] = len(rows)
-            return  # the step ran as a verify pass of proposed tokens (`infer.speculative`)
-        t0 = time.perf_counter()
+        if spec is not None:
+            span = range(rows[0], rows[-1] + 1)  # a verify pass feeds these rows (and pads the idle)
+            room = min(self.context - self.slots.length(i) for i in span if i in self._running)
+            if spec.decode([self._running[i] for i in rows], self._token, room):
+                self._stats["steps"] += 1
+                self._stats["batch_size"] = len(rows)
+                return  # the step ran as a verify pass of proposed tokens (`infer.speculative`)
+            t0 = time.perf_counter()
         lo, hi = rows[0], rows[-1] + 1
         stepper = self.slots.stepper
         if stepper.bucketed:
@@ -857,7 +1142,7 @@ class Engine:
         out, tokens, bad = ran
         self._stats["batch_size"] = len(rows)
         for i in rows:
-            self._token(self._running[i], tokens[i - lo], bad[i - lo], out.logits[i - lo])
+            self._token(self._running[i], tokens[i - lo], bad[i - lo], out.logits, i - lo)
         if spec is not None:
             spec.observe_decode(len(rows), time.perf_counter() - t0)
 
@@ -871,6 +1156,7 @@ class Engine:
             out = self.slots.step(lo, hi, feeds, mode, values, noise, pad_to)
             tokens: list[int] = out.tokens.tolist()  # the step's host read
             bad: list[bool] = out.nonfinite.tolist()
+            self._process(out, lo, feeds, requests, noise, tokens, exact=mode.exact_head)
         except Exception as e:
             for i in feeds:
                 self._finish(self._running[i], "error", e)
@@ -878,9 +1164,68 @@ class Engine:
         self._stats["steps"] += 1
         return out, tokens, bad
 
+    def _process(
+        self,
+        out: StepOutput,
+        lo: int,
+        feeds: dict[int, list[int]],
+        requests: list[_Request | None],
+        noise: torch.Tensor | None,
+        tokens: list[int],
+        exact: bool = True,
+    ) -> None:
+        """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
+        exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
+        with `sample`, the row's own values and the noise the step drew for it (so a seeded row
+        draws as it would alone).
+
+        A greedy step's logits (``exact`` false) are exact at each row's own argmax only (a packed
+        head scans fewer bytes: `infer.quant.linear.QuantizedLinear.greedy`), so a greedy processed
+        row takes its `RESCORED` best allowed tokens by those logits, computes their logits
+        exactly from the step's hidden state (`DecoderLM.exact_logits`), processes them again, and
+        picks the best: exact arithmetic's choice whenever it is among those candidates (the head's
+        own greedy scan ranks the exact winner within its first 51 on real text), at the cost of
+        64 rows of the head instead of every one (Gemma 3: 262,144). With more than
+        `RESCORED_ROWS` such rows the step's head is exact instead (`_sampling`)."""
+        picked = [
+            (j, r, r.processor) for j, r in enumerate(requests)
+            if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
+        ]  # fmt: skip
+        if not picked:
+            return
+        index = torch.tensor([j for j, _, _ in picked], dtype=torch.long, device=out.logits.device)
+        logits = out.logits.index_select(0, index)  # [k, V], a copy: logprobs read the raw logits
+        for k, (j, r, processor) in enumerate(picked):
+            allowed = processor.apply(logits[k])
+            if processor.error is not None:
+                continue  # `_token` ends the request
+            if r.params.greedy and not exact and out.hidden is not None:
+                pool = logits[k] if allowed is None else logits[k, allowed]
+                best = pool.topk(min(RESCORED, pool.shape[0])).indices
+                ids = best if allowed is None else allowed[best]  # [K] candidates
+                scores = processor.adjust(ids, self.model.exact_logits(out.hidden[j], ids))
+                tokens[j] = int(ids[int(scores.argmax())])
+                continue
+            row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
+            p = r.params
+            drawn = None
+            if not p.greedy and noise is not None:
+                drawn = noise[j] if allowed is None else noise[j, allowed]
+            values = _RowValues(p.temperature, p.top_k, p.top_p)
+            narrowed = None if p.greedy else narrow(row, p.temperature, p.top_k, p.top_p)
+            if narrowed is not None:  # a top-k / top-p draw: sort its candidates, not the vocabulary
+                positions, values.top_p = narrowed
+                row = row[positions]
+                drawn = None if drawn is None else drawn[positions]
+                allowed = positions if allowed is None else allowed[positions]
+            mode, sampled = sampling_inputs([values], row.device)
+            pick = int(sample(row[None], mode, sampled, None if drawn is None else drawn[None])[0])
+            tokens[j] = pick if allowed is None else int(allowed[pick])
+
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens: runs of contiguous prefilling rows, one forward each."""
-        reading = sorted(row for row, r in self._running.items() if not r.decoding)
+        self._resolve_waits()
+        reading = sorted(row for row, r in self._running.items() if not r.decoding and r.waits is None)
         # Running streams wait for this forward: a short chunk. Nobody waits: a long one, which
         # dequantizes each packed weight once for more tokens (Gemma 3, a 4,096-token prompt:
         # 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads).
@@ -917,17 +1262,21 @@ class Engine:
                 self._stats["prefill_tokens"] += fed
                 del r.pending[:fed]
                 if not r.pending:  # the prompt is read: this step's logits pick the first token
-                    self._token(r, tokens[j], bad[j], out.logits[j])
+                    self._token(r, tokens[j], bad[j], out.logits, j)
 
-    def _token(self, r: _Request, token: int, nonfinite: bool, logits: torch.Tensor) -> bool:
-        """Take one sampled token of ``r`` (``logits [V]``: the logits it was drawn from); whether
-        ``r`` goes on (a stop, the length or an error ends it)."""
+    def _token(self, r: _Request, token: int, nonfinite: bool, logits: torch.Tensor, index: int) -> bool:
+        """Take one sampled token of ``r`` (drawn from ``logits[index]``); whether ``r`` goes on
+        (a stop, the length or an error ends it)."""
         now = time.perf_counter()
         n = len(r.generated) + 1
         if nonfinite:
             where = "prefill" if n == 1 else f"decode step {n - 1}"
             error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
             self._finish(r, "error", error)
+            return False
+        processor = r.processor
+        if processor is not None and processor.error is not None:
+            self._finish(r, "error", ValueError(f"{processor.error} (generated token {n})"))
             return False
         if n == 1:
             r.first = now
@@ -936,7 +1285,7 @@ class Engine:
         self._stats["generated_tokens"] += 1
         logprobs = None
         if r.params.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
+            lp = torch.log_softmax(logits[index].float(), dim=-1)
             top: list[tuple[int, float]] = []
             if r.params.logprobs > 0:
                 values, ids = lp.topk(min(r.params.logprobs, lp.shape[-1]))
@@ -944,9 +1293,14 @@ class Engine:
             logprobs = [TokenLogprob(token, float(lp[token]), top)]
         reason = detail = None
         stops = r.params.stop
+        complete = processor is not None and processor.accept(token)  # nothing but EOS may follow
+        if processor is not None and processor.error is not None:
+            refused = ValueError(f"{processor.error} (generated token {n})")
+            self._finish(r, "error", refused, [token], logprobs)
+            return False
         if token in r.eos:
             reason, detail = "stop", ("stop" if token in r.params.stop_token_ids else "eos")
-        elif stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]:
+        elif complete or (stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]):
             reason = detail = "stop"
         elif n >= r.max_new:
             reason = detail = "length"

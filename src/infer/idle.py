@@ -3,7 +3,7 @@
 A compile in the background (`infer.aot`'s package builds) must not slow what the user runs.
 Lowering its priority is not enough: torch's steps are OpenMP regions over every core, each
 waiting for its slowest thread, so a build that holds one core for a moment stalls the whole
-step (measured on 2 cores: SmolLM2's eager decode fell from 57 to 1.5 tok/s beside a nice-19
+step (measured on 2 CPUs: SmolLM2's eager decode fell from 57 to 1.5 tok/s beside a nice-19
 build, and to 14 tok/s beside a ``SCHED_IDLE`` one; docs/performance.md).
 
 ``python -m infer.idle -- COMMAND...`` (`run_when_idle`) starts the command in a process group
@@ -11,10 +11,13 @@ of its own and watches the CPUs this process may run on (``/proc/stat``, the CPU
 affinity mask): while other processes keep more than `busy_limit` of them busy, the group is
 stopped (``SIGSTOP``); after `QUIET_S` seconds below it, continued. So the command runs in the
 gaps the user leaves (between runs, while a chat waits for typing) and is stopped within one
-`POLL_S` of the user's work starting. The watcher itself is a sleeping Python process without
-torch (~10 MB). It exits with the command's status; if it dies, the command is killed with it
-(``PR_SET_PDEATHSIG``); a command that cannot finish within `GIVE_UP_S` of wall time is killed.
-Linux only: elsewhere the command just runs.
+`POLL_S` of the user's work starting. `wait_until_idle` waits for such a gap before anything
+is started (`infer.builder` starts its torch process only then), and ``max_stopped_s`` kills a
+command stopped for longer than that, so that a long busy spell holds none of its memory.
+The watcher itself is a sleeping Python process without torch (~14 MB). It exits with the
+command's status; if it dies, the command is killed with it (``PR_SET_PDEATHSIG``); a command
+that cannot finish within `GIVE_UP_S` of wall time is killed. Linux only: elsewhere the
+command just runs.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ GIVE_UP_S = 4 * 3600.0  # wall time after which the command is killed (a machine
 
 def busy_limit(cpus: int) -> float:
     """CPUs other processes may keep busy while the command runs: it needs one of its own and
-    half of one to spare (2 CPUs: 0.5, i.e. anything beyond background noise stops it)."""
+    half of one to spare (2 CPUs: 0.5, i.e. anything beyond background noise stops it).
+    ``INFER_BUILD_WHEN_BUSY=1`` lifts the limit (the command always runs): for a machine that is
+    never idle but whose work should not wait for builds, a CI job's say."""
+    if os.environ.get("INFER_BUILD_WHEN_BUSY", "").strip() == "1":
+        return float(cpus)
     return max(0.25, cpus - 1.5)
 
 
@@ -95,10 +102,11 @@ def group_ticks(pgid: int) -> int:
 class Watch:
     """Whether a command may run now, from successive samples of the CPUs (`sample`)."""
 
-    def __init__(self, cpus: set[int]) -> None:
+    def __init__(self, cpus: set[int], quiet_s: float = QUIET_S) -> None:
         self.cpus = cpus
         self.limit = busy_limit(len(cpus))
-        self.quiet_since = time.monotonic() - QUIET_S  # may run at once, until a sample says otherwise
+        self.quiet_s = quiet_s
+        self.quiet_since = time.monotonic() - quiet_s  # may run at once, until a sample says otherwise
         self._last: tuple[int, int, int] | None = None
 
     def elsewhere(self, busy: int, total: int, own: int) -> float | None:
@@ -111,7 +119,7 @@ class Watch:
     def may_run(self, elsewhere: float | None, now: float) -> bool:
         if elsewhere is not None and elsewhere > self.limit:
             self.quiet_since = now
-        return now - self.quiet_since >= QUIET_S
+        return now - self.quiet_since >= self.quiet_s
 
     def sample(self, pgid: int, now: float, stopped: bool = False) -> bool:
         """One look at the CPUs. A stopped group's ticks are not read again (they cannot have
@@ -126,18 +134,46 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_when_idle(command: Sequence[str], stdout: IO[bytes] | None = None) -> int:
+def linux() -> bool:
+    """Whether the CPUs can be watched (``/proc/stat``)."""
+    return sys.platform.startswith("linux") and os.path.exists("/proc/stat")
+
+
+def wait_until_idle(deadline: float | None = None, quiet_s: float = QUIET_S) -> bool:
+    """Return once other processes have kept at most `busy_limit` CPUs busy for ``quiet_s``
+    seconds (True), or at ``deadline`` (`time.monotonic`) if that never happens (False).
+    Elsewhere than on Linux: True at once."""
+    if not linux():
+        return True
+    watch = Watch(os.sched_getaffinity(0), quiet_s)
+    watch.quiet_since = time.monotonic()  # quiet must be seen, not assumed
+    watch.elsewhere(*cpu_ticks(watch.cpus), 0)
+    while True:
+        time.sleep(POLL_S)
+        now = time.monotonic()
+        if watch.may_run(watch.elsewhere(*cpu_ticks(watch.cpus), 0), now):
+            return True
+        if deadline is not None and now >= deadline:
+            return False
+
+
+def run_when_idle(
+    command: Sequence[str], stdout: IO[bytes] | None = None, max_stopped_s: float | None = None
+) -> int | None:
     """Run `command` in its own process group, stopped whenever the machine is busy
-    elsewhere; its exit status (negative: the signal that ended it)."""
-    linux = sys.platform.startswith("linux") and os.path.exists("/proc/stat")
+    elsewhere; its exit status (negative: the signal that ended it), or None when it was
+    killed for staying stopped longer than ``max_stopped_s`` seconds at a stretch."""
+    on_linux = linux()
     proc = subprocess.Popen(
         list(command), stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
-        process_group=0, preexec_fn=_die_with_parent if linux else None,
+        process_group=0, preexec_fn=_die_with_parent if on_linux else None,
     )  # fmt: skip
-    if not linux:
+    if not on_linux:
         return proc.wait()
     watch = Watch(os.sched_getaffinity(0))
     running, start = True, time.monotonic()
+    stopped_at = start
+    stopped_too_long = False
     try:
         watch.sample(proc.pid, start)
         while proc.poll() is None:
@@ -145,15 +181,19 @@ def run_when_idle(command: Sequence[str], stdout: IO[bytes] | None = None) -> in
             now = time.monotonic()
             if now - start > GIVE_UP_S:
                 break
+            if not running and max_stopped_s is not None and now - stopped_at > max_stopped_s:
+                stopped_too_long = True
+                break
             may_run = watch.sample(proc.pid, now, stopped=not running)
             if may_run != running:
                 os.killpg(proc.pid, signal.SIGCONT if may_run else signal.SIGSTOP)
-                running = may_run
+                running, stopped_at = may_run, now
     finally:
-        if proc.poll() is None:  # given up, or the watcher was interrupted
+        if proc.poll() is None:  # given up, stopped too long, or the watcher was interrupted
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait()
+    status = proc.wait()
+    return None if stopped_too_long else status
 
 
 def main(argv: list[str]) -> int:
@@ -162,7 +202,8 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m infer.idle -- COMMAND [ARG...]", file=sys.stderr)
         return 2
-    return run_when_idle(argv)
+    status = run_when_idle(argv)
+    return 124 if status is None else status
 
 
 if __name__ == "__main__":

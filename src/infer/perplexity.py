@@ -156,7 +156,10 @@ def perplexity(
     and takes ``batch`` times the memory). ``max_chunks``: score only the first ones (>= 1; None:
     all). ``progress(done, total, ppl_so_far)`` is called after each batch of chunks.
 
-    The model runs its plain forward (no KV cache, the eager path whatever ``compile`` was).
+    The model runs its plain forward (no KV cache, the eager path whatever ``compile`` was),
+    or, when its KV cache holds another dtype than its activations (``infer.load(...,
+    kv_dtype=...)``), each chunk's forward through a KV cache of that dtype: the keys and values
+    attention reads are then the rounded ones generation reads, and the figure shows their cost.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -191,7 +194,8 @@ def perplexity(
             if bos is not None:
                 ids[:, 0] = bos
             ids = ids.to(model.device)
-            hidden = model.forward_hidden(ids)
+            cache = model.make_cache(ids.shape[0], context) if model.cache_dtype != model.dtype else None
+            hidden = model.forward_hidden(ids, cache)
             logits = model.head(hidden[:, first : context - 1])  # [b, context - 1 - first, V]
             targets = ids[:, first + 1 :]
             nll = _scored_nll(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -3,14 +3,21 @@
 An instruct model (its tokenizer has a chat template) gets its text as a user message
 rendered by that template, with the assistant's turn opened, as mlx-lm and llama.cpp's CLI
 do; ``raw=True`` (``--raw``), or a model without a template, encodes the text as it is.
+
+A chat with tools (`tool_chat`) is rendered in the model's tool-call format (`infer.tools`), with
+the constraint ``tool_choice`` asks for; `read_reply` takes the calls out of the reply.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from infer.chat_template import check_unicode
+from infer.structured import Constraint
+from infer.tools import Tool, ToolCall, ToolFormat, check_tools, tool_choice_of, tool_format
 
 Message = dict[str, Any]
 
@@ -58,4 +65,108 @@ def prompt_ids(llm: Any, text: str, *, raw: bool = False, system: str | None = N
     return chat_ids(llm, user_messages(text, system))
 
 
-__all__ = ["chat_ids", "has_chat_template", "prompt_ids", "user_messages"]
+@dataclass
+class ToolChat:
+    """A chat rendered for generation: its ids, the constraint to generate under, and (with tools)
+    the format its calls are read in (`read_reply`)."""
+
+    ids: list[int]
+    constraint: Constraint | None = None
+    format: ToolFormat | None = None  # None: no tools offered (or tool_choice "none")
+    tools: list[Tool] = field(default_factory=list)
+    choice: str = "none"
+    parallel: bool = True
+
+
+def tool_chat(
+    llm: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+    constraint: Constraint | None = None,
+    parse_special_in_content: bool = False,
+) -> ToolChat:
+    """Render ``messages`` (OpenAI's: assistant ``tool_calls``, ``role: "tool"`` results) with
+    ``tools`` for ``llm``'s template, and the constraint to generate under.
+
+    ``tool_choice``: ``"none"`` (tools are not shown; no calls), ``"auto"`` (the default with tools:
+    the model decides; the reply is read for calls), ``"required"`` or a function's name
+    (generation is constrained to one call — or, ``parallel_tool_calls``, one or more — of the
+    offered functions, each valid JSON matching its ``parameters``). ``constraint`` (a JSON schema
+    for the answer, OpenAI's ``response_format``) applies to a reply that is not a call: with
+    ``"auto"`` the reply is either such an answer or calls.
+    """
+    if not has_chat_template(llm):
+        raise ValueError("this model's tokenizer has no chat template: send a plain prompt (completions)")
+    if not isinstance(parallel_tool_calls, bool):
+        raise TypeError(f"parallel_tool_calls must be a bool, got {parallel_tool_calls!r}")
+    offered = check_tools(tools) if tools is not None else []
+    choice = tool_choice_of(tool_choice, offered)
+    tokenizer = llm.tokenizer
+    fmt = tool_format(tokenizer.chat_template)
+    if choice == "none":  # no tools shown; earlier calls and results in the history still render
+        prepared = fmt.prepare(messages, [])
+        ids = llm.chat_prompt(prepared, parse_special_in_content=parse_special_in_content)
+        return ToolChat(ids, constraint)
+    prepared = fmt.prepare(messages, offered)
+    shown = [t.openai() for t in offered] if fmt.renders_tools else None
+    ids = tokenizer.encode_chat(
+        prepared, add_generation_prompt=True, parse_special_in_content=parse_special_in_content, tools=shown
+    )
+    specials = tokenizer.special_tokens
+
+    def lit(text: str) -> str:
+        return f"<[{specials[text]}]>" if text in specials else json.dumps(text)
+
+    if choice == "auto":
+        if constraint is None:
+            return ToolChat(ids, None, fmt, offered, choice, parallel_tool_calls)
+        calls = fmt.grammar(offered, parallel_tool_calls, lit).replace("start:", "calls:", 1)
+        grammar = f"start: answer | calls\nanswer: {_inline(constraint)}\n{calls}"
+        return ToolChat(ids, Constraint.grammar(grammar), fmt, offered, choice, parallel_tool_calls)
+    chosen = offered if choice == "required" else [t for t in offered if t.name == choice]
+    grammar = fmt.grammar(chosen, parallel_tool_calls and choice == "required", lit)
+    return ToolChat(ids, Constraint.grammar(grammar), fmt, offered, choice, parallel_tool_calls)
+
+
+def _inline(constraint: Constraint) -> str:
+    """A constraint as a Lark rule body (only JSON schemas combine with tool calls)."""
+    if constraint.kind != "json_schema":
+        raise ValueError("with tools, only a JSON schema constraint (response_format) can shape the answer")
+    from infer.structured import JSON_OPTIONS
+
+    schema = json.loads(constraint.source)
+    schema["x-guidance"] = JSON_OPTIONS
+    return "%json " + json.dumps(schema, separators=(",", ":"))
+
+
+def read_reply(llm: Any, chat: ToolChat, token_ids: Sequence[int], text: str) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)`` of a reply to ``chat``: the calls in the model's format, the content the
+    text around them (``text`` itself when there are none, or no tools were offered)."""
+    if chat.format is None:
+        return text, []
+    tokenizer = llm.tokenizer
+    full = tokenizer.decode(
+        list(token_ids), skip_special_tokens=False
+    )  # calls may begin with a control token
+    content, calls = chat.format.parse(full)
+    if not calls:
+        return text, []
+    for special in sorted(tokenizer.special_tokens, key=len, reverse=True):
+        content = content.replace(special, "")
+    if not chat.parallel:
+        calls = calls[:1]
+    return content.strip(), calls
+
+
+__all__ = [
+    "ToolChat",
+    "chat_ids",
+    "has_chat_template",
+    "prompt_ids",
+    "read_reply",
+    "tool_chat",
+    "user_messages",
+]

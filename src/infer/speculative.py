@@ -370,12 +370,14 @@ class Request(Protocol):
     max_new: int
     noise: NoiseQueue | None
     spec: RowState | None
+    processor: Any  # infer.structured.RowProcessor | None: a processed row never speculates
 
     @property
     def params(self) -> Any: ...  # infer.engine.SamplingParams
 
 
-TokenFn = Callable[[Any, int, bool, torch.Tensor], bool]  # (request, token, nonfinite, logits) -> running
+# (request, token, nonfinite, logits [n, V], index: the token's row of them) -> whether it runs on
+TokenFn = Callable[[Any, int, bool, torch.Tensor, int], bool]
 
 
 @dataclass
@@ -431,7 +433,7 @@ class Drafter:
         feeds: dict[int, list[int]] = {}
         for r in requests:
             text = [*r.prompt, *r.generated]
-            n = min(_common_prefix(slots.held[r.row], text), len(text) - 1)
+            n = min(_common_prefix(slots.tokens(r.row), text), len(text) - 1)
             slots.rollback(r.row, n)
             feeds[r.row] = text[n:]
         while any(len(f) > 1 for f in feeds.values()):  # catch up (a new prompt): all but the last token
@@ -504,7 +506,8 @@ class Drafter:
         if noise is not None:
             full_noise = torch.zeros(hi - lo, noise.shape[1]).index_copy(0, index, noise)
         out = self.slots.step(lo, hi, feeds, mode, full_values, full_noise)
-        return StepOutput(out.tokens[index], out.logits[index], out.nonfinite[index])
+        hidden = None if out.hidden is None else out.hidden[index]
+        return StepOutput(out.tokens[index], out.logits[index], out.nonfinite[index], hidden)
 
 
 def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -565,15 +568,14 @@ class Speculator:
                 limit = min(limit, r.params.speculative)
             index = NgramIndex(self.config.lookup) if self.config.lookup else None
             r.spec = RowState(limit, index)
-        return r.spec if r.spec.limit > 0 else None
+        return r.spec if r.spec.limit > 0 and r.processor is None else None
 
     def _room(self, r: Request) -> int:
         """Proposals ``r`` can take this pass: its limit, its tokens left and the context."""
         state = r.spec
         assert state is not None
         left = r.max_new - len(r.generated) - 1  # the pass's last token needs no proposal
-        held = len(self.slots.held[r.row])
-        room = min(state.limit, left, self.context - held - len(r.pending))
+        room = min(state.limit, left, self.context - self.slots.length(r.row) - len(r.pending))
         if self.drafter is not None:
             room = min(room, self.drafter.room(r))
         return max(0, room)
@@ -590,16 +592,23 @@ class Speculator:
 
     # ---- the pass -------------------------------------------------------------------------
 
-    def plan(self, rows: int, proposals: dict[int, _Proposal], drafting: dict[int, tuple[int, float]]) -> int:
+    def plan(
+        self,
+        rows: int,
+        proposals: dict[int, _Proposal],
+        drafting: dict[int, tuple[int, float]],
+        span: int | None = None,
+    ) -> int:
         """Tokens per row for this pass (1: a plain decode step), the most tokens per second.
 
         ``proposals``: the rows' n-gram proposals; ``drafting``: the rows the draft model would
-        propose for, with the tokens they can take and their acceptance estimate."""
+        propose for, with the tokens they can take and their acceptance estimate; ``span``: the
+        rows the forward covers (idle ones between included; default ``rows``)."""
         if not proposals and not drafting:
             return 1
         longest = max([len(p.tokens) for p in proposals.values()] + [room for room, _ in drafting.values()])
         if self.per_forward is not None:
-            longest = min(longest, self.per_forward // rows - 1)
+            longest = min(longest, self.per_forward // (span or rows) - 1)
         # A pass must promise `MARGIN` more tokens per second than a decode step: estimates are
         # noisy, and a pass that only breaks even costs the rows' latency for nothing.
         best, best_rate = 1, rows / self.cost.cost(rows, 1) * (1.0 + MARGIN)
@@ -629,16 +638,22 @@ class Speculator:
             self._skipped = 0
         return best
 
-    def decode(self, requests: list[Request], token: TokenFn) -> bool:
+    def decode(self, requests: list[Request], token: TokenFn, room: int) -> bool:
         """Run the decode step of ``requests`` (decoding rows, in row order) as a verify pass when
         one pays; False when a plain decode step should run instead (the caller times it with
-        `observe_decode`)."""
+        `observe_decode`). ``room``: the tokens a pass may feed each row of its span (every row of
+        a pass takes its width, padding included, so the running row nearest the end of the
+        context, decoding or still reading its prompt, bounds everyone's).
+
+        A step with a row whose logits are processed (a constraint, a logit bias, a penalty:
+        `infer.structured.RowProcessor`) is a plain decode step: the pass would have to verify
+        proposals against processed logits, position by position."""
+        if any(r.processor is not None for r in requests):
+            return False
         t0 = time.perf_counter()
         proposals: dict[int, _Proposal] = {}
         drafting: dict[int, tuple[int, float]] = {}
-        # Every row of a pass takes its width (padding included): the row nearest the end of the
-        # context bounds everyone's proposals.
-        most = min(self.context - len(self.slots.held[r.row]) for r in requests) - 1
+        most = room - 1
         for r in requests:
             state = self.row_state(r)
             room = min(self._room(r), most) if state is not None else 0
@@ -650,7 +665,8 @@ class Speculator:
                 drafting[r.row] = (room, alpha)
             elif p is not None:
                 proposals[r.row] = p
-        width = self.plan(len(requests), proposals, drafting)
+        span = requests[-1].row - requests[0].row + 1
+        width = self.plan(len(requests), proposals, drafting, span)
         if width == 1:
             return False
         for p in proposals.values():
@@ -680,7 +696,7 @@ class Speculator:
         lo, hi = requests[0].row, requests[-1].row + 1
         exact = any(r.params.logprobs is not None for r in requests)
         greedy_head = all(r.params.greedy for r in requests) and not exact
-        base = {r.row: len(slots.held[r.row]) for r in requests}
+        base = {r.row: slots.length(r.row) for r in requests}  # never inside a shared prefix
         logits = slots.verify_rows(lo, hi, feeds, greedy=greedy_head)
         for r in requests:
             fed = feeds[r.row]
@@ -699,7 +715,7 @@ class Speculator:
             emitted = 0
             for i, t in enumerate(out):
                 emitted += 1
-                if not token(r, t, nonfinite[i], rows[i]):
+                if not token(r, t, nonfinite[i], rows, i):
                     break
             if r.noise is not None and not leviathan:
                 r.noise.drop(emitted)

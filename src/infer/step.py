@@ -91,8 +91,9 @@ class StepFeed(NamedTuple):
 @dataclass
 class StepOutput:
     tokens: torch.Tensor  # [B] int64
-    logits: torch.Tensor  # [B, V] float32
+    logits: torch.Tensor  # [B, V] float32 (a greedy step's: exact at each row's argmax only)
     nonfinite: torch.Tensor  # [B] bool: a row's logits held NaN or +inf, or were all -inf
+    hidden: torch.Tensor | None = None  # [B, D] each row's last hidden state before the final norm
 
 
 def sampling_inputs(
@@ -155,18 +156,21 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
 
 def model_step(
     model: DecoderLM, cache: KVCache, feed: StepFeed
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``feed.ids [B, T]`` through the model on ``cache`` (``feed.n_new [B]`` real tokens per
     row, right-padded), then the head on each row's token ``feed.last [B]`` and sampling.
 
-    Returns ``(tokens [B], logits [B, V] float32, nonfinite [B])`` (see `StepOutput`).
-    Tensors only: no host synchronization, no data-dependent branches.
+    Returns ``(tokens [B], logits [B, V] float32, nonfinite [B], hidden [B, D])`` (see
+    `StepOutput`: the hidden state lets a caller compute exact logits of some tokens after a
+    greedy step, `DecoderLM.exact_logits`). Tensors only: no host synchronization, no
+    data-dependent branches.
     """
     ids, last = feed.ids, feed.last
     h = model.hidden(ids, cache, None, feed.n_new)  # [B, T, D]
     if ids.shape[1] > 1:
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))  # [B, 1, D]: one token per row
-    return head_and_sample(model, h, feed.mode, feed.values, feed.noise)
+    tokens, logits, nonfinite = head_and_sample(model, h, feed.mode, feed.values, feed.noise)
+    return tokens, logits, nonfinite, h[:, 0]
 
 
 def head_and_sample(
@@ -184,7 +188,7 @@ def head_and_sample(
     return tokens, logits, nonfinite
 
 
-StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Packages(Protocol):
@@ -246,9 +250,11 @@ class Stepper:
 
     @property
     def bucketed(self) -> bool:
-        """Whether steps run in shape buckets (compiled, or packages in use): the engine then
-        steps a power-of-two window of rows, so that a few shapes serve every batch."""
-        return self.compiled or (self.packages is not None and self.packages.enabled)
+        """Whether steps run in shape buckets (``compile=True``: a graph per shape): the engine then
+        steps a power-of-two window of rows and KV capacities in powers of two, so that a few
+        shapes serve every batch. Packages (`infer.aot`) take any rows of their range and any
+        capacity: no buckets."""
+        return self.compiled
 
     def capacity(self, needed: int) -> int:
         """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""
@@ -272,7 +278,7 @@ class Stepper:
         """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
         decode = feed.ids.shape[1] == 1
         if not self.compiled:
-            if self.packages is not None and decode:
+            if self.packages is not None and decode and cache.shared is None:
                 package = self.packages.get(cache, feed.ids.shape[0], feed.mode)
                 if package is not None:
                     self.packaged_steps += 1

@@ -2,13 +2,17 @@
 
 A package is built here from a tiny checkpoint (AOTInductor: 20-60 s each on 2 cores), so
 these tests build as few as they can: one per architecture kind (full attention; Gemma 3's
-sliding-window layers with seeded sampling), one through the background process.
+sliding-window layers with seeded sampling), two through the background builder. Every
+builder a test starts is killed at its end if still alive (``reap_processes``), and builds
+wait for a build lock of the test's own, not the one real builders share.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,29 +24,61 @@ import torch
 
 import infer
 import infer.aot as aot
+from infer import builder
 from infer.cache import KVCache
+from infer.engine import SamplingParams
 from infer.step import Sampling, StepFeed
 
 BUILD_TIMEOUT_S = 600
 
 
 @pytest.fixture
-def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Packages on, in a directory of this test's own; no builds unless a test asks (``INFER_AOT=use``)."""
+def packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reap_processes: Callable[[], list[int]]
+) -> Iterator[Path]:
+    """Packages on, in a directory of this test's own; no builds unless a test asks (``INFER_AOT=use``;
+    a test sets ``aot.BACKGROUND_BUILDS`` and, for its temporary checkpoints, ``aot.TEMPORARY_BUILDS``)."""
     monkeypatch.setattr(aot, "ENABLED", True)
     monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
     monkeypatch.setattr(aot, "BACKGROUND_BUILDS", False)
+    monkeypatch.setattr(aot, "TEMPORARY_BUILDS", False)
     monkeypatch.setattr(aot, "_MISSING", {})
+    monkeypatch.setattr(builder, "RUN_LOCK", tmp_path / "run.lock")
     yield tmp_path / "aot"
 
 
-def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling) -> Path:
-    """Build, in this process, the package the engine will ask for: one row, the first capacity."""
-    # The engine's first KV capacity (infer.engine.MIN_SLOTS), no rings (every row can roll back).
-    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
-    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, mode)
+@pytest.fixture
+def turn_held(tmp_path: Path) -> Iterator[Path]:
+    """The build lock of ``tmp_path/tmp`` (the temporary directory of the processes a test starts
+    with ``TMPDIR`` there, and their builders) held by this test: a builder waits its turn."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    fd = os.open(tmp / "infer-aot-build.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield tmp
+    finally:
+        os.close(fd)
+
+
+def _env(tmp_path: Path, **settings: str) -> dict[str, str]:
+    """A user's environment: ``INFER_AOT`` as given (unset: the default), the caches and the
+    temporary directory under ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if k != "INFER_AOT"} | settings
+    return env | {"XDG_CACHE_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp")}
+
+
+def _rss_bytes(pids: list[int]) -> int:
+    return sum(int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024 for p in pids)
+
+
+def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling, rows: int = 1) -> Path:
+    """Build, in this process, the package the engine will ask for: steps of ``rows`` rows (one,
+    or any of `aot.MULTI_ROWS`), every KV capacity."""
+    key = aot.shape_key(aot.fingerprint(llm.model), rows, mode)
+    assert key is not None
     path = aot.cache_dir() / f"{key}.pt2"
-    aot.build(llm.model, 1, 256, False, mode, path)
+    aot.build(llm.model, rows, mode, path)
     return path
 
 
@@ -76,51 +112,138 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         assert len(names) < len(aot.named_tensors(llm.model))
         two_rows = StepFeed(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
                             torch.zeros(2, dtype=torch.long), mode, None, None)  # fmt: skip
-        with pytest.raises(ValueError, match=r"step input #0 is \[\[2, 1\]"):
-            package(KVCache(llm.config, 2, 256, dtype=llm.model.dtype, rings=False), two_rows)
+        with pytest.raises(ValueError, match=r"a decode step of 2 rows .* the package serves 1-1 rows"):
+            package(KVCache(llm.config, 2, 256, dtype=llm.model.cache_dtype, rings=False), two_rows)
+        one_row = StepFeed(two_rows.ids[:1], two_rows.n_new[:1], two_rows.last[:1], mode, None, None)
+        f16 = KVCache(llm.config, 1, 256, dtype=torch.float16, rings=False)
+        wrong = r"step input #5 is \[\[1, 2, 256, .*float16.* expects .*float32"
+        with pytest.raises(ValueError, match=wrong):
+            package(f16, one_row)
         other = infer.load(path, dtype=torch.bfloat16, compile=False).model
         with pytest.raises(ValueError, match="the package expects"):
             aot.Package(path_built, other)
+        # One package serves every step of 2-16 rows, on every KV capacity (both dimensions
+        # dynamic): three streams of different lengths decode from it, with the eager tokens.
+        _build_for(llm, prompt, mode, rows=2)
+        prompts = [prompt, [7, 8] * 40, [3] * 150]  # rows grow past the first capacity
+        handles = [llm.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
+        before = llm.stepper.packaged_steps
+        together = [[t for d in h for t in d.token_ids] for h in handles]
+        alone = [[t for d in eager.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True))
+                  for t in d.token_ids] for p in prompts]  # fmt: skip
+        steps = llm.stepper.packaged_steps - before
+        print(f"{steps} packaged steps for 3 streams; KV capacity {llm.engine.slots.capacity}")
+        assert together == alone and steps >= 29
 
 
 def test_a_background_build_serves_the_next_load(
     tiny_ckpt_factory: Callable[..., Path], packages: Path
 ) -> None:
-    """A missing package: the generation runs eagerly and notes the shape; the build (what
-    interpreter exit starts) runs in another process; the next load (same checkpoint, same
-    arguments: the same fingerprint) decodes from it, with the same tokens."""
-    aot.BACKGROUND_BUILDS = True  # INFER_AOT=on, the default
+    """A missing package: the generation runs eagerly and queues the shape at once; the
+    directory's builder builds it in another process (one builder, however many ask); this
+    process, still running, and the next load (same checkpoint, same arguments: the same
+    fingerprint) decode from it, with the same tokens."""
+    aot.BACKGROUND_BUILDS = aot.TEMPORARY_BUILDS = True  # INFER_AOT=on (the checkpoint is temporary)
     path = tiny_ckpt_factory("llama")
     prompt = [11, 12, 13]
     first = infer.load(path)
     want = first.generate(prompt, max_new_tokens=12).token_ids
     assert first.stepper.packaged_steps == 0
     cache = first.stepper.packages
-    assert isinstance(cache, aot.PackageCache) and len(cache.missing) == 1 and not cache.builds
-    build = cache.build_missing()
-    assert build is not None and cache.build_missing() is None  # one build per shape
-    (key,) = aot.building(packages)  # its lock is held while it runs
-    cache.missing[key] = {"out": str(packages / f"{key}.pt2")}
-    assert cache.build_missing() is None  # ... so no other process starts it again
+    assert isinstance(cache, aot.PackageCache) and len(cache.missing) == 1
+    assert set(cache.queued) == set(cache.missing)
+    (build,) = cache.builds  # queued on the step that missed it, and the builder started
+    assert cache.build_missing() is None  # nothing new to queue, and the builder lives
+    other = infer.load(path)
+    other.generate(prompt, max_new_tokens=4)
+    assert not other.stepper.packages.builds  # type: ignore[union-attr]  # queued for the builder that lives
     build.wait(BUILD_TIMEOUT_S)
-    log = next(packages.glob("*.log")).read_text()
+    log = (packages / builder.LOG).read_text()
     assert build.returncode == 0, log
-    assert len(list(packages.glob("*.pt2"))) == 1 and not aot.building(packages)
+    assert len(list(packages.glob("*.pt2"))) == 1 and not aot.building(packages), log
+    assert log.count("building ") == 1 and "built after" in log, log  # the second ask built nothing
     second = infer.load(path)
     assert second.generate(prompt, max_new_tokens=12).token_ids == want
     assert second.stepper.packaged_steps == 11
     time.sleep(aot.PackageCache.RECHECK_S)  # the first process looks at the path again, finds it
     assert first.generate(prompt, max_new_tokens=12).token_ids == want
     assert first.stepper.packaged_steps >= 11  # (its prompt is cached: it may decode one more step)
-    print(f"\nbuild log: {log.strip().splitlines()[-1]}")
+    (built,) = [line for line in log.splitlines() if "built after" in line]
+    print(f"\nbuilder log: {built}")
 
 
-def test_a_process_builds_what_it_missed_at_exit(
-    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+def test_prepare_queues_shapes_ahead_of_need(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, reap_processes: Callable[[], list[int]]
 ) -> None:
-    """The default in a fresh process (``INFER_AOT`` unset), the model loaded and dropped inside a
-    function as a script or the CLI does: at exit the process starts the build of the decode
-    step it ran eagerly (under `infer.idle`), and the package lands in the user's cache."""
+    """`PackageCache.prepare` (a server at start) queues every shape asked for that has no
+    package, once; it queues nothing where builds are off, or for a temporary checkpoint by
+    default."""
+    path = tiny_ckpt_factory("llama")
+    llm = infer.load(path)
+    cache = llm.stepper.packages
+    assert isinstance(cache, aot.PackageCache)
+    assert cache.prepare([1, 2]) == []  # INFER_AOT=use
+    aot.BACKGROUND_BUILDS = True  # INFER_AOT unset: the default...
+    assert cache.prepare([1, 2]) == [] and not packages.exists()  # ... builds no temporary checkpoint
+    aot.TEMPORARY_BUILDS = True  # INFER_AOT=on
+    fd = os.open(builder.RUN_LOCK or "", os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds the machine: the builder waits its turn
+    try:
+        sampled = Sampling(greedy=False, filtered=True)
+        keys = cache.prepare([1, 2, 4, 16, 17], modes=[Sampling(), sampled])  # 17 rows: eager, no package
+        assert len(keys) == 4 and builder.queued(packages) == sorted(keys)
+        assert {k.split("-")[1] for k in keys} == {"b1", "b2"}  # "b1-", "b2-16-": every capacity
+        assert cache.prepare([1, 8]) == []  # queued already
+        assert len(cache.builds) == 1
+        deadline = time.monotonic() + 30
+        while not builder.running(packages) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the builder starting: its lock once its interpreter is up
+        assert builder.running(packages) and builder.queued(packages) == sorted(keys)
+        with pytest.raises(ValueError, match="rows must be integers >= 1, got 0"):
+            cache.prepare([0])
+        with pytest.raises(ValueError, match="rows must be integers >= 1, got True"):
+            cache.prepare([True])
+    finally:
+        for pid in reap_processes():  # killed before its turn: it would build four packages
+            os.killpg(pid, signal.SIGKILL)  # (a builder leads its process group)
+        os.close(fd)
+
+
+def test_a_running_process_queues_again_what_the_builder_dropped(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, reap_processes: Callable[[], list[int]]
+) -> None:
+    """A server queues a shape once; if the builder drops it unbuilt (the machine stayed busy
+    through its tries), the server queues it again `REQUEUE_S` later, as a new process would."""
+    aot.BACKGROUND_BUILDS = aot.TEMPORARY_BUILDS = True
+    fd = os.open(builder.RUN_LOCK or "", os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds the machine: nothing is built here
+    try:
+        llm = infer.load(tiny_ckpt_factory("llama"))
+        llm.generate([1, 2, 3], max_new_tokens=4)
+        cache = llm.stepper.packages
+        assert isinstance(cache, aot.PackageCache)
+        (key,) = cache.queued
+        assert builder.queued(packages) == [key]
+        (packages / "queue" / f"{key}.json").unlink()  # as the builder drops it
+        time.sleep(aot.PackageCache.RECHECK_S)
+        llm.generate([1, 2, 3], max_new_tokens=4)
+        assert builder.queued(packages) == []  # queued REQUEUE_S ago, not yet
+        cache.REQUEUE_S = 0.0
+        time.sleep(aot.PackageCache.RECHECK_S)
+        llm.generate([1, 2, 3], max_new_tokens=4)
+        assert builder.queued(packages) == [key]
+    finally:
+        for pid in reap_processes():
+            os.killpg(pid, signal.SIGKILL)
+        os.close(fd)
+
+
+def test_a_process_queues_what_it_missed_and_the_builder_builds_it(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, reap_processes: Callable[[], list[int]]
+) -> None:
+    """A fresh process (``INFER_AOT=on``: the checkpoint is temporary), the model loaded and
+    dropped inside a function as a script or the CLI does: it queues the decode step it ran
+    eagerly, the builder (under `infer.idle`) builds it, and the package lands in the user's cache."""
     script = (
         "import sys, infer\n"
         "def main():\n"
@@ -128,17 +251,61 @@ def test_a_process_builds_what_it_missed_at_exit(
         "    print(llm.generate([3, 4, 5], max_new_tokens=6).token_ids)\n"
         "main()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "INFER_AOT"} | {"XDG_CACHE_HOME": str(tmp_path)}
+    (tmp_path / "tmp").mkdir()
     path = tiny_ckpt_factory("llama")
+    env = _env(tmp_path, INFER_AOT="on")
     subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
-    directory = tmp_path / "infer" / "aot"
+    directory = tmp_path / "home" / "infer" / "aot"
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while aot.building(directory) and time.monotonic() < deadline:
         time.sleep(0.5)
-    (log,) = directory.glob("*.log")
+    log = (directory / builder.LOG).read_text()
     assert not aot.building(directory), "the build did not finish"
-    assert len(list(directory.glob("*.pt2"))) == 1, log.read_text()
-    print(f"\nbuild log: {log.read_text().strip().splitlines()[-1]}")
+    assert len(list(directory.glob("*.pt2"))) == 1, log
+    (built,) = [line for line in log.splitlines() if "built after" in line]
+    print(f"\nbuilder log: {built}")
+    deadline = time.monotonic() + 10
+    while reap_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert reap_processes() == [], "the builder outlived its queue"
+
+
+def test_the_cli_on_a_temporary_checkpoint_queues_nothing_and_leaves_nothing_running(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, reap_processes: Callable[[], list[int]]
+) -> None:
+    """``infer generate`` with ``INFER_AOT`` unset (the default) on a checkpoint under the
+    temporary directory: no request queued, no builder, no process of ours left."""
+    (tmp_path / "tmp").mkdir()
+    path = tiny_ckpt_factory("llama")
+    argv = [sys.executable, "-m", "infer", "generate", str(path), "Hi", "--max-new-tokens", "4", "--quiet"]
+    subprocess.run(argv, check=True, env=_env(tmp_path), timeout=300, capture_output=True)
+    directory = tmp_path / "home" / "infer" / "aot"
+    assert builder.queued(directory) == [] and not builder.running(directory)
+    assert reap_processes() == []
+
+
+def test_two_cli_runs_leave_one_small_builder(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, turn_held: Path,
+    reap_processes: Callable[[], list[int]],
+) -> None:  # fmt: skip
+    """Two runs of ``infer generate`` (``INFER_AOT=on``) with two sampling modes, while another
+    build holds the machine: both shapes queued, one builder alive and nothing else of ours,
+    and that builder, waiting its turn, is one process without torch under 50 MiB."""
+    path = tiny_ckpt_factory("llama")
+    env = _env(tmp_path, INFER_AOT="on")
+    argv = [sys.executable, "-m", "infer", "generate", str(path), "Hi", "--max-new-tokens", "4", "--quiet"]
+    for extra in ([], ["--temperature", "0.8", "--seed", "1"]):
+        subprocess.run(argv + extra, check=True, env=env, timeout=300, capture_output=True)
+    directory = tmp_path / "home" / "infer" / "aot"
+    assert len(builder.queued(directory)) == 2 and builder.running(directory)
+    deadline = time.monotonic() + 30
+    while len(reap_processes()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # a builder started in a race leaves within 1 s
+    (pid,) = reap_processes()  # the builder, and nothing else: no worker while it waits
+    assert b"infer.builder" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    rss = _rss_bytes([pid])
+    print(f"\nthe waiting builder: {rss / 2**20:.1f} MiB resident")
+    assert rss < 50 * 2**20 and "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
 
 
 def test_a_damaged_package_is_removed_and_the_step_stays_eager(
@@ -146,8 +313,7 @@ def test_a_damaged_package_is_removed_and_the_step_stays_eager(
 ) -> None:
     path = tiny_ckpt_factory("llama")
     llm = infer.load(path)
-    cache = KVCache(llm.config, 1, 256, dtype=llm.model.dtype, layers=llm.model.kv_layers, rings=False)
-    key = aot.package_key(aot.fingerprint(llm.model), cache, 1, Sampling())
+    key = aot.shape_key(aot.fingerprint(llm.model), 1, Sampling())
     damaged = packages / f"{key}.pt2"
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 not a package")
@@ -213,15 +379,15 @@ def test_a_bad_infer_aot_setting_is_named(
 
 
 def test_no_build_without_the_memory_for_it(tmp_path: Path) -> None:
-    """The builder loads a second copy of the model: it does not start one that cannot fit
-    (a sparse 1 TiB "checkpoint" here), and says so in its log instead of failing."""
+    """The worker loads a second copy of the model: the builder does not start one that cannot
+    fit (a sparse 1 TiB "checkpoint" here), and says so in its log instead of failing."""
     huge = tmp_path / "model.gguf"
     with open(huge, "wb") as f:
         f.truncate(1 << 40)
-    assert not aot._enough_memory(huge)
+    assert not builder.enough_memory(huge)
     small = tmp_path / "small.gguf"
     small.write_bytes(b"\0" * 1024)
-    assert aot._enough_memory(small) == (_available_bytes() > aot.COMPILER_BYTES)
+    assert builder.enough_memory(small) == (_available_bytes() > builder.COMPILER_BYTES)
 
 
 def _available_bytes() -> int:

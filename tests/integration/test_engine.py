@@ -340,7 +340,8 @@ def test_non_finite_logits_end_only_that_request(llama: infer.LLM, monkeypatch: 
     want = tokens_of(alone(llama, PROMPT, params))
     monkeypatch.setattr(llama.model, "head", spoiled)
     try:
-        good, bad = engine._submit([PROMPT, [8, 9, 10]], [params, params], text=True, wait=True)
+        # Queued together before any loop runs (this thread drives): both join the first step.
+        good, bad = engine._submit([PROMPT, [8, 9, 10]], [params, params], text=True, wait=True, drive=True)
         got_bad, got_good = drain(bad), drain(good)
     finally:
         engine.close(drain=False)

@@ -49,7 +49,9 @@ PROMPTS = [
 def propose_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pass proposes as many tokens as its rows can take."""
 
-    def plan(self: Speculator, rows: int, proposals: dict[int, Any], drafting: dict[int, Any]) -> int:
+    def plan(
+        self: Speculator, rows: int, proposals: dict[int, Any], drafting: dict[int, Any], *_: int
+    ) -> int:
         sizes = [len(p.tokens) for p in proposals.values()] + [room for room, _ in drafting.values()]
         return 1 + max(sizes, default=0)
 

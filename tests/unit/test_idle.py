@@ -93,3 +93,41 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _spin_every_cpu(seconds: float) -> list[subprocess.Popen[bytes]]:
+    spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in os.sched_getaffinity(0)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_a_command_stopped_too_long_is_killed() -> None:
+    """While the machine is busy (a spinning process per CPU, 4 s), the command is stopped, and
+    killed once stopped for ``max_stopped_s`` (1 s): None, and nothing of it left."""
+    spinners = _spin_every_cpu(4.0)
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        status = idle.run_when_idle([sys.executable, "-c", "import time; time.sleep(60)"], max_stopped_s=1.0)
+        took = time.monotonic() - t0
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    print(f"\nkilled after {took:.1f} s")
+    assert status is None
+    assert took < 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_waiting_for_idle_gives_up_at_the_deadline() -> None:
+    spinners = _spin_every_cpu(3.0)
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert not idle.wait_until_idle(deadline=t0 + 1.0)
+        assert time.monotonic() - t0 < 1.0 + 5 * idle.POLL_S
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()

@@ -31,11 +31,15 @@ FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
         "infer.rows",
+        "infer.threads",
         "infer.idle",
+        "infer.builder",
         "infer.quant",
         "infer.chat_template",
         "infer.chat_history",
         "infer.prompts",
+        "infer.structured",
+        "infer.tools",
         "infer.loader.config",
         "infer.loader.options",
         "infer.loader.source",
@@ -61,7 +65,7 @@ FLOORS: list[tuple[str, ...]] = [
     # 4: execution modes beyond resident
     ("infer.streaming", "infer.distributed"),
     # 5: the load path that composes them; generation
-    ("infer.loading", "infer.step", "infer.aot", "infer.generate", "infer.engine"),
+    ("infer.loading", "infer.step", "infer.aot", "infer.generate", "infer.prefix", "infer.engine"),
     # 6: the public API and what is built on a loaded model
     ("infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
     # 7: front ends and test support

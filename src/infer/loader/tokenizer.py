@@ -7,6 +7,7 @@ chat template is applied.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -86,6 +87,11 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return int(self._tk.get_vocab_size(with_added_tokens=True))
+
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what grammar engines read the vocabulary from)."""
+        text: str = self._tk.to_str()
+        return text
 
     def transformers(self) -> Any:
         """The equivalent transformers tokenizer (imports transformers on first use)."""
@@ -171,6 +177,24 @@ class Tokenizer:
         text: str = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
 
+    def backend_json(self) -> str:
+        """The HF ``tokenizers`` JSON (vocabulary, merges, normalizer, pre-tokenizer, decoder, added
+        tokens): what a grammar engine needs to know each token's bytes (`infer.structured`)."""
+        own = getattr(self._tok, "backend_json", None)
+        if own is not None:
+            text: str = own()
+            return text
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                "this tokenizer has no HF fast-tokenizer backend (needed for constrained output)"
+            )
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        text = backend.to_str()
+        return text
+
     @property
     def chat_template(self) -> str | None:
         template = getattr(self._tok, "chat_template", None)
@@ -182,9 +206,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         limits: RenderLimits | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The chat as text: the template rendered in a bounded sandbox, as transformers renders it."""
-        return self._render(check_messages(messages), add_generation_prompt, limits)
+        """The chat as text: the template rendered in a bounded sandbox, as transformers renders it.
+        ``tools`` (OpenAI's function definitions) reach the template as its ``tools`` variable."""
+        return self._render(check_messages(messages), add_generation_prompt, limits, _plain_tools(tools))
 
     def encode_chat(
         self,
@@ -193,6 +219,7 @@ class Tokenizer:
         *,
         parse_special_in_content: bool = False,
         limits: RenderLimits | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The chat as token ids; control-token spellings inside messages are encoded as text.
 
@@ -202,12 +229,15 @@ class Tokenizer:
         text as a whole instead (transformers' default), so such spellings become tokens.
         """
         checked = check_messages(messages)
+        plain_tools = _plain_tools(tools)
         if parse_special_in_content:
             # The template writes the BOS token itself; don't add another one.
-            return self.encode(self._render(checked, add_generation_prompt, limits), add_special_tokens=False)
-        specials = [t.content for t in self._tok.added_tokens_decoder.values() if t.special]
-        pattern = control_token_pattern(specials)
-        text = self._render(mark_control_tokens(checked, pattern), add_generation_prompt, limits)
+            text = self._render(checked, add_generation_prompt, limits, plain_tools)
+            return self.encode(text, add_special_tokens=False)
+        pattern = control_token_pattern(list(self.special_tokens))
+        if plain_tools is not None:  # tool descriptions are text too
+            plain_tools = mark_control_tokens(plain_tools, pattern)
+        text = self._render(mark_control_tokens(checked, pattern), add_generation_prompt, limits, plain_tools)
         ids: list[int] = []
         for i, (piece, is_content_token) in enumerate(split_marked(text, pattern)):
             piece_ids = self._encode_piece(piece, as_text=is_content_token, first=i == 0)
@@ -216,8 +246,17 @@ class Tokenizer:
             ids += piece_ids
         return ids
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The special (control) tokens: their text -> their id."""
+        return {t.content: int(i) for i, t in self._tok.added_tokens_decoder.items() if t.special}
+
     def _render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, limits: RenderLimits | None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        limits: RenderLimits | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         template = self.chat_template
         if template is None:
@@ -229,6 +268,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             variables=variables,
             limits=limits,
+            tools=tools,
         )
 
     def _encode_piece(self, text: str, *, as_text: bool, first: bool) -> list[int]:
@@ -271,6 +311,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added special tokens included."""
         return len(self._tok)
+
+
+def _plain_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """``tools`` as a fresh list of plain JSON dicts (what a template may see), or None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools):
+        raise TypeError("tools must be a list of dicts (OpenAI's function definitions)")
+    plain: list[dict[str, Any]] = json.loads(json.dumps(list(tools)))
+    return plain
 
 
 def _eos_from_generation_config(path: Path) -> int | list[int] | None:

@@ -37,6 +37,7 @@ class StepInputs:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, T, hd]
     masks: dict[str, torch.Tensor]  # layer type -> [B, 1, T, S] bool (True = attend)
     cache: KVCache | None
+    shared_masks: dict[str, torch.Tensor] | None = None  # layer type -> [B, 1, T, R]: a shared prefix
 
     def rows(self, start: int, stop: int) -> StepInputs:
         """The inputs of rows ``[start, stop)`` alone (a pipeline micro-batch; the cache as a view)."""
@@ -46,6 +47,9 @@ class StepInputs:
             rope={lt: (cos[rows], sin[rows]) for lt, (cos, sin) in self.rope.items()},
             masks={lt: m if m.shape[0] == 1 else m[rows] for lt, m in self.masks.items()},
             cache=self.cache.rows(start, stop) if self.cache is not None else None,
+            shared_masks=None
+            if self.shared_masks is None
+            else {lt: m[rows] for lt, m in self.shared_masks.items()},
         )
 
 
@@ -155,7 +159,7 @@ class ResidentExecutor:
         return logits
 
 
-_NO_KV = (None, None, False, None, None, None, None, None)
+_NO_KV = (None, None, False, None, None, None, None, None, None, None, None)
 
 
 def _run_block(
@@ -173,13 +177,18 @@ def _run_block(
     ring_src: torch.Tensor | None,
     key_limit: int | None,
     key_start: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One block, everything it reads passed in. Compiled, the blocks of a model form one
     region, traced and code-generated once per kind of layer and stamped out per layer
-    (eagerly a plain call)."""
+    (eagerly a plain call). ``shared``: a shared prefix's keys, values and mask."""
     kv = None
     if k is not None and v is not None and slots is not None and n_new is not None:
-        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit, key_start)
+        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit, key_start, k_scale, v_scale)
+        if shared is not None:
+            kv.shared_k, kv.shared_v, kv.shared_mask = shared
     out: torch.Tensor = layer(x, cos, sin, mask, kv)
     return out
 
@@ -242,6 +251,7 @@ class DecoderLM(nn.Module):
     block_class: type[nn.Module]  # the architecture's transformer block, built from a config
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
     deterministic: bool = False  # `infer.models.common.set_deterministic`: caches without rings
+    kv_dtype: torch.dtype | None = None  # what KV caches hold (`cache_dtype`); None: the model's dtype
 
     def __init__(self, config: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:
         super().__init__()
@@ -282,6 +292,12 @@ class DecoderLM(nn.Module):
             raise TypeError("the final norm has no weight tensor")
         return weight.device
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the K/V a cache holds: ``kv_dtype`` (set at load, `infer.load`'s ``kv_dtype``),
+        else the model's; ``torch.int8`` is int8 values with a scale per token and head."""
+        return self.kv_dtype if self.kv_dtype is not None else self.dtype
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input ``[B, T, D]`` for ``input_ids [B, T]`` (the executor's lookup)."""
         return self.executor.embed(self, input_ids, positions)
@@ -305,12 +321,15 @@ class DecoderLM(nn.Module):
         B, T = input_ids.shape
         device = input_ids.device
         masks: dict[str, torch.Tensor] = {}
+        shared_masks: dict[str, torch.Tensor] | None = None
         if cache is not None:
             plan = cache.make_plan(T, n_new)
             cache.plan = plan
             positions = plan.positions
             for lt in set(self.layer_types):
                 masks[lt] = cache.mask(lt, plan)
+            if cache.shared is not None:
+                shared_masks = {lt: cache.shared_mask(lt, plan) for lt in set(self.layer_types)}
         else:
             pad = (
                 pad_from_attention_mask(attention_mask)
@@ -323,7 +342,7 @@ class DecoderLM(nn.Module):
                 window = self.config.sliding_window if lt == SLIDING_ATTENTION else None
                 masks[lt] = slot_mask(slots, slots, pad, window)
         rope = {lt: rot(positions, self.dtype) for lt, rot in self.rotary.items()}
-        return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache)
+        return StepInputs(positions=positions, rope=rope, masks=masks, cache=cache, shared_masks=shared_masks)
 
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """Layer ``index`` on ``x``, its K/V bound to the step's plan: the one KV-binding path.
@@ -347,9 +366,14 @@ class DecoderLM(nn.Module):
             window = self.config.sliding_window
             if lt == SLIDING_ATTENTION and window is not None and cache.first is not None:
                 key_start = max(0, cache.first - window + 1)
+        shared = None
+        if cache.shared is not None and step.shared_masks is not None:
+            sk, sv = cache.shared.kv(index)
+            shared = (sk, sv, step.shared_masks[lt])
         out = _block_fn()(
             layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
-            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit, key_start,
+            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit, key_start, kv.k_scale,
+            kv.v_scale, shared,
         )  # fmt: skip
         return out
 
@@ -359,6 +383,26 @@ class DecoderLM(nn.Module):
         ``greedy``: only each row's argmax must be exact (`ResidentExecutor.project`).
         """
         return self.executor.head(self, h, greedy)
+
+    def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
+        (before the final norm, as `infer.step.model_step` returns it): what the full head would
+        give them, without computing the rest of the vocabulary where the head can help (a packed
+        head's rows, dequantized with their exact scales: `QuantizedLinear.exact_rows`)."""
+        x = self.norm(h[None, None, :])[0, 0].float()  # [D]
+        head = self.lm_head
+        if (
+            isinstance(head, QuantizedLinear)
+            and hasattr(head, "scale_zero_residual")
+            and not head.packed.is_meta
+        ):
+            values = head.exact_rows(ids) @ x  # [K]
+            if head.bias is not None:
+                values = values + head.bias.float()[ids]
+        else:
+            values = self.executor.head(self, h[None, None, :], False)[0, 0].float()[ids]
+            return values  # (the executor's head soft-caps already)
+        return self.cap_logits(values)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The architecture's final-logit soft-capping (Gemma), if its config has one."""
@@ -428,7 +472,7 @@ class DecoderLM(nn.Module):
             self.config,
             batch_size,
             max_len,
-            dtype=self.dtype,
+            dtype=self.cache_dtype,
             device=self.device,
             pad=pad,
             layers=self.kv_layers,

@@ -285,6 +285,11 @@ class KVStore(Protocol):
 
     key_limit: int | None  # keys at or past ``key_limit + T`` are masked for every query (None: unknown)
     key_start: int | None  # query ``t`` sees no key before ``key_start + t`` (None: no such bound)
+    # A shared prefix (`infer.prefix`): keys/values ``[1, Hkv, R, hd]`` every row may read, and the
+    # mask ``[B, 1, T, R]`` of what each row's queries see of them.
+    shared_k: torch.Tensor | None
+    shared_v: torch.Tensor | None
+    shared_mask: torch.Tensor | None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``."""
@@ -368,11 +373,20 @@ class Attention(Fusable):
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
         v = v.transpose(1, 2)  # [B, Hkv, T, hd]
         key_limit = key_start = None
+        shared = None
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, hd]
             key_limit, key_start = cache.key_limit, cache.key_start
-        # [B, H, T, hd]
-        out = attend_any(q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic, key_start)
+            if cache.shared_k is not None:
+                shared = (cache.shared_k, cache.shared_v, cache.shared_mask)
+        if shared is not None:  # a prefix stored once for the rows that share it (`infer.prefix`)
+            sk, sv, smask = shared
+            assert sv is not None and smask is not None and mask is not None
+            out = attend_shared(q, k, v, mask, sk, sv, smask, self.scale, self.softcap, key_limit, key_start)
+        else:  # [B, H, T, hd]
+            out = attend_any(
+                q, k, v, mask, self.scale, self.softcap, key_limit, self.deterministic, key_start
+            )
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*hd]
         projected: torch.Tensor = self.o_proj(out)
         return projected
@@ -459,10 +473,116 @@ def attend_any(
     deterministic: bool,
     key_start: int | None = None,
 ) -> torch.Tensor:
-    """`attend_tiled` in the deterministic mode (every key from slot 0, in tiles), else `attend`."""
+    """`attend_tiled` in the deterministic mode (every key from slot 0, in tiles), else `attend`.
+
+    Keys and values held in a narrower dtype than the queries (a ``kv_dtype="bfloat16"`` cache
+    under float32 activations) are widened to the queries' dtype for the product: on CPU torch's
+    fused attention is 2-8x slower on bfloat16 inputs than on float32 ones (decode shapes of
+    SmolLM2, AMD EPYC, docs/engine.md), and the widening is exact. A cache may return fewer keys
+    than its mask is wide (an int8 cache reads back only the slots in use): the mask is cut to them.
+    """
+    if mask is not None and mask.shape[-1] > k.shape[2]:
+        mask = mask[..., : k.shape[2]]
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if deterministic:
         return attend_tiled(q, k, v, mask, scale, softcap, key_limit)
     return attend(q, k, v, mask, scale, softcap, key_limit, key_start)
+
+
+def _attend_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    key_limit: int | None = None,
+    key_start: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` that also returns each query's log-sum-exp of its scores: ``(out [B, H, T, hd],
+    lse [B, H, T])`` (float32). A query that sees no key gets ``out = 0`` and an lse the caller
+    must not use (see `attend_shared`). On CPU without soft-capping: PyTorch's flash kernel,
+    which returns the lse; otherwise the scores are formed explicitly."""
+    fast = q.is_cpu and softcap is None
+    T, S = q.shape[2], k.shape[2]
+    outs, lses = [], []
+    for start in range(0, T, QUERY_BLOCK):
+        stop = min(T, start + QUERY_BLOCK)
+        s = S if key_limit is None else min(S, key_limit + stop)
+        lo = 0 if key_start is None else min(max(0, key_start + start), s - 1)
+        mb = mask[..., lo:s] if mask.shape[-2] == 1 else mask[..., start:stop, lo:s]
+        qb, kb, vb = q[:, :, start:stop], k[:, :, lo:s], v[:, :, lo:s]
+        if fast:
+            additive = torch.zeros(mb.shape, dtype=q.dtype, device=q.device).masked_fill(~mb, float("-inf"))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb, kb, vb, 0.0, False, attn_mask=additive, scale=scale
+            )
+        else:
+            qf, mf = _fold_gqa(qb, mb, kb.shape[1])  # [B, Hkv, G*T, hd]
+            assert mf is not None
+            scores = torch.matmul(qf.float(), kb.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mf, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G*T]
+            p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+            B, H, Tb, D = qb.shape
+            out = torch.matmul(p, vb.float()).to(q.dtype).reshape(B, H, Tb, D)
+            lse = lse.reshape(B, H, Tb)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def attend_shared(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    shared_mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    key_limit: int | None = None,
+    key_start: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, H, T, hd]`` over each row's private keys ``k, v [B, Hkv, S, hd]``
+    (``mask [B, 1, T, S]``) and a prefix stored once, ``shared_k, shared_v [1, Hkv, R, hd]``, of
+    which row ``b``'s queries see ``shared_mask[b] [1, T, R]`` -> ``[B, H, T, hd]``.
+
+    The shared keys are read once for the whole step: every row's queries are folded into one
+    query axis (``[1, H, B*T, hd]``) against them, so 16 rows sharing a 2,000-token prompt read it
+    once, not 16 times. The two partial results are merged by their log-sum-exps (as flash
+    attention merges key blocks): ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``.
+    Within float32 rounding of attention over the keys laid end to end (the default mode's
+    contract); the deterministic mode does not share (`infer.prefix`).
+    """
+    B, H, T, D = q.shape
+    R = shared_k.shape[2]
+    if shared_k.dtype != q.dtype:
+        shared_k, shared_v = shared_k.to(q.dtype), shared_v.to(q.dtype)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if mask.shape[-1] > k.shape[2]:
+        mask = mask[..., : k.shape[2]]
+    own, own_lse = _attend_lse(
+        q, k, v, mask, scale, softcap, key_limit, key_start
+    )  # [B, H, T, hd], [B, H, T]
+    qs = q.transpose(0, 1).reshape(1, H, B * T, D)  # every row's queries on one axis
+    ms = shared_mask.transpose(0, 1).reshape(1, 1, B * T, R)
+    pre, pre_lse = _attend_lse(qs, shared_k, shared_v, ms, scale, softcap)  # [1, H, B*T, hd], [1, H, B*T]
+    pre = pre.reshape(H, B, T, D).transpose(0, 1)  # [B, H, T, hd]
+    pre_lse = pre_lse.reshape(H, B, T).transpose(0, 1)  # [B, H, T]
+    sees = shared_mask.any(dim=-1)  # [B, 1, T]: a query sees some shared key (a window may hide them all)
+    top = torch.where(sees, torch.maximum(own_lse, pre_lse), own_lse)
+    a = torch.exp(own_lse - top)  # [B, H, T]
+    b = torch.where(sees, torch.exp(pre_lse - top), 0.0)
+    out = (own.float() * a[..., None] + pre.float() * b[..., None]) / (a + b)[..., None]
+    return out.to(q.dtype)
 
 
 def _fold_gqa(

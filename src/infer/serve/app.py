@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import secrets
@@ -38,9 +39,13 @@ from infer.engine import (
     SamplingParams,
     TokenLogprob,
 )
-from infer.prompts import chat_ids, has_chat_template
+from infer.generate import row_seed
+from infer.prompts import ToolChat, has_chat_template, read_reply
+from infer.serve.fields import FieldError, check_unhonoured, constraint_of, tool_chat_of
 from infer.serve.metrics import Metrics
 from infer.serve.schemas import ChatCompletionRequest, CompletionRequest
+from infer.structured import Constraint, check_logit_bias
+from infer.tools import ToolCall
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 RETRY_AFTER_S = 1
@@ -358,8 +363,11 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _prompt_ids(state: ServeState, kind: str, body: Any) -> tuple[list[int], str]:
-    """The prompt's token ids and the name of the field that holds it."""
+def _prompt_ids(
+    state: ServeState, kind: str, body: Any, constraint: Constraint | None
+) -> tuple[list[int], str, ToolChat | None]:
+    """The prompt's token ids, the name of the field that holds it, and (chat) the rendered chat
+    with its tools and the constraint to generate under."""
     llm = state.llm
     if kind == "chat":
         if not has_chat_template(llm):
@@ -367,14 +375,11 @@ def _prompt_ids(state: ServeState, kind: str, body: Any) -> tuple[list[int], str
                 f"model {state.model_name!r} has no chat template: use /v1/completions", "messages",
                 "no_chat_template",
             )  # fmt: skip
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-            for m in body.messages
-        ]
         try:
-            return chat_ids(llm, messages), "messages"
-        except (ValueError, TypeError) as e:
-            raise _bad(f"messages: {str(e).splitlines()[0]}", "messages") from None
+            chat = tool_chat_of(llm, body, constraint)
+        except FieldError as e:
+            raise _bad(str(e), e.param) from None
+        return chat.ids, "messages", chat
     if body.echo:
         raise _bad("echo is not supported", "echo", "unsupported")
     if body.suffix:
@@ -392,15 +397,35 @@ def _prompt_ids(state: ServeState, kind: str, body: Any) -> tuple[list[int], str
         ids: list[int] = llm.tokenizer.encode(prompt)
         if not ids:
             raise _bad("prompt encodes to no tokens", "prompt")
-        return ids, "prompt"
+        return ids, "prompt", None
     vocab = llm.config.vocab_size
     for i, t in enumerate(prompt):
         if not 0 <= t < vocab:
             raise _bad(f"prompt[{i}]: token id {t} is out of range [0, {vocab})", "prompt")
-    return list(prompt), "prompt"
+    return list(prompt), "prompt", None
 
 
-def _params(state: ServeState, kind: str, body: Any, prompt_len: int, prompt_field: str) -> SamplingParams:
+def _compile(state: ServeState, constraint: Constraint | None, param: str) -> None:
+    """Compile ``constraint`` now (cached for the engine), so a schema llguidance cannot enforce is a
+    400 naming ``param``."""
+    grammars = getattr(state.engine, "grammars", None)
+    if constraint is None or grammars is None:
+        return
+    try:
+        grammars.matcher(constraint)
+    except ValueError as e:
+        text = str(e).split(": ", 1)[-1] if str(e).startswith(f"{constraint.what}:") else str(e)
+        raise _bad(f"{param}: {text.splitlines()[0]}", param, "invalid_schema") from None
+
+
+def _params(
+    state: ServeState,
+    kind: str,
+    body: Any,
+    prompt_len: int,
+    prompt_field: str,
+    constraint: Constraint | None = None,
+) -> SamplingParams:
     context = state.context
     if prompt_len >= context:
         raise _bad(
@@ -430,6 +455,10 @@ def _params(state: ServeState, kind: str, body: Any, prompt_len: int, prompt_fie
     else:
         logprobs = body.logprobs
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    try:
+        bias = check_logit_bias(body.logit_bias, state.llm.config.vocab_size)
+    except ValueError as e:
+        raise _bad(str(e), "logit_bias") from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -439,6 +468,11 @@ def _params(state: ServeState, kind: str, body: Any, prompt_len: int, prompt_fie
         stop=_stops(body.stop),
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
+        constraint=constraint,
+        logit_bias=bias,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
     )
 
 
@@ -514,19 +548,93 @@ def _finish_reason(reason: str | None) -> str | None:
     return "stop" if reason in ("stop", "eos") else reason
 
 
-class _Job:
-    """One admitted request: its handle, what it produced so far, its metrics."""
+class _Choice:
+    """One choice of a response: its engine request and what it produced. With tools offered
+    (chat), the reply is read for calls at its end (`infer.prompts.read_reply`), and while
+    streaming, text that may begin a call is held back (`ToolFormat.call_start` / ``hold``)."""
 
     def __init__(
-        self, state: ServeState, kind: str, body: Any, handle: RequestHandle, arrived: float
+        self, index: int, handle: RequestHandle, chat: ToolChat | None, specials: dict[str, int]
     ) -> None:
-        self.state, self.kind, self.body, self.handle, self.arrived = state, kind, body, handle, arrived
+        self.index, self.handle, self.chat = index, handle, chat
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.text_offset = 0  # completions' logprobs
+        self.first = True  # no chunk sent yet
+        self.reason: str | None = None
+        self.calls: list[ToolCall] = []
+        self.content = ""
+        self.emitted = ""  # content streamed so far
+        self.call_at: int | None = None  # where, in the text, calls begin
+        fmt = self.format
+        self._marker_ids = {specials[m] for m in fmt.markers if m in specials} if fmt is not None else set()
+
+    @property
+    def format(self) -> Any:
+        return None if self.chat is None else self.chat.format
+
+    def take(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+
+    def stream_content(self, delta: Delta) -> str:
+        """The new content of this delta that cannot be part of a call (everything without tools)."""
+        if self.format is None:
+            return delta.text
+        seen = "".join(self.text)
+        if self.call_at is None:
+            if self._marker_ids.intersection(delta.token_ids):  # a call opened with a control token
+                self.call_at = len(seen) - len(delta.text)
+            else:
+                self.call_at = self.format.call_start(seen)
+        upto = self.call_at if self.call_at is not None else len(seen) - self.format.hold(seen)
+        upto = len(seen[:upto].rstrip())  # whitespace before a call is not content: it waits
+        piece = seen[len(self.emitted) : upto] if upto > len(self.emitted) else ""
+        self.emitted += piece
+        return piece
+
+    def end(self, llm: Any, reason: str | None) -> None:
+        """The final event came: read the calls out of the reply (when tools were offered)."""
+        text = "".join(self.text)
+        self.reason, self.content = reason, text
+        if self.chat is not None and self.chat.format is not None:
+            self.content, self.calls = read_reply(llm, self.chat, self.token_ids, text)
+            if self.calls:
+                self.reason = "tool_calls"
+
+    def rest(self) -> str:
+        """Streaming, at the end: the content not streamed yet."""
+        if self.format is None or not self.content.startswith(self.emitted):
+            return ""
+        return self.content[len(self.emitted) :]
+
+
+class _Job:
+    """One admitted request: its choices (``n`` engine requests), what they produced, its metrics."""
+
+    def __init__(
+        self,
+        state: ServeState,
+        kind: str,
+        body: Any,
+        handles: list[RequestHandle],
+        arrived: float,
+        chat: ToolChat | None = None,
+    ) -> None:
+        self.state, self.kind, self.body, self.arrived = state, kind, body, arrived
+        self.handles = handles
+        specials: dict[str, int] = {}
+        if chat is not None and chat.format is not None:
+            specials = dict(getattr(state.llm.tokenizer, "special_tokens", {}))
+        self.choices = [_Choice(i, h, chat, specials) for i, h in enumerate(handles)]
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.prompt_tokens = handle.prompt_tokens
+        self.prompt_tokens = handles[0].prompt_tokens
         self.completion_tokens = 0
         self.last_token_at: float | None = None
-        self.text_offset = 0
         self.outcome = "cancelled"
 
     def observe(self, delta: Delta) -> None:
@@ -551,6 +659,10 @@ class _Job:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
 
     # -- logprobs in the two formats --
 
@@ -579,13 +691,13 @@ class _Job:
             )
         return out
 
-    def text_logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+    def text_logprobs(self, choice: _Choice, items: list[TokenLogprob]) -> dict[str, Any]:
         tokens, offsets = [], []
         for lp in items:
             text = self._token_text(lp.token_id)
             tokens.append(text)
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in items],
@@ -593,34 +705,22 @@ class _Job:
             "text_offset": offsets,
         }
 
-    def logprobs(self, items: list[TokenLogprob] | None) -> Any:
+    def logprobs(self, choice: _Choice, items: list[TokenLogprob] | None) -> Any:
         if items is None:
             return None
-        return {"content": self.chat_logprobs(items)} if self.kind == "chat" else self.text_logprobs(items)
+        if self.kind == "chat":
+            return {"content": self.chat_logprobs(items)}
+        return self.text_logprobs(choice, items)
 
     # -- response objects --
 
-    def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
-        reason = _finish_reason(delta.finish_reason)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": self.logprobs(delta.logprobs),
-            "finish_reason": reason,
-        }
-        if self.body.return_token_ids:
-            choice["token_ids"] = list(delta.token_ids)
-        if self.kind == "chat":
-            choice["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": delta.text} if delta.text or first else {}
-            )
-        else:
-            choice["text"] = delta.text
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice],
+            "choices": choices,
         }
         if self.kind == "chat":
             chunk["system_fingerprint"] = None
@@ -628,6 +728,35 @@ class _Job:
         if opts is not None and opts.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def chunk(
+        self,
+        choice: _Choice,
+        delta: Delta,
+        content: str,
+        reason: str | None,
+        calls: list[ToolCall] | None = None,
+    ) -> dict[str, Any]:
+        """One streamed event of ``choice``: ``content`` (chat: the new text), its tokens' logprobs,
+        ``calls`` (as ``delta.tool_calls``), ``reason`` on the last."""
+        out: dict[str, Any] = {
+            "index": choice.index,
+            "logprobs": self.logprobs(choice, delta.logprobs),
+            "finish_reason": reason,
+        }
+        if self.body.return_token_ids:
+            out["token_ids"] = list(delta.token_ids)
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant"} if choice.first else {}
+            if content or choice.first:
+                message["content"] = content
+            if calls:
+                message["tool_calls"] = [{"index": k, **c.openai()} for k, c in enumerate(calls)]
+            out["delta"] = message
+        else:
+            out["text"] = content
+        choice.first = False
+        return self._envelope([out])
 
     def usage_chunk(self) -> dict[str, Any]:
         return {
@@ -639,22 +768,31 @@ class _Job:
             "usage": self.usage(),
         }
 
-    def whole(
-        self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None, reason: str | None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
-        if self.body.return_token_ids:
-            choice["token_ids"] = token_ids
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            out: dict[str, Any] = {
+                "index": c.index,
+                "logprobs": self.logprobs(c, c.logprobs),
+                "finish_reason": c.reason,
+            }
+            if self.body.return_token_ids:
+                out["token_ids"] = c.token_ids
+            if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": c.content}
+                if c.calls:
+                    message["content"] = c.content or None
+                    message["tool_calls"] = [call.openai() for call in c.calls]
+                out["message"] = message
+            else:
+                out["text"] = c.content
+            choices.append(out)
         return {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage(),
         }
 
@@ -681,56 +819,71 @@ def _end_error(delta: Delta) -> APIError:
     )
 
 
+def _reject(state: ServeState, endpoint: str) -> None:
+    state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+
+
 async def _generate(state: ServeState, kind: str, body: Any, request: Request) -> Response:
     arrived = time.perf_counter()
     endpoint = kind
     if body.model is not None and body.model != state.model_name:
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+        _reject(state, endpoint)
         raise APIError(
             400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
             param="model", code="model_not_found",
         )  # fmt: skip
     if state.draining:
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+        _reject(state, endpoint)
         raise APIError(
             503, "the server is shutting down", type="server_error", code="shutting_down",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )  # fmt: skip
+    handles: list[RequestHandle] = []
+    prompt_field = "prompt"
     try:
-        ids, prompt_field = _prompt_ids(state, kind, body)
-        params = _params(state, kind, body, len(ids), prompt_field)
-        handle = await run_in_threadpool(state.engine.submit, ids, params)
-    except EngineFull as e:
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
-        raise APIError(
-            429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None  # fmt: skip
-    except EngineClosed:
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
-        raise APIError(
-            503, "the model's engine is closed", type="server_error", code="engine_closed",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None  # fmt: skip
-    except APIError:
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+        try:
+            check_unhonoured(kind, body)
+            constraint = constraint_of(body) if kind == "chat" else None
+        except FieldError as e:
+            raise _bad(
+                str(e), e.param, "unsupported_parameter" if e.param != "response_format" else None
+            ) from None
+        _compile(state, constraint, "response_format")
+        ids, prompt_field, chat = _prompt_ids(state, kind, body, constraint)
+        if chat is not None and chat.constraint is not constraint:
+            _compile(state, chat.constraint, "tools")
+            constraint = chat.constraint
+        params = _params(state, kind, body, len(ids), prompt_field, constraint)
+        for i in range(body.n):
+            p = params
+            if i and params.seed is not None and not params.greedy:
+                p = dataclasses.replace(params, seed=row_seed(params.seed, i))  # each choice draws its own
+            handles.append(await run_in_threadpool(state.engine.submit, ids, p))
+    except BaseException as e:
+        for h in handles:  # choices already queued go with the request
+            h.cancel()
+        _reject(state, endpoint)
+        if isinstance(e, EngineFull):
+            raise APIError(
+                429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
+        if isinstance(e, EngineClosed):
+            raise APIError(
+                503, "the model's engine is closed", type="server_error", code="engine_closed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
+        if isinstance(e, ValueError) and not isinstance(e, APIError):  # the engine's checks name the field
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "logit_bias",
+                      "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+            param = next((f for f in fields if f in text), prompt_field if "prompt" in text else None)
+            raise _bad(text, param) from None
         raise
-    except ValueError as e:  # the engine's own checks: the message names the field
-        state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        param = next(
-            (
-                f
-                for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
-                if f in text
-            ),
-            prompt_field if "prompt" in text else None,
-        )
-        raise _bad(text, param) from None
-    state.metrics.prompt_tokens.inc(handle.prompt_tokens)
-    job = _Job(state, kind, body, handle, arrived)
+    state.metrics.prompt_tokens.inc(handles[0].prompt_tokens)
+    job = _Job(state, kind, body, handles, arrived, chat)
     with state.lock:
-        state.handles.add(handle)
+        state.handles.update(handles)
     state.metrics.in_flight.inc()
     if body.stream:
         return _Stream(_sse(job), on_close=lambda: _release(state, job))
@@ -743,41 +896,72 @@ async def _generate(state: ServeState, kind: str, body: Any, request: Request) -
 def _release(state: ServeState, job: _Job) -> None:
     """The request is over for the client: cancel it if still running (a no-op when it ended)."""
     with state.lock:
-        if job.handle not in state.handles:
+        if not any(h in state.handles for h in job.handles):
             return
-        state.handles.discard(job.handle)
+        state.handles.difference_update(job.handles)
     state.metrics.in_flight.dec()
-    job.handle.cancel()
+    job.cancel()
     if job.outcome == "cancelled":
         job.finish("cancelled")
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Delta]]:
+    """Every choice's events as they come (one choice: its own, in order)."""
+    if len(choices) == 1:
+        async for delta in _deltas(choices[0].handle):
+            yield choices[0], delta
+        return
+    events: asyncio.Queue[tuple[_Choice, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(choice: _Choice) -> None:
+        try:
+            async for delta in _deltas(choice.handle):
+                await events.put((choice, delta))
+        except BaseException as e:
+            await events.put((choice, e))
+        finally:
+            await events.put((choice, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    left = len(choices)
+    try:
+        while left:
+            choice, item = await events.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _whole(job: _Job, request: Request) -> Response:
     async def watch() -> None:  # a client that hangs up cancels its request
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
-        job.handle.cancel()
+        job.cancel()
 
     watcher = asyncio.create_task(watch())
-    text: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[TokenLogprob] | None = None
+    llm = job.state.llm
     try:
-        async for delta in _deltas(job.handle):
+        async for choice, delta in _merged(job.choices):
             job.observe(delta)
-            text.append(delta.text)
-            token_ids += delta.token_ids
-            if delta.logprobs is not None:
-                logprobs = (logprobs or []) + list(delta.logprobs)
-            if delta.finish_reason is not None:
-                if delta.finish_reason in ("error", "cancelled"):
-                    job.finish(delta.finish_reason)
-                    return _end_error(delta).response()
-                reason = _finish_reason(delta.finish_reason)
-                job.finish(reason or "stop")
-                return JSONResponse(job.whole("".join(text), token_ids, logprobs, reason))
+            choice.take(delta)
+            if delta.finish_reason is None:
+                continue
+            if delta.finish_reason in ("error", "cancelled"):
+                job.cancel()
+                job.finish(delta.finish_reason)
+                return _end_error(delta).response()
+            choice.end(llm, _finish_reason(delta.finish_reason))
     finally:
         watcher.cancel()
+    if all(c.reason is not None for c in job.choices):
+        job.finish(job.choices[0].reason or "stop")
+        return JSONResponse(job.whole())
     job.finish("error")
     return APIError(500, "the engine ended the request without a final event", type="server_error").response()
 
@@ -787,24 +971,32 @@ def _event(obj: Any) -> bytes:
 
 
 async def _sse(job: _Job) -> AsyncIterator[bytes]:
-    first = True
-    async for delta in _deltas(job.handle):
+    llm = job.state.llm
+    ended = 0
+    async for choice, delta in _merged(job.choices):
         job.observe(delta)
+        choice.take(delta)
         if delta.finish_reason in ("error", "cancelled"):
             if delta.text or delta.token_ids:
-                yield _event(job.chunk(Delta(delta.token_ids, delta.text, delta.logprobs, None), first))
+                yield _event(job.chunk(choice, delta, choice.stream_content(delta), None))
+            job.cancel()
             job.finish(delta.finish_reason)
             yield _event(_end_error(delta).body())
-            break
-        if delta.text or delta.token_ids or delta.finish_reason is not None or first:
-            yield _event(job.chunk(delta, first))
-            first = False
-        if delta.finish_reason is not None:
-            job.finish(_finish_reason(delta.finish_reason) or "stop")
-            opts = job.body.stream_options
-            if opts is not None and opts.include_usage:
-                yield _event(job.usage_chunk())
-            break
+            yield b"data: [DONE]\n\n"
+            return
+        content = choice.stream_content(delta)
+        if delta.finish_reason is None:
+            if content or delta.token_ids or choice.first:
+                yield _event(job.chunk(choice, delta, content, None))
+            continue
+        choice.end(llm, _finish_reason(delta.finish_reason))
+        yield _event(job.chunk(choice, delta, content + choice.rest(), choice.reason, choice.calls))
+        ended += 1
+    if ended == len(job.choices):
+        job.finish(job.choices[0].reason or "stop")
+        opts = job.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield _event(job.usage_chunk())
     else:
         job.finish("error")
         yield _event(

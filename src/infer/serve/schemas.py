@@ -1,20 +1,21 @@
-"""Request bodies of the OpenAI API as pydantic models (the fields infer serves; others are ignored).
+"""Request bodies of the OpenAI API as pydantic models.
 
 Types and ranges are checked here, so a wrong one is a 400 naming the field before
-anything reaches the engine. Fields clients send that infer does not use (``user``,
-``presence_penalty`` at 0, ...) are accepted and ignored, as vLLM does; a value infer
-cannot honour (``n`` > 1, a non-zero penalty) is a 400 naming it.
+anything reaches the engine. A top-level field infer does not know is kept
+(``model_extra``) for `infer.serve.fields.check_unhonoured`: a 400 naming it unless it is one
+of the fields that change nothing (``user``, ``store``, ``metadata``, ...) or is null.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' `logprobs` int: 5 there, 20 here
+MAX_N = 128  # OpenAI's bound on choices per request
 
 
 class StreamOptions(BaseModel):
@@ -28,25 +29,116 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI returns it
+
+
+class ToolCallIn(BaseModel):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None  # None only for an assistant message with calls
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content is required (it may be null only in an assistant message with tool_calls)"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def plain(self) -> dict[str, Any]:
+        """The message as infer's chat code takes it (OpenAI's shape; ``developer`` is ``system``)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # calls are always constrained to the parameters when required
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
 
 
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class _Common(BaseModel):
     """Fields both endpoints take."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: NonNegFloat | None = None
@@ -56,9 +148,11 @@ class _Common(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
     return_token_ids: StrictBool = False  # vLLM's extension: each choice also lists its "token_ids"
     user: Any = None
@@ -69,6 +163,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_Common):
@@ -82,4 +180,11 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = None
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions"]
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ResponseFormat",
+    "StreamOptions",
+    "ToolDef",
+]

@@ -63,6 +63,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def prepare_packages(llm: Any, max_batch: int) -> list[str]:
+    """Queue, at start, the builds of the compiled decode steps a server will step (`infer.aot`):
+    one row and 2-16 rows, greedy, sampled (OpenAI's default temperature is 1) and filtered
+    (top-p / top-k), in that order. The background builder takes them in the gaps between
+    requests and the engine picks each one up as it lands, so a server steps compiled code
+    within minutes of starting, with nothing to wait for. The keys queued ([] where packages
+    are off, or every one exists)."""
+    from infer.step import Sampling
+
+    packages = getattr(getattr(llm, "stepper", None), "packages", None)
+    if packages is None:
+        return []
+    rows = [1] + ([2] if max_batch > 1 else [])
+    modes = [Sampling(), Sampling(greedy=False), Sampling(greedy=False, filtered=True)]
+    keys: list[str] = []
+    for mode in modes:  # each mode for one row, then for several: the likeliest first
+        keys += packages.prepare(rows, [mode])
+    return keys
+
+
 def serve(
     llm_or_engine: Any,
     *,
@@ -86,6 +106,7 @@ def serve(
         max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
     )  # fmt: skip
     state: ServeState = app.state.serve
+    prepare_packages(state.llm, getattr(state.engine, "max_batch", 1))
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(
@@ -110,4 +131,4 @@ def serve(
     return 0
 
 
-__all__ = ["bind", "serve"]
+__all__ = ["bind", "prepare_packages", "serve"]
