@@ -420,3 +420,120 @@ def test_speculation_up_to_the_end_of_the_context(
     assert [len(p) + len(t) for p, (t, _) in zip(prompts, out[1], strict=True)] == [40, 40, 40]
     assert all(reason == "length" for _, reason in out[1]) and stats["spec_accepted"] > 0
     q4.engine.close(drain=False)
+
+
+def test_a_pass_never_cuts_a_row_still_reading_its_prompt(det: infer.LLM, propose_all: None) -> None:
+    """Every row of a verify pass's span takes its width (padding included), so a row between the
+    decoding ones that is still reading a prompt near the end of the context bounds the pass (it
+    was cut back to make room, losing prompt tokens it had read): three requests in an 80-token
+    context, the middle one reading a 78-token prompt while the others pass 17 tokens at a time (a
+    draft equal to the target), give plain decoding's tokens and logprobs."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[1], torch.randint(3, 200, (78,), generator=g).tolist(), PROMPTS[2]]
+    params = [SamplingParams(max_tokens=100, logprobs=0, ignore_eos=True)] * 3
+    out = []
+    for llm in (det, with_spec(det, draft=det)):
+        engine = Engine(llm, context=80, prefill_chunk=48, idle_prefill_chunk=48)
+        try:
+            handles = engine._submit(prompts, params, text=False, wait=True)
+            out.append([[(lp.token_id, lp.logprob) for d in h for lp in d.logprobs or []] for h in handles])
+            stats = engine.stats()
+        finally:
+            engine.close(drain=False)
+    assert out[1] == out[0] and stats["spec_accepted"] > 0
+
+
+def _shared_prompts(n: int = 3) -> list[list[int]]:
+    """``n`` prompts with a common 40-token prefix (shared by the engine: >= `MIN_SHARED`), repetitive
+    enough for lookup to find matches."""
+    prefix = (PROMPTS[0] * 2)[:40]
+    return [prefix + p for p in PROMPTS[1 : 1 + n]]
+
+
+def test_lookup_over_shared_prefixes_deterministic(det: infer.LLM, propose_all: None) -> None:
+    """Requests that reuse another's prompt prefix (the deterministic mode copies it into the row)
+    and speculate give bitwise plain decoding's tokens and logprobs."""
+    prompts = _shared_prompts()
+    params = [SamplingParams(max_tokens=32, logprobs=1, ignore_eos=True)] * len(prompts)
+    plain, _ = collect(det, prompts, params)
+    got, stats = collect(with_spec(det, lookup=3), prompts, params)
+    assert [g[:2] for g in got] == [p[:2] for p in plain] and stats["spec_accepted"] > 0
+    assert stats["cached_tokens"] == 2 * 40
+
+
+def test_lookup_over_shared_prefixes_stays_in_each_rows_own_tokens(
+    gemma_path: Path, propose_all: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default mode: the prefix is stored once (a segment every row reads) and each row speculates
+    on its own tokens after it. Every rollback of a verify pass stays within the row's own tokens
+    (never into the segment: checked at each one), the segment still holds the whole prefix for
+    every row at the end, and the tokens are plain decoding's with the same sharing, up to near-ties."""
+    from infer.engine import KVSlots
+
+    llm = infer.load(gemma_path)
+    prompts = _shared_prompts()
+    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * len(prompts)
+    plain, _ = collect(llm, prompts, params)
+    rollback = KVSlots.rollback
+    cuts: list[tuple[int, int]] = []
+
+    def checked(self: KVSlots, row: int, length: int) -> None:
+        if self is engine.slots and self.prefix[row] is not None:
+            cuts.append((length, self.offset(row)))
+        rollback(self, row, length)
+
+    monkeypatch.setattr(KVSlots, "rollback", checked)
+    engine = Engine(with_spec(llm, lookup=3))
+    try:
+        handles = engine._submit(prompts, params, text=False, wait=True)
+        got = [(list(h), list(h.token_ids))[1] for h in handles]
+        stats = engine.stats()
+        segments = [s.length for s in engine.slots.store.segments]
+        offsets = [engine.slots.offset(h_row) for h_row in range(len(prompts))]
+    finally:
+        engine.close(drain=False)
+    assert segments == [40] and offsets == [40, 40, 40] and stats["spec_accepted"] > 0
+    assert cuts and all(length >= offset for length, offset in cuts), "a rollback cut a shared prefix"
+    for prompt, g, p in zip(prompts, got, plain, strict=True):
+        if g != p[0]:
+            i = next(i for i, (a, b) in enumerate(zip(g, p[0], strict=True)) if a != b)
+            with torch.inference_mode():
+                logits = llm.model(torch.tensor([prompt + p[0][:i]]))[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) / float(logits.abs().max()) < 1e-4
+    llm.engine.close(drain=False)
+
+
+def test_processed_rows_do_not_speculate(det: infer.LLM, propose_all: None) -> None:
+    """A request with a constraint, a logit bias or a penalty never speculates, and a step it takes
+    part in is a plain decode step (the pass would have to verify against processed logits): each
+    request gets the tokens it gets without speculation; the free request speculates once the
+    processed ones have ended."""
+    from infer.structured import Constraint
+
+    params = [
+        SamplingParams(max_tokens=12, constraint=Constraint.regex(r"[a-z]{4,10}")),
+        SamplingParams(max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, logit_bias=((5, 5.0),), temperature=0.8, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=40, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    plain, _ = collect(det, prompts, params)
+    got, stats = collect(with_spec(det, lookup=3), prompts, params)
+    assert [g[0] for g in got] == [p[0] for p in plain]
+    assert stats["spec_passes"] > 0  # the free request, alone at the end
+    alone, stats = collect(with_spec(det, lookup=3), prompts[:3], params[:3])
+    assert [g[0] for g in alone] == [p[0] for p in plain[:3]] and stats["spec_steps"] == 0
+
+
+def test_lookup_with_an_int8_kv_cache(gemma_path: Path, propose_all: None) -> None:
+    """A KV dtype narrower than the activations (int8 with a scale per token and head): a verify pass
+    writes and reads the cache as a prefill chunk does, and in the deterministic mode greedy tokens
+    and logprobs are bitwise plain decoding's over the same int8 cache."""
+    llm = infer.load(gemma_path, deterministic=True, kv_dtype="int8")
+    assert llm.model.cache_dtype == torch.int8
+    params = [SamplingParams(max_tokens=32, logprobs=1, ignore_eos=True)] * len(PROMPTS)
+    plain, _ = collect(llm, PROMPTS, params)
+    got, stats = collect(with_spec(llm, lookup=3), PROMPTS, params)
+    assert [g[:2] for g in got] == [p[:2] for p in plain] and stats["spec_accepted"] > 0
+    llm.engine.close(drain=False)
