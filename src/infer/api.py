@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from infer.distributed import Parallel
     from infer.engine import Engine, RequestHandle
     from infer.perplexity import PerplexityResult
+    from infer.speculative import Speculative
     from infer.streaming import StreamingConfig
 
 Prompt = str | list[int]
@@ -194,6 +195,7 @@ class LLM:
     model: DecoderLM
     source: Path
     stepper: Stepper
+    speculative: Speculative | None = None  # speculative decoding (`infer.speculative`; set by `load`)
     parallel: Parallel | None = field(default=None, init=False)
     _engine: Engine | None = field(default=None, init=False)
     _engine_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -625,6 +627,9 @@ def load(
     compile: bool | Literal["auto"] | None = None,
     deterministic: bool = False,
     cache: bool = True,
+    lookup: int = 0,
+    draft: str | os.PathLike[str] | LLM | None = None,
+    speculative_tokens: int | None = None,
     kv_dtype: str | torch.dtype | None = None,
 ) -> LLM:
     """Load a checkpoint and its tokenizer into an `LLM`.
@@ -670,6 +675,19 @@ def load(
     activations' dtype when attention reads them. None: `default_kv_dtype` (the model's dtype on
     CPU; docs/engine.md, *KV memory*, has the memory and speed of each, docs/numerics.md the
     perplexity).
+
+    Speculative decoding (docs/speculative.md; every `generate` / `stream` / `chat` call and the
+    server use it): ``lookup=N`` proposes tokens by n-gram lookup in the prompt and the text so far
+    (the last N tokens, then fewer); ``draft`` proposes them with a draft model: a path (loaded
+    on ``device`` at its default settings and this ``kv_dtype``), an `LLM`, or ``"self"`` (this
+    checkpoint's weights packed: a GGUF file at its default, packed products, safetensors
+    quantized to Q4_0). Its tokenizer must equal this one's (`ValueError` naming the first token
+    that differs). A request with a constraint, a logit bias or a penalty never speculates, and a
+    decode step it takes part in is a plain one (docs/speculative.md).
+    ``speculative_tokens`` bounds the tokens proposed per pass (default 16); each pass proposes
+    what its measured cost and the acceptance so far say pays, down to none. Greedy tokens are
+    plain decoding's (bitwise in the deterministic mode); sampled tokens are distributed as the
+    model's.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -706,6 +724,9 @@ def load(
     stepper = Stepper(model, compile=use_compile, packages=packages)
     llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
     llm.parallel = placed
+    if lookup or draft is not None or speculative_tokens is not None:
+        args = (lookup, draft, speculative_tokens, device, deterministic, kv_dtype)
+        llm.speculative = _speculative(llm, *args)
     return llm
 
 
@@ -737,6 +758,35 @@ def default_kv_dtype(model: DecoderLM) -> torch.dtype | None:
         return None
     products = {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)}
     return torch.bfloat16 if torch.bfloat16 in products else None
+
+
+def _speculative(
+    llm: LLM,
+    lookup: int,
+    draft: str | os.PathLike[str] | LLM | None,
+    tokens: int | None,
+    device: torch.device,
+    deterministic: bool,
+    kv_dtype: str | torch.dtype | None = None,
+) -> Speculative:
+    """`load`'s speculative settings, checked, with the draft model loaded."""
+    from infer.speculative import DEFAULT_TOKENS, Speculative, check_draft
+
+    if llm.parallel is not None:
+        raise ValueError("speculative decoding runs in one process; not under tensor/pipeline parallelism")
+    if lookup == 0 and draft is None:
+        raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
+    if isinstance(draft, str) and draft == "self":
+        if llm.source.suffix == ".gguf":  # its default: packed products on bfloat16 activations
+            draft = load(llm.source, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
+        else:
+            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic,
+                         kv_dtype=kv_dtype)  # fmt: skip
+    elif draft is not None and not isinstance(draft, LLM):
+        draft = load(draft, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
+    if draft is not None:
+        check_draft(llm, draft)
+    return Speculative(lookup, draft, DEFAULT_TOKENS if tokens is None else tokens)
 
 
 def compile_by_default(device: torch.device) -> bool | Literal["auto"]:

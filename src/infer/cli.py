@@ -183,6 +183,9 @@ def _load(args: argparse.Namespace) -> Any:
             pipeline_parallel=args.pipeline_parallel,
             compile=args.compile,
             deterministic=args.deterministic,
+            lookup=args.lookup,
+            draft=args.draft,
+            speculative_tokens=args.speculative_tokens,
             kv_dtype=args.kv_dtype,
         )
     finally:
@@ -328,13 +331,19 @@ def _command(sub: Any, name: str, help: str, description: str | None = None) -> 
 
 
 def _load_options(
-    p: argparse.ArgumentParser, *, deterministic: str, parallel: str | None, compile: bool
+    p: argparse.ArgumentParser,
+    *,
+    deterministic: str,
+    parallel: str | None,
+    compile: bool,
+    speculative: bool = True,
 ) -> None:
     """The options `_load` reads, shared by generate, chat, perplexity and serve.
 
     ``deterministic``: what --deterministic buys for this command; ``parallel``: a note for the
     --tensor-parallel / --pipeline-parallel help (None: the command runs in one process, so the
-    options are absent and default to 1); ``compile``: whether --compile is offered (else None).
+    options are absent and default to 1); ``compile``: whether --compile is offered (else None);
+    ``speculative``: whether --lookup / --draft / --speculative-tokens are offered (else off).
     """
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -380,6 +389,33 @@ def _load_options(
         )
     else:
         p.set_defaults(compile=None)
+    if speculative:
+        p.add_argument(
+            "--lookup",
+            type=_int_option(0, 16),
+            default=0,
+            help="speculative decoding by n-gram lookup in the prompt and the text so far: "
+            "match the last N tokens, then fewer (0: off; docs/speculative.md)",
+        )
+        p.add_argument(
+            "--draft",
+            "--model-draft",
+            "-md",
+            default=None,
+            metavar="MODEL",
+            help="speculative decoding with a draft model of the same tokenizer (a path or hub id; "
+            "'self': this model's weights packed)",
+        )
+        p.add_argument(
+            "--speculative-tokens",
+            "--spec-draft-n-max",
+            type=_int_option(1, 32),
+            default=None,
+            metavar="K",
+            help="tokens proposed per pass at most (1 to 32; default 16): each pass proposes what pays",
+        )
+    else:
+        p.set_defaults(lookup=0, draft=None, speculative_tokens=None)
     p.add_argument("--deterministic", action="store_true", help=f"fixed-shape products: {deterministic}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
@@ -551,7 +587,11 @@ def _perplexity_parser(sub: Any) -> None:
         "--bytes", type=_int_option(1), default=None, help="read only the first BYTES bytes (>= 1)"
     )
     _load_options(
-        p, deterministic="the same figure whatever --batch is (slower)", parallel=None, compile=False
+        p,
+        deterministic="the same figure whatever --batch is (slower)",
+        parallel=None,
+        compile=False,
+        speculative=False,
     )
     p.set_defaults(func=cmd_perplexity)
 

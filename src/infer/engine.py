@@ -65,6 +65,8 @@ from infer.generate import (
     SamplingParams as _Values,
 )
 from infer.models.base import DecoderLM
+from infer.speculative import MAX_TOKENS as MAX_SPECULATIVE
+from infer.speculative import NoiseQueue, RowState, Speculative, Speculator
 from infer.step import (
     MIN_PREFILL,
     Sampling,
@@ -90,6 +92,7 @@ class LLM(Protocol):
     model: DecoderLM
     stepper: Stepper
     tokenizer: Tokenizer
+    speculative: Speculative | None  # speculative decoding (`infer.speculative`), None: off
 
     def _eos_ids(self) -> Sequence[int]: ...
 
@@ -136,6 +139,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2], OpenAI's
     frequency_penalty: float = 0.0  # in [-2, 2], OpenAI's
     repetition_penalty: float = 1.0  # > 0, 1 = off (vLLM's and transformers')
+    speculative: int | None = None  # tokens proposed per pass at most (None: the model's setting; 0: off)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1))
@@ -168,6 +172,8 @@ class SamplingParams:
         if repetition <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
         object.__setattr__(self, "repetition_penalty", repetition)
+        if self.speculative is not None:
+            check_int("speculative", self.speculative, 0, MAX_SPECULATIVE)
 
     @property
     def greedy(self) -> bool:
@@ -320,6 +326,10 @@ class _Request:
     # waits for them and then shares them (`Engine._resolve_waits`) instead of computing them too.
     waits: tuple[int, int] | None = None
     processor: RowProcessor | None = None  # constraint, bias, penalties (`infer.structured`)
+    # With speculation on: a sampled request's noise, token by token, drawn from ``generator``
+    # (a verify pass reads ahead and gives back the rows of rejected positions).
+    noise: NoiseQueue | None = None
+    spec: RowState | None = None  # its speculation state (`infer.speculative`), made on first use
 
     @property
     def decoding(self) -> bool:
@@ -630,26 +640,52 @@ class KVSlots:
             self.held[r].extend(t)
         return out
 
-    @torch.inference_mode()
     def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens`` (k >= 1) to ``row`` in one step; the logits after each: ``[k, V]`` float32.
 
         Logit ``i`` predicts the token after ``tokens[i]``. Roll back with `rollback`.
         """
-        k = len(tokens)
-        if k < 1:
+        if len(tokens) < 1:
             raise ValueError("verify: tokens must hold at least one token")
-        feeds = {row: list(tokens)}
-        self._fit(row, row + 1, k, feeds)
-        view = self._bind(row, row + 1)
+        return self.verify_rows(row, row + 1, {row: list(tokens)})[row]
+
+    @torch.inference_mode()
+    def verify_rows(
+        self, lo: int, hi: int, feeds: dict[int, list[int]], greedy: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]`` (>= 1
+        token), the others nothing; the logits after every fed token, ``{r: [len(feeds[r]), V]}``
+        float32 (logit ``i`` predicts the token after ``feeds[r][i]``). ``greedy``: only each
+        row's argmax must be exact (a packed head then scans less). Eager, like a prefill chunk
+        (rows read their shared prefixes as a step does): in the deterministic mode each row's
+        logits are bitwise its one-token steps'."""
+        T = max(len(t) for t in feeds.values())
+        self._fit(lo, hi, T, feeds)
+        rows = [feeds.get(r, []) for r in range(lo, hi)]
         device = self.model.device
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in rows], dtype=torch.long).to(device)
+        n_new = torch.tensor([len(t) for t in rows], dtype=torch.long).to(device)
+        fed = torch.tensor([b * T + j for b, t in enumerate(rows) for j in range(len(t))], dtype=torch.long)
+        view = self._bind(lo, hi)
         try:
-            h = self.model.hidden(ids, view, None, torch.tensor([k], dtype=torch.long, device=device))
+            h = self.model.hidden(ids, view, None, n_new)  # [B, T, D]
+            h = h.reshape(-1, h.shape[-1])[fed.to(device)][None]  # [1, N, D]: the fed tokens only
+            logits = self.model.head(h, greedy=greedy)[0].float()  # [N, V]
+        except BaseException:
+            lengths = [len(self.held[r]) for r in range(lo, hi)]
+            view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
+            raise
         finally:
             view.shared = None
-        self.held[row].extend(tokens)
-        return self.model.head(h)[0].float()  # [k, V]
+        out: dict[int, torch.Tensor] = {}
+        start = 0
+        for r in range(lo, hi):
+            t = feeds.get(r)
+            if t:
+                self.held[r].extend(t)
+                out[r] = logits[start : start + len(t)]
+                start += len(t)
+        return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -706,6 +742,13 @@ class Engine:
         self.idle_prefill_chunk = idle_prefill_chunk
         self._per_forward = per_forward
         self.slots = KVSlots(model, max_batch, limit, llm.stepper)
+        self._spec: Speculator | None = None
+        if llm.speculative is not None:
+            draft, draft_slots = llm.speculative.draft, None
+            if draft is not None:  # the draft model's KV: one row per row here (never shared)
+                room = min(limit, draft.model.config.max_position_embeddings)
+                draft_slots = KVSlots(draft.model, max_batch, room, draft.stepper, share=False)
+            self._spec = Speculator(llm.speculative, self.slots, limit, per_forward, draft_slots)
         self._eos = frozenset(llm._eos_ids())
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -766,6 +809,8 @@ class Engine:
                          time.perf_counter(), stream=TextStream(self.llm.tokenizer) if text else None,
                          processor=processor)
             )  # fmt: skip
+            if self._spec is not None and generator is not None:
+                requests[-1].noise = NoiseQueue(generator, self.model.vocab_size, self.model.device)
         for r in requests:
             while wait and drive and self._full(max(1, self.max_waiting)):
                 self._drive_once()  # make room by running the loop (or wait while another does)
@@ -837,6 +882,8 @@ class Engine:
                 max_waiting=self.max_waiting, context=self.context, kv_rows=self.slots.rows,
                 kv_capacity=self.slots.capacity, kv_bytes=self.slots.nbytes,
             )  # fmt: skip
+            if self._spec is not None:
+                out.update(self._spec.stats())
         return out
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -1061,12 +1108,24 @@ class Engine:
         )
         mode, values = sampling_inputs(params, self.model.device, exact_head=exact)
         noise = None
-        if not mode.greedy:
+        if not mode.greedy and self._spec is not None:  # the rows a verify pass read ahead come first
+            zeros = torch.zeros(1, self.model.vocab_size, dtype=torch.float32, device=self.model.device)
+            noise = torch.cat([zeros if r is None or r.noise is None else r.noise.take() for r in requests])
+        elif not mode.greedy:
             noise = row_noise([None if r is None else r.generator for r in requests], self.model.vocab_size,
                               self.model.device)  # fmt: skip
         return mode, values, noise
 
     def _decode(self, rows: list[int]) -> None:
+        spec = self._spec
+        if spec is not None:
+            span = range(rows[0], rows[-1] + 1)  # a verify pass feeds these rows (and pads the idle)
+            room = min(self.context - self.slots.length(i) for i in span if i in self._running)
+            if spec.decode([self._running[i] for i in rows], self._token, room):
+                self._stats["steps"] += 1
+                self._stats["batch_size"] = len(rows)
+                return  # the step ran as a verify pass of proposed tokens (`infer.speculative`)
+            t0 = time.perf_counter()
         lo, hi = rows[0], rows[-1] + 1
         stepper = self.slots.stepper
         if stepper.bucketed:
@@ -1083,7 +1142,9 @@ class Engine:
         out, tokens, bad = ran
         self._stats["batch_size"] = len(rows)
         for i in rows:
-            self._token(self._running[i], tokens[i - lo], bad[i - lo], out, i - lo)
+            self._token(self._running[i], tokens[i - lo], bad[i - lo], out.logits, i - lo)
+        if spec is not None:
+            spec.observe_decode(len(rows), time.perf_counter() - t0)
 
     def _step(
         self, lo: int, hi: int, feeds: dict[int, list[int]], requests: list[_Request | None], pad_to: int = 0
@@ -1201,21 +1262,22 @@ class Engine:
                 self._stats["prefill_tokens"] += fed
                 del r.pending[:fed]
                 if not r.pending:  # the prompt is read: this step's logits pick the first token
-                    self._token(r, tokens[j], bad[j], out, j)
+                    self._token(r, tokens[j], bad[j], out.logits, j)
 
-    def _token(self, r: _Request, token: int, nonfinite: bool, out: StepOutput, index: int) -> None:
-        """Take one sampled token of ``r`` (row ``index`` of the step ``out``)."""
+    def _token(self, r: _Request, token: int, nonfinite: bool, logits: torch.Tensor, index: int) -> bool:
+        """Take one sampled token of ``r`` (drawn from ``logits[index]``); whether ``r`` goes on
+        (a stop, the length or an error ends it)."""
         now = time.perf_counter()
         n = len(r.generated) + 1
         if nonfinite:
             where = "prefill" if n == 1 else f"decode step {n - 1}"
             error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
             self._finish(r, "error", error)
-            return
+            return False
         processor = r.processor
         if processor is not None and processor.error is not None:
             self._finish(r, "error", ValueError(f"{processor.error} (generated token {n})"))
-            return
+            return False
         if n == 1:
             r.first = now
         r.generated.append(token)
@@ -1223,7 +1285,7 @@ class Engine:
         self._stats["generated_tokens"] += 1
         logprobs = None
         if r.params.logprobs is not None:
-            lp = torch.log_softmax(out.logits[index], dim=-1)
+            lp = torch.log_softmax(logits[index].float(), dim=-1)
             top: list[tuple[int, float]] = []
             if r.params.logprobs > 0:
                 values, ids = lp.topk(min(r.params.logprobs, lp.shape[-1]))
@@ -1235,7 +1297,7 @@ class Engine:
         if processor is not None and processor.error is not None:
             refused = ValueError(f"{processor.error} (generated token {n})")
             self._finish(r, "error", refused, [token], logprobs)
-            return
+            return False
         if token in r.eos:
             reason, detail = "stop", ("stop" if token in r.params.stop_token_ids else "eos")
         elif complete or (stops and cut_at_stop(self.llm.tokenizer.decode(r.generated), stops)[1]):
@@ -1248,8 +1310,9 @@ class Engine:
             if r.stream is not None:
                 text = r.stream.push(r.generated, r.params.stop)
             self._emit(r, [token], logprobs, None, text=text)
-            return
+            return True
         self._finish(r, reason, None, [token], logprobs, detail)
+        return False
 
     def _finish(
         self,
