@@ -48,7 +48,35 @@ from infer.generate import check_int
 from infer.step import Sampling, SamplingValues, StepOutput, gumbel_noise, sample, sampling_inputs
 
 if TYPE_CHECKING:
-    from infer.engine import KVSlots
+    from infer.models.base import DecoderLM
+
+
+class KVSlots(Protocol):
+    """What speculation uses of the engine's KV slots (`infer.engine.KVSlots`; named here, not
+    imported: the engine imports this module)."""
+
+    model: DecoderLM
+    context: int
+
+    @property
+    def rows(self) -> int: ...
+    def length(self, row: int) -> int: ...
+    def tokens(self, row: int) -> list[int]: ...
+    def reserve(self, rows: int, capacity: int) -> None: ...
+    def rollback(self, row: int, length: int) -> None: ...
+    def step(
+        self,
+        lo: int,
+        hi: int,
+        feeds: dict[int, list[int]],
+        mode: Sampling,
+        values: SamplingValues | None,
+        noise: torch.Tensor | None,
+        pad_to: int = 0,
+    ) -> StepOutput: ...
+    def verify_rows(
+        self, lo: int, hi: int, feeds: dict[int, list[int]], greedy: bool = False
+    ) -> dict[int, torch.Tensor]: ...
 
 MAX_TOKENS = 32  # proposed tokens per pass at most (any setting)
 DEFAULT_TOKENS = 16  # proposed tokens per pass at most, unless set

@@ -65,7 +65,10 @@ FLOORS: list[tuple[str, ...]] = [
     # 4: execution modes beyond resident
     ("infer.streaming", "infer.distributed"),
     # 5: the load path that composes them; generation
-    ("infer.loading", "infer.step", "infer.aot", "infer.generate", "infer.prefix", "infer.engine"),
+    (
+        "infer.loading", "infer.step", "infer.aot", "infer.generate", "infer.prefix", "infer.speculative",
+        "infer.engine",
+    ),
     # 6: the public API and what is built on a loaded model
     ("infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
     # 7: front ends and test support
