@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,6 +110,12 @@ def test_packaged_decode_steps_give_the_eager_tokens(
     print(f"\n{arch}: package built in {built:.1f} s; {llm.stepper.packaged_steps} packaged decode steps")
     assert got == want
     assert llm.stepper.packaged_steps == len(got) - 1  # every decode step (the first token is the prefill's)
+    if sys.platform.startswith("linux"):  # the extracted package is removed once its code is mapped
+        lines = [line for line in Path("/proc/self/maps").read_text().splitlines() if "/aotinductor_" in line]
+        mapped = {line.split("/aotinductor_")[1].split("/")[0] for line in lines}
+        left = [d for d in mapped if Path(tempfile.gettempdir(), f"aotinductor_{d}").exists()]
+        print(f"package code mapped from {len(mapped)} extraction directories, {len(left)} left on disk")
+        assert mapped and not left
     if seed is None:  # the package checks what compiled code cannot: a clear error, never a crash
         package = aot.Package(path_built, llm.model)
         # It is handed only the weights the step reads: the fused q/k/v product, not its parts' views.
