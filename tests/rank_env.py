@@ -16,6 +16,14 @@ def free_port() -> int:
         return port
 
 
+def torchrun(ranks: int, log_dir: Path) -> list[str]:
+    """``python -m torch.distributed.run`` for ``ranks`` local processes on a free port, logging
+    under ``log_dir`` (without ``--log-dir`` it makes a ``torchelastic_*`` directory in /tmp and
+    never removes it)."""
+    return ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--master-port", str(free_port()), "--log-dir", str(log_dir)]  # fmt: skip
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank`` of ``world`` (one thread; infer from this checkout's src)."""
     return {

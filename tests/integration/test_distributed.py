@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from rank_env import free_port, rank_env
+from rank_env import free_port, rank_env, torchrun
 from safetensors.torch import load_file, save_file
 
 import infer
@@ -229,12 +229,15 @@ def test_a_failing_rank_fails_every_rank(tiny_ckpt_factory: Callable[..., Path],
     assert message.startswith("rank 1:")
 
 
-def _cli(args: list[str], stdin: str = "", ranks: int = 0, timeout: float = 240) -> tuple[str, str]:
-    """``infer ARGS`` in one process, or under torchrun with ``ranks`` processes: (stdout, stderr)."""
+def _cli(
+    args: list[str], stdin: str = "", ranks: int = 0, log_dir: Path | None = None, timeout: float = 240
+) -> tuple[str, str]:
+    """``infer ARGS`` in one process, or under torchrun with ``ranks`` processes logging under
+    ``log_dir``: (stdout, stderr)."""
     launch = [sys.executable, "-m", "infer"]
     if ranks:
-        torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        launch = [sys.executable, *torchrun, "--master-port", str(free_port()), "-m", "infer"]
+        assert log_dir is not None
+        launch = [sys.executable, *torchrun(ranks, log_dir), "-m", "infer"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     try:
         proc = subprocess.run(
@@ -247,15 +250,19 @@ def _cli(args: list[str], stdin: str = "", ranks: int = 0, timeout: float = 240)
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel", "--pipeline-parallel"])
-def test_cli_under_torchrun_prints_once(tiny_ckpt_factory: Callable[..., Path], flag: str) -> None:
+def test_cli_under_torchrun_prints_once(
+    tiny_ckpt_factory: Callable[..., Path], flag: str, tmp_path: Path
+) -> None:
     """``torchrun --nproc-per-node 2 -m infer generate ... --tensor-parallel 2``: one copy of the text."""
     path = str(tiny_ckpt_factory("llama"))
     common = ["--dtype", "float32", "--max-new-tokens", "6", "--quiet"]
     one, _ = _cli(["generate", path, "Hello there", *common])
-    two, _ = _cli(["generate", path, "Hello there", *common, flag, "2"], ranks=2)
+    two, _ = _cli(["generate", path, "Hello there", *common, flag, "2"], ranks=2, log_dir=tmp_path)
     print(f"one process: {one!r}\n2 ranks ({flag}): {two!r}")
     assert one.strip() and two == one
     chat_one, _ = _cli(["chat", path, *common], stdin="hi\nand more\n/exit\n")
-    chat_two, _ = _cli(["chat", path, *common, flag, "2"], stdin="hi\nand more\n/exit\n", ranks=2)
+    chat_two, _ = _cli(
+        ["chat", path, *common, flag, "2"], stdin="hi\nand more\n/exit\n", ranks=2, log_dir=tmp_path
+    )
     print(f"chat, one process: {chat_one!r}\nchat, 2 ranks: {chat_two!r}")
     assert chat_one.count("\n") == 2 and chat_two == chat_one  # two replies, printed once

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from rank_env import free_port, rank_env
+from rank_env import free_port, rank_env, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -120,14 +120,13 @@ def test_every_group_carries_the_timeout() -> None:
     assert proc.stdout.split() == ["7.0", "7.0"]
 
 
-def test_rank_0_dies_under_torchrun(tiny_ckpt_factory: Callable[..., Path]) -> None:
+def test_rank_0_dies_under_torchrun(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:
     """`torchrun ... infer generate`: rank 0 killed mid-generation; rank 1 says so in one line."""
     path = str(tiny_ckpt_factory("llama"))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     argv = ["generate", path, "Hello", "--max-new-tokens", "2000", "--tensor-parallel", "2", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
-        [*torchrun, "--master-port", str(free_port()), "-m", "infer", *argv],
+        [sys.executable, *torchrun(2, tmp_path), "-m", "infer", *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,9 @@ import pytest
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
 
 
-def _browser() -> Any:
+def _browser(tmp: Path) -> Any:
+    """Headless Chromium whose profile and temporary files live under ``tmp`` (by default it
+    leaves an ``org.chromium.Chromium.*`` directory in /tmp after ``quit()``)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -38,16 +41,18 @@ def _browser() -> Any:
                  # no crash handler: Chromium's crashpad daemon outlives browser.quit() otherwise
                  "--disable-crash-reporter", "--disable-breakpad"):  # fmt: skip
         options.add_argument(flag)
-    return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+    options.add_argument(f"--user-data-dir={tmp / 'profile'}")
+    service = Service(executable_path=driver, env={**os.environ, "TMPDIR": str(tmp)})
+    return webdriver.Chrome(service=service, options=options)
 
 
 @pytest.mark.slow
-def test_chat_page_streams_a_reply(live_server: LiveServer, tiny_llm: Any) -> None:
+def test_chat_page_streams_a_reply(live_server: LiveServer, tiny_llm: Any, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     base = live_server(tiny_llm)
-    browser = _browser()
+    browser = _browser(tmp_path)
     try:
         browser.get(base + "/")
         assert browser.title == "infer chat"

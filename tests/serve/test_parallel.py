@@ -14,16 +14,17 @@ from typing import Any
 import httpx
 import psutil  # type: ignore[import-untyped]
 import pytest
-from rank_env import SRC, free_port
+from rank_env import SRC, torchrun
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--tensor-parallel"])  # --pipeline-parallel passes too (kept out: time)
-def test_parallel_server_answers_as_one_process(tiny_path: Path, tiny_llm: Any, flag: str) -> None:
+def test_parallel_server_answers_as_one_process(
+    tiny_path: Path, tiny_llm: Any, flag: str, tmp_path: Path
+) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", flag, "2"]
-    argv = [sys.executable, *torchrun, "-m", "infer", *serve]
+    argv = [sys.executable, *torchrun(2, tmp_path), "-m", "infer", *serve]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     err_lines: list[str] = []
     try:

@@ -137,3 +137,60 @@ def test_no_chat_template(hf_tokenizer: Any) -> None:
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Tokenizer(tmp_path / "nowhere")
+
+
+def test_a_generic_tokenizer_is_served_without_transformers(tokenizer_dir: Path) -> None:
+    """The tiny tokenizer (transformers' generic class): `FastTokenizer`, which every test above
+    compares with `AutoTokenizer`; its chat template renders as transformers renders it."""
+    from infer.loader.tokenizer import FastTokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    assert isinstance(tok.hf, FastTokenizer)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    want = tok.hf.transformers().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == want
+
+
+def _edited(tokenizer_dir: Path, tmp_path: Path, **config: Any) -> Path:
+    path = shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    data = json.loads((path / "tokenizer_config.json").read_text())
+    data.update(config)
+    (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"tokenizer_class": "LlamaTokenizer"},  # model-specific code may rebuild the pipeline
+        {"add_bos_token": False},  # transformers patches the post-processor
+        {"clean_up_tokenization_spaces": True},  # decode removes spaces before punctuation
+        {"eos_token": "<|not-in-the-vocabulary|>"},  # transformers would add it
+        {"chat_template": "{{ messages }}"},  # beside chat_template.jinja: which one is ambiguous
+        {"added_tokens_decoder": {"3": {"content": "<|other|>", "special": True}}},
+    ],
+)
+def test_anything_transformers_applies_goes_through_it(
+    tokenizer_dir: Path, tmp_path: Path, config: dict[str, Any]
+) -> None:
+    from infer.loader.tokenizer import FastTokenizer, generic_tokenizer
+
+    path = _edited(tokenizer_dir, tmp_path, **config)
+    assert generic_tokenizer(path) is None
+    if "tokenizer_class" not in config:
+        assert not isinstance(Tokenizer(path).hf, FastTokenizer)
+
+
+def test_special_tokens_written_as_added_tokens_are_read(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Older configs write a special token as ``{"content": ..., "__type": "AddedToken"}``."""
+    path = _edited(tokenizer_dir, tmp_path, eos_token={"content": "<|end|>", "__type": "AddedToken"})
+    fast = generic_tokenizer_of(path)
+    assert fast.eos_token_id == EOS
+
+
+def generic_tokenizer_of(path: Path) -> Any:
+    from infer.loader.tokenizer import generic_tokenizer
+
+    fast = generic_tokenizer(path)
+    assert fast is not None
+    return fast

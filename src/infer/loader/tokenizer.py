@@ -1,8 +1,10 @@
 """`Tokenizer`: the one place that touches transformers' tokenizer classes.
 
 `FastTokenizer` serves a saved ``tokenizer.json`` with the `tokenizers` library alone
-(importing transformers costs ~1-2 s per process); transformers is imported only if a
-chat template is applied.
+(importing transformers' tokenizer classes costs 3-6 s per process on 2 cores): for GGUF
+files, and for checkpoint directories whose tokenizer is transformers' generic fast tokenizer
+with nothing in its config that transformers would apply on top of ``tokenizer.json``
+(`generic_tokenizer`); every other directory goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from infer.chat_template import (
 )
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
+# transformers' generic fast tokenizer (v5's name and its alias): tokenizer.json as saved, no
+# model-specific code building or patching its pipeline.
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# tokenizer_config.json keys that `FastTokenizer` serves as transformers does (the special
+# tokens, the chat template), or that change nothing infer reads. Any other key (add_bos_token,
+# add_prefix_space, legacy, a truthy clean_up_tokenization_spaces...) is left to transformers.
+GENERIC_KEYS = frozenset({
+    "tokenizer_class", "backend", *SPECIAL_TOKENS, "extra_special_tokens", "additional_special_tokens",
+    "added_tokens_decoder", "chat_template", "clean_up_tokenization_spaces", "model_max_length",
+    "model_input_names", "padding_side", "truncation_side", "split_special_tokens",
+})  # fmt: skip
 
 
 class FastTokenizer:
@@ -116,15 +129,18 @@ class Tokenizer:
     """
 
     def __init__(self, model_path: str | Path, *, eos_token_id: int | list[int] | None = None) -> None:
-        from transformers import AutoTokenizer
-
         path = Path(model_path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory does not exist: {path}")
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        except Exception as e:  # transformers also checks config.json (strictly typed fields): name the path
-            raise ValueError(f"{path}: could not load a tokenizer ({type(e).__name__}: {e})"[:2000]) from e
+        tok: Any = generic_tokenizer(path)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            except Exception as e:  # transformers also checks config.json (strictly typed fields)
+                message = f"{path}: could not load a tokenizer ({type(e).__name__}: {e})"
+                raise ValueError(message[:2000]) from e
         if eos_token_id is None:
             eos_token_id = _eos_from_generation_config(path)
         self._init(tok, eos_token_id)
@@ -311,6 +327,63 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added special tokens included."""
         return len(self._tok)
+
+
+def generic_tokenizer(path: Path) -> FastTokenizer | None:
+    """A `FastTokenizer` over ``path/tokenizer.json`` when ``AutoTokenizer`` would build transformers'
+    generic fast tokenizer from it and change nothing infer reads; None otherwise (or on doubt).
+
+    That is: a ``tokenizer_config.json`` naming a `GENERIC_CLASSES` class with only
+    `GENERIC_KEYS`, no cleanup of spaces on decode, special tokens that ``tokenizer.json`` holds
+    (transformers would add missing ones), ``added_tokens_decoder`` entries equal to its added
+    tokens, and one chat template (the config's string or ``chat_template.jinja``, not both).
+    """
+    config_file, tokenizer_file, jinja = (
+        path / "tokenizer_config.json", path / "tokenizer.json", path / "chat_template.jinja"
+    )  # fmt: skip
+    others = ("chat_template.json", "additional_chat_templates", "special_tokens_map.json")
+    if not (config_file.is_file() and tokenizer_file.is_file()) or any((path / o).exists() for o in others):
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # AutoTokenizer names the problem
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in GENERIC_CLASSES:
+        return None
+    if set(config) - GENERIC_KEYS or config.get("clean_up_tokenization_spaces", False) is not False:
+        return None
+    template = config.get("chat_template")
+    if template is not None and (not isinstance(template, str) or jinja.exists()):
+        return None
+    if template is None and jinja.is_file():
+        template = jinja.read_text()
+    special: dict[str, str] = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            return None
+        special[name] = value
+    try:
+        fast = FastTokenizer(tokenizer_file, special, template)
+    except Exception:  # the tokenizers library's own (plain) Exception: AutoTokenizer names it
+        return None
+    if any(fast.convert_tokens_to_ids(token) is None for token in special.values()):
+        return None
+    held = fast.added_tokens_decoder
+    listed = config.get("added_tokens_decoder", {})
+    if not isinstance(listed, dict):
+        return None
+    for key, entry in listed.items():
+        token = held.get(int(key)) if str(key).isdigit() else None
+        if not isinstance(entry, dict) or token is None or token.content != entry.get("content"):
+            return None
+        if bool(entry.get("special", False)) != token.special:
+            return None
+    return fast
 
 
 def _plain_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
