@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary directory with a short path, removed after the test: Chromium's singleton
+    socket lives in it, and a Unix socket's path must stay under 108 bytes (pytest's
+    ``tmp_path`` under xdist is too long: the browser then exits at start)."""
+    with tempfile.TemporaryDirectory(prefix="infer-chrome-") as tmp:
+        yield Path(tmp)
 
 
 def _browser(tmp: Path) -> Any:
@@ -47,12 +57,12 @@ def _browser(tmp: Path) -> Any:
 
 
 @pytest.mark.slow
-def test_chat_page_streams_a_reply(live_server: LiveServer, tiny_llm: Any, tmp_path: Path) -> None:
+def test_chat_page_streams_a_reply(live_server: LiveServer, tiny_llm: Any, short_tmp: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     base = live_server(tiny_llm)
-    browser = _browser(tmp_path)
+    browser = _browser(short_tmp)
     try:
         browser.get(base + "/")
         assert browser.title == "infer chat"
