@@ -66,7 +66,7 @@ from infer.generate import (
 )
 from infer.models.base import DecoderLM
 from infer.speculative import MAX_TOKENS as MAX_SPECULATIVE
-from infer.speculative import NoiseQueue, RowState, Speculative, Speculator
+from infer.speculative import NoiseQueue, RowState, Speculative, Speculator, common_prefix
 from infer.step import (
     MIN_PREFILL,
     Sampling,
@@ -688,15 +688,6 @@ class KVSlots:
         return out
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Engine:
     """Continuous batching over one loaded model (see the module's docstring).
 
@@ -1024,12 +1015,12 @@ class Engine:
         best, best_n = -1, 0
         limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
         for i in free:
-            n = min(_common_prefix(slots.tokens(i), r.prompt), limit)
+            n = min(common_prefix(slots.tokens(i), r.prompt), limit)
             if n > best_n:
                 best, best_n = i, n
         lead, lead_n = -1, 0
         for i, q in self._running.items():
-            n = min(_common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
+            n = min(common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
             stored = slots.offset(i)
             if stored and n < stored + MIN_SHARED:
                 n = min(n, stored)  # the row's own segment: no second copy for a few more tokens

@@ -78,6 +78,7 @@ class KVSlots(Protocol):
         self, lo: int, hi: int, feeds: dict[int, list[int]], greedy: bool = False
     ) -> dict[int, torch.Tensor]: ...
 
+
 MAX_TOKENS = 32  # proposed tokens per pass at most (any setting)
 DEFAULT_TOKENS = 16  # proposed tokens per pass at most, unless set
 KNEE_TOKENS = 8  # cost prior: a forward of N tokens costs ~ (1 + N / KNEE_TOKENS) units
@@ -461,7 +462,7 @@ class Drafter:
         feeds: dict[int, list[int]] = {}
         for r in requests:
             text = [*r.prompt, *r.generated]
-            n = min(_common_prefix(slots.tokens(r.row), text), len(text) - 1)
+            n = min(common_prefix(slots.tokens(r.row), text), len(text) - 1)
             slots.rollback(r.row, n)
             feeds[r.row] = text[n:]
         while any(len(f) > 1 for f in feeds.values()):  # catch up (a new prompt): all but the last token
@@ -547,7 +548,8 @@ def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
