@@ -66,7 +66,12 @@ FLOORS: list[tuple[str, ...]] = [
     ("infer.streaming", "infer.distributed"),
     # 5: the load path that composes them; generation
     (
-        "infer.loading", "infer.step", "infer.aot", "infer.generate", "infer.prefix", "infer.speculative",
+        "infer.loading",
+        "infer.step",
+        "infer.aot",
+        "infer.generate",
+        "infer.prefix",
+        "infer.speculative",
         "infer.engine",
     ),
     # 6: the public API and what is built on a loaded model
