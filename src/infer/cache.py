@@ -121,6 +121,16 @@ class LayerKV:
             return [self.k, self.v]
         return [self.k, self.v, self.k_scale, self.v_scale]
 
+    def release(self) -> None:
+        """Drop the buffers (their memory goes once no view holds them); the layer is empty after."""
+        self.k, self.v = self.k[:, :, :0], self.v[:, :, :0]
+        self.k_scale = None if self.k_scale is None else self.k_scale[:, :, :0]
+        self.v_scale = None if self.v_scale is None else self.v_scale[:, :, :0]
+        self.k, self.v = self.k.clone(), self.v.clone()  # no view of the old storage kept
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale, self.v_scale = self.k_scale.clone(), self.v_scale.clone()
+        self.capacity = 0
+
     def rows(self, cache: KVCache, rows: slice) -> LayerKV:
         """Rows ``rows`` of this layer's buffers (views: writes land here), bound to ``cache``."""
         view = copy.copy(self)

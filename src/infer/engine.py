@@ -45,13 +45,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KEY_CHUNK, KVCache, SharedPrefix, round_up
+from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
@@ -428,28 +428,39 @@ class KVSlots:
             capacity = min(self.context, capacity)
         else:
             capacity = old.max_len
-        model = self.model
-        new = KVCache(
-            model.config,
-            rows,
-            capacity,
-            dtype=model.cache_dtype,
-            device=model.device,
-            layers=model.kv_layers,
-            rings=False,
-        )
-        if old is not None:
-            r = old.batch_size
-            for before, after in zip(old.layers, new.layers, strict=True):
-                if before.capacity:
-                    for src, dst in zip(before.tensors(), after.tensors(), strict=True):
-                        dst[:r, :, : before.capacity].copy_(src)
-            new.slot[:r].copy_(old.slot)
-            new.pad[:r].copy_(old.pad)
-        self.cache = new
+
+        def keep(src: torch.Tensor, dst: torch.Tensor) -> None:
+            dst[: src.shape[0], :, : src.shape[2]].copy_(src)
+
+        self._replace(rows, capacity, keep)
         self.held += [[] for _ in range(rows - len(self.held))]
         self.prefix += [None] * (rows - len(self.prefix))
-        self._views.clear()
+
+    def _replace(self, rows: int, capacity: int, keep: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Swap the cache for one of ``rows x capacity`` slots, ``keep(old, new)`` copying each
+        buffer of what is held. Layer by layer, each old layer freed once copied: the peak is the
+        new cache plus one old layer, not both caches (Gemma 3 with 16 rows of 1,400-token prompts:
+        the whole old cache was ~0.8 GiB on top)."""
+        old, model = self.cache, self.model
+        self._views.clear()  # views of the old buffers would keep them alive
+        # Every layer an empty placeholder at first, filled below.
+        new = KVCache(model.config, rows, capacity, dtype=model.cache_dtype, device=model.device,
+                      layers=[], rings=False)  # fmt: skip
+        held = range(model.config.num_hidden_layers) if model.kv_layers is None else model.kv_layers
+        shape = (rows, model.config.num_key_value_heads, model.config.computed_head_dim)
+        for i in held:
+            after = LayerKV(new, new.capacity, False, shape, model.cache_dtype, new.device)
+            if old is not None:
+                before = old.layers[i]
+                for src, dst in zip(before.tensors(), after.tensors(), strict=True):
+                    keep(src, dst)
+                before.release()
+            new.layers[i] = after
+        if old is not None:
+            r = min(rows, old.batch_size)
+            new.slot[:r].copy_(old.slot[:r])
+            new.pad[:r].copy_(old.pad[:r])
+        self.cache = new
 
     def shrink(self) -> None:
         """Give back slots no row needs: when every row's own tokens fit in a quarter of the
@@ -465,17 +476,11 @@ class KVSlots:
             capacity //= 2
         if not self.stepper.bucketed:
             capacity = max(MIN_SLOTS, round_up(2 * need, KEY_CHUNK))
-        old, model = self.cache, self.model
-        new = KVCache(model.config, old.batch_size, capacity, dtype=model.cache_dtype, device=model.device,
-                      layers=model.kv_layers, rings=False)  # fmt: skip
-        for before, after in zip(old.layers, new.layers, strict=True):
-            if before.capacity:
-                for src, dst in zip(before.tensors(), after.tensors(), strict=True):
-                    dst.copy_(src[:, :, : after.capacity])
-        new.slot.copy_(old.slot)
-        new.pad.copy_(old.pad)
-        self.cache = new
-        self._views.clear()
+
+        def keep(src: torch.Tensor, dst: torch.Tensor) -> None:
+            dst.copy_(src[:, :, : dst.shape[2]])
+
+        self._replace(self.cache.batch_size, capacity, keep)
 
     def view(self, lo: int, hi: int) -> KVCache:
         """Rows ``[lo, hi)`` of the cache (the cache itself when that is every row)."""

@@ -553,3 +553,38 @@ def test_a_caller_waiting_on_another_callers_step_takes_over(det: infer.LLM) -> 
         t.join(TIMEOUT)
     assert not any(t.is_alive() for t in threads)
     assert got == want
+
+
+def test_growing_the_kv_slots_keeps_what_rows_hold_and_frees_the_old_buffers(det: infer.LLM) -> None:
+    """`KVSlots.reserve` past the rows or slots held: every held K/V value is kept bitwise, each
+    old layer's buffers are released once copied (the peak is the new cache plus one old layer),
+    and decoding goes on exactly as in slots that never grew; `shrink` likewise."""
+    model = det.model
+    mode, values = sampling_inputs([SamplingParams()], model.device, exact_head=True)
+    with torch.inference_mode():
+        grown, big = KVSlots(model, 4, 512), KVSlots(model, 4, 512)
+        big.reserve(4, 400)
+        for slots in (grown, big):
+            slots.step(0, 1, {0: list(PROMPT)}, mode, values, None)
+        old = grown.cache
+        assert old is not None
+        before = [[t.clone() for t in layer.tensors()] for layer in old.layers]
+        grown.reserve(3, 300)  # more rows and more slots
+        new = grown.cache
+        assert new is not None and new.batch_size >= 3 and new.max_len >= 300
+        for was, layer in zip(before, new.layers, strict=True):
+            for src, dst in zip(was, layer.tensors(), strict=True):
+                assert torch.equal(dst[: src.shape[0], :, : src.shape[2]], src)
+        print(f"grew {old.batch_size}x{old.capacity} -> {new.batch_size}x{new.capacity}")
+        assert all(layer.capacity == 0 and layer.k.numel() == 0 for layer in old.layers)
+        token = 7
+        for _ in range(3):
+            a = grown.step(0, 1, {0: [token]}, mode, values, None).logits[0]
+            b = big.step(0, 1, {0: [token]}, mode, values, None).logits[0]
+            assert torch.equal(a, b)
+            token = int(a.argmax())
+        grown.shrink()  # rows hold ~20 tokens of 300+ slots: halved
+        assert grown.cache is not None and grown.cache.capacity < new.capacity
+        a = grown.step(0, 1, {0: [token]}, mode, values, None).logits[0]
+        b = big.step(0, 1, {0: [token]}, mode, values, None).logits[0]
+        assert torch.equal(a, b)
