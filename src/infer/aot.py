@@ -167,14 +167,7 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         return out
 
 
-def _source_digest() -> str:
-    """The hash of infer's own source: a package is code generated from it."""
-    root = Path(__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+_source_digest = builder.source_digest  # a package is code generated from infer's source
 
 
 def fingerprint(model: DecoderLM) -> str:
@@ -679,7 +672,7 @@ class PackageCache:
         assert self.recipe is not None
         return {
             "key": key, "batch": batch, "mode": asdict(mode), "out": str(cache_dir() / f"{key}.pt2"),
-            "recipe": asdict(self.recipe), "files": self._files,
+            "recipe": asdict(self.recipe), "files": self._files, "source": _source_digest(),
         }  # fmt: skip
 
     def _queue(self, requests: list[dict[str, Any]]) -> subprocess.Popen[bytes] | None:

@@ -33,8 +33,9 @@ the machine to be idle costs an interpreter and nothing more.
   for at most `STOP_LIMIT_S` after the machine turned busy.
 * **Stale requests are dropped** (a line in ``DIR/builder.log``, no ``.failed`` marker, no
   worker) when the checkpoint's files (``config.json``, ``*.safetensors``, ``*.gguf``) are
-  gone or differ in size or modification time from when the request was made, when the
-  package exists already, or when an earlier build of it failed. A build does not start
+  gone or differ in size or modification time from when the request was made, when infer's
+  source on disk differs from the one that queued it (`source_digest`), when the package
+  exists already, or when an earlier build of it failed. A build does not start
   without the memory for a second copy of the model plus `COMPILER_BYTES` (dropped too).
 * **Bounds.** Per cache directory: at most one builder (and, while it builds, one worker and
   the compiler it runs); on the machine: at most one worker at a time. A builder exits when
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -121,6 +123,16 @@ def temporary(path: str | Path) -> bool:
     return any(resolved.is_relative_to(root) for root in _temp_roots())
 
 
+def source_digest() -> str:
+    """The hash of infer's source as it is on disk now (every ``*.py`` of the package)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def stale(request: dict[str, Any]) -> str | None:
     """Why ``request`` should not be built (None: build it)."""
     out = Path(request["out"])
@@ -128,6 +140,11 @@ def stale(request: dict[str, Any]) -> str | None:
         return "built already"
     if out.with_suffix(".failed").exists():
         return "an earlier build failed (see its .failed marker)"
+    source = request.get("source")
+    if source is not None and source != source_digest():
+        # The worker would build from today's source a package of another fingerprint: the key
+        # asked for is never built (an upgrade or an edit of infer since the request).
+        return "infer's source changed since the request"
     recorded = request.get("files")
     if not recorded:
         return "the request names no checkpoint file"

@@ -102,11 +102,15 @@ def test_checkpoint_files_are_the_model_files(tmp_path: Path) -> None:
 def test_a_request_whose_checkpoint_is_gone_or_changed_is_dropped(
     tmp_path: Path, run_lock: Path, reap_processes: Callable[[], list[int]]
 ) -> None:
-    """The builder drops them without a worker: no ``.failed`` marker, no build log, a line
-    in its log saying why; then it exits (its queue is empty)."""
+    """The builder drops them, and those queued by another version of infer's source, without a
+    worker: no ``.failed`` marker, no build log, a line in its log saying why; then it exits (its
+    queue is empty)."""
     cache = tmp_path / "aot"
-    gone, changed, touched = (_checkpoint(tmp_path / name) for name in ("gone", "changed", "touched"))
-    requests = [_request(cache, ckpt, f"key-{ckpt.name}") for ckpt in (gone, changed, touched)]
+    names = ("gone", "changed", "touched", "other-source")
+    gone, changed, touched, other = (_checkpoint(tmp_path / name) for name in names)
+    requests = [_request(cache, ckpt, f"key-{ckpt.name}") for ckpt in (gone, changed, touched, other)]
+    requests[-1]["source"] = "0" * 64  # queued by another version of infer (an upgrade, an edit)
+    assert builder.stale({**requests[-1], "source": builder.source_digest()}) is None
     (gone / "model.safetensors").unlink()
     (changed / "model.safetensors").write_bytes(b"\1" * 2048)
     st = (touched / "config.json").stat()
@@ -117,6 +121,7 @@ def test_a_request_whose_checkpoint_is_gone_or_changed_is_dropped(
     log = (cache / builder.LOG).read_text()
     assert "dropped key-gone: the checkpoint's file" in log and "is gone" in log, log
     assert "dropped key-changed: the checkpoint at" in log and "dropped key-touched:" in log, log
+    assert "dropped key-other-source: infer's source changed since the request" in log, log
     assert builder.queued(cache) == []
     assert not list(cache.glob("*.failed")) and not list(cache.glob("key-*.log")), "a worker ran"
     assert not builder.running(cache) and reap_processes() == []
