@@ -40,7 +40,7 @@ running when the package appears) steps at compiled speed.
   whose checkpoint is gone or changed is dropped before any worker starts. A build does not
   start without the memory for a second copy of the model and the compiler. A process holds
   at most `MAX_LOADED` packages (least recently used dropped); the cache directory keeps the
-  newest `MAX_PACKAGES` packages.
+  newest `MAX_PACKAGES` packages and as many failure markers, with their logs (`_prune`).
 * **Settings**: ``INFER_AOT`` unset uses packages and builds the missing ones, except for a
   temporary or test checkpoint (`infer.builder.temporary`: under the temporary directory, a
   pytest directory, or loaded under pytest), whose shapes are not queued; ``INFER_AOT=on``
@@ -62,6 +62,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -727,11 +728,29 @@ def _build_at_exit() -> None:
 
 
 def _prune(directory: Path) -> None:
-    packages = sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in packages[MAX_PACKAGES:]:
-        for suffix in (".pt2", ".log"):
+    """Bound what builds leave in ``directory``: the newest `MAX_PACKAGES` packages and as many
+    ``.failed`` markers (each with its log), no log of neither (a build killed before it ended),
+    and no temporary build directory of a worker that died in it, once it is an hour old."""
+
+    def newest_first(pattern: str) -> list[Path]:
+        found = []
+        for path in directory.glob(pattern):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                found.append((path.stat().st_mtime, path))
+        return [path for _, path in sorted(found, reverse=True)]
+
+    for old in newest_first("*.pt2")[MAX_PACKAGES:] + newest_first("*.failed")[MAX_PACKAGES:]:
+        for suffix in (old.suffix, ".log"):
             with contextlib.suppress(OSError):
                 old.with_suffix(suffix).unlink()
+    for log in newest_first("*.log"):
+        if log.name != builder.LOG and not any(log.with_suffix(s).exists() for s in (".pt2", ".failed")):
+            with contextlib.suppress(OSError):
+                log.unlink()
+    for tmp in directory.glob("tmp*"):
+        with contextlib.suppress(OSError):
+            if tmp.is_dir() and time.time() - tmp.stat().st_mtime > 3600:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _yield_the_cpu() -> None:
@@ -767,8 +786,9 @@ def _main(argv: list[str]) -> int:
         out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
         print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
         return 1
+    finally:
+        _prune(out.parent)
     print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
-    _prune(out.parent)
     return 0
 
 

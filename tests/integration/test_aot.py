@@ -409,3 +409,28 @@ def test_no_build_without_the_memory_for_it(tmp_path: Path) -> None:
 def _available_bytes() -> int:
     line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
     return int(line.split()[1]) * 1024
+
+
+def test_the_cache_directory_keeps_a_bounded_number_of_files(tmp_path: Path) -> None:
+    """`aot._prune` (after every build, built or failed): the newest `MAX_PACKAGES` packages and
+    as many ``.failed`` markers, each with its log; no orphan log; a killed worker's temporary
+    directory once an hour old; the builder's log and a fresh temporary directory stay."""
+    n = aot.MAX_PACKAGES + 3
+    for i in range(n):
+        for name in (f"p{i}.pt2", f"p{i}.log", f"f{i}.failed", f"f{i}.log"):
+            (tmp_path / name).write_text("x")
+            os.utime(tmp_path / name, (1000.0 + i, 1000.0 + i))
+    (tmp_path / "killed.log").write_text("a build stopped before it ended")
+    (tmp_path / builder.LOG).write_text("the builder's own")
+    old, fresh = tmp_path / "tmpold", tmp_path / "tmpfresh"
+    old.mkdir()
+    fresh.mkdir()
+    (old / "package.pt2").write_text("half written")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    aot._prune(tmp_path)
+    kept = {p.name for p in tmp_path.iterdir()}
+    newest = range(3, n)
+    want = {f"p{i}.{s}" for i in newest for s in ("pt2", "log")} | {
+        f"f{i}.{s}" for i in newest for s in ("failed", "log")
+    }
+    assert kept == want | {builder.LOG, "tmpfresh"}, sorted(kept ^ (want | {builder.LOG, "tmpfresh"}))
