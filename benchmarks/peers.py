@@ -133,6 +133,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
+    from infer.cache import KVCache
     from infer.step import Sampling, StepFeed
 
     t_load = time.perf_counter()
@@ -146,7 +147,12 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     def prefill(n: int) -> Any:
         length = stepper.prefill_length(n)  # right-padded as generation pads it
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
-        cache = stepper.cache(1, stepper.capacity(length + DECODE + 1))
+        # The engine's kind of cache (`infer.engine.KVSlots`: no ring buffers, which packages
+        # never serve): `stepper.cache` would give Gemma 3's sliding-window layers rings.
+        m = llm.model
+        capacity = stepper.capacity(length + DECODE + 1)
+        cache = KVCache(m.config, 1, capacity, dtype=m.cache_dtype, device=m.device, layers=m.kv_layers,
+                        rings=False)  # fmt: skip
         out = stepper(cache, StepFeed(ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None))
         out.tokens.tolist()
         return cache, out
