@@ -454,8 +454,6 @@ def _remove_extracted(directories: set[str]) -> None:
     loader removes them only when it is destroyed, which a process ending with the package
     loaded never does (5.5 MiB left in the temporary directory per process otherwise). The
     mapped code stays readable (Linux keeps a removed file's pages while mapped)."""
-    import shutil
-
     for directory in directories:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -122,13 +122,14 @@ class LayerKV:
         return [self.k, self.v, self.k_scale, self.v_scale]
 
     def release(self) -> None:
-        """Drop the buffers (their memory goes once no view holds them); the layer is empty after."""
-        self.k, self.v = self.k[:, :, :0], self.v[:, :, :0]
-        self.k_scale = None if self.k_scale is None else self.k_scale[:, :, :0]
-        self.v_scale = None if self.v_scale is None else self.v_scale[:, :, :0]
-        self.k, self.v = self.k.clone(), self.v.clone()  # no view of the old storage kept
+        """Drop the buffers for empty ones of no slots (their memory goes once no view holds them)."""
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty((*t.shape[:2], 0, *t.shape[3:]))  # no view of the old storage
+
+        self.k, self.v = empty(self.k), empty(self.v)
         if self.k_scale is not None and self.v_scale is not None:
-            self.k_scale, self.v_scale = self.k_scale.clone(), self.v_scale.clone()
+            self.k_scale, self.v_scale = empty(self.k_scale), empty(self.v_scale)
         self.capacity = 0
 
     def rows(self, cache: KVCache, rows: slice) -> LayerKV:

@@ -439,8 +439,7 @@ class KVSlots:
     def _replace(self, rows: int, capacity: int, keep: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Swap the cache for one of ``rows x capacity`` slots, ``keep(old, new)`` copying each
         buffer of what is held. Layer by layer, each old layer freed once copied: the peak is the
-        new cache plus one old layer, not both caches (Gemma 3 with 16 rows of 1,400-token prompts:
-        the whole old cache was ~0.8 GiB on top)."""
+        new cache plus one old layer, not both caches (docs/engine.md, *KV memory*)."""
         old, model = self.cache, self.model
         self._views.clear()  # views of the old buffers would keep them alive
         # Every layer an empty placeholder at first, filled below.

@@ -165,6 +165,7 @@ def _edited(tokenizer_dir: Path, tmp_path: Path, **config: Any) -> Path:
         {"tokenizer_class": "LlamaTokenizer"},  # model-specific code may rebuild the pipeline
         {"add_bos_token": False},  # transformers patches the post-processor
         {"clean_up_tokenization_spaces": True},  # decode removes spaces before punctuation
+        {"split_special_tokens": True},  # encode spells special tokens as text
         {"eos_token": "<|not-in-the-vocabulary|>"},  # transformers would add it
         {"chat_template": "{{ messages }}"},  # beside chat_template.jinja: which one is ambiguous
         {"added_tokens_decoder": {"3": {"content": "<|other|>", "special": True}}},
@@ -194,3 +195,17 @@ def generic_tokenizer_of(path: Path) -> Any:
     fast = generic_tokenizer(path)
     assert fast is not None
     return fast
+
+
+def test_an_unreadable_chat_template_is_left_to_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A ``chat_template.jinja`` that is not UTF-8: no fast tokenizer; transformers' error then
+    reaches the user naming the directory, never a bare UnicodeDecodeError."""
+    from infer.loader.tokenizer import generic_tokenizer
+
+    path = _edited(tokenizer_dir, tmp_path)
+    (path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}\xc3")
+    assert generic_tokenizer(path) is None
+    with pytest.raises(ValueError, match="could not load a tokenizer") as info:
+        Tokenizer(path)
+    print(info.value)
+    assert str(path) in str(info.value)

@@ -334,9 +334,10 @@ def generic_tokenizer(path: Path) -> FastTokenizer | None:
     generic fast tokenizer from it and change nothing infer reads; None otherwise (or on doubt).
 
     That is: a ``tokenizer_config.json`` naming a `GENERIC_CLASSES` class with only
-    `GENERIC_KEYS`, no cleanup of spaces on decode, special tokens that ``tokenizer.json`` holds
-    (transformers would add missing ones), ``added_tokens_decoder`` entries equal to its added
-    tokens, and one chat template (the config's string or ``chat_template.jinja``, not both).
+    `GENERIC_KEYS`, no cleanup of spaces on decode nor special tokens split on encode, special
+    tokens that ``tokenizer.json`` holds (transformers would add missing ones), entries of
+    ``added_tokens_decoder`` equal to its added tokens, and one chat template (the config's
+    string or ``chat_template.jinja``, not both).
     """
     config_file, tokenizer_file, jinja = (
         path / "tokenizer_config.json", path / "tokenizer.json", path / "chat_template.jinja"
@@ -350,13 +351,20 @@ def generic_tokenizer(path: Path) -> FastTokenizer | None:
         return None  # AutoTokenizer names the problem
     if not isinstance(config, dict) or config.get("tokenizer_class") not in GENERIC_CLASSES:
         return None
-    if set(config) - GENERIC_KEYS or config.get("clean_up_tokenization_spaces", False) is not False:
+    if set(config) - GENERIC_KEYS:
+        return None
+    # On decode transformers would clean up spaces; on encode, spell special tokens as text.
+    flags = ("clean_up_tokenization_spaces", "split_special_tokens")
+    if any(config.get(flag, False) is not False for flag in flags):
         return None
     template = config.get("chat_template")
     if template is not None and (not isinstance(template, str) or jinja.exists()):
         return None
     if template is None and jinja.is_file():
-        template = jinja.read_text()
+        try:
+            template = jinja.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None  # AutoTokenizer names the problem
     special: dict[str, str] = {}
     for name in SPECIAL_TOKENS:
         value = config.get(name)
