@@ -297,6 +297,34 @@ def test_head_rescoring_makes_top_logits_exact() -> None:
     assert torch.equal(head.exact_rows(torch.tensor([0, 17, 299])), exact_w[[0, 17, 299]])
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q5_0])
+@pytest.mark.parametrize("n", [320, 300])  # whole 64-row packing blocks, and a tail block
+def test_exact_outputs_are_float32_products_of_the_exact_rows(qtype: T, n: int) -> None:
+    """`QuantizedLinear.exact_outputs` (the re-scoring's products, from the packed bytes) equals
+    float32 products of the GGUF weights' exact rows: a Q8_0 head's two planes joined in one byte,
+    other types plane by plane."""
+    import gguf.quants as gq
+    from gguf import GGMLQuantizationType as G
+
+    from infer.quant import QuantizedLinear, dequantize
+
+    gen = torch.Generator().manual_seed(n)
+    k = 96
+    raw = torch.from_numpy(gq.quantize(torch.randn(n, k, generator=gen).numpy(), G(int(qtype))))
+    exact_w = dequantize(raw, qtype, (n, k))
+    head = QuantizedLinear.from_gguf(raw, qtype, (n, k), exact_rescoring=True)
+    assert head.split == (qtype == T.Q8_0)
+    x = torch.randn(3, k, generator=gen) * 3
+    idx = torch.randint(0, n, (3, 40), generator=gen)
+    idx[0, :3] = torch.tensor([0, 63, n - 1])
+    want = torch.einsum("mk,mjk->mj", x, exact_w[idx])
+    got = head.exact_outputs(x, idx)
+    scale = torch.einsum("mk,mjk->mj", x.abs(), exact_w[idx].abs())  # what float32 rounding scales with
+    err = ((got - want).abs() / scale).max().item()
+    print(f"\n{qtype.name} n={n}: exact_outputs vs float32 products, error {err:.1e} of sum|x w|")
+    assert err <= 2 * k * 2.0**-24  # both sides' float32 summation orders, nothing more
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k"), [(1, 262144, 128), (3, 49152, 128), (2, 49152, 16), (2, 300, 16)]
 )
