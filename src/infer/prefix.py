@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from infer.cache import KVCache
+from infer.cache import KVCache, return_freed_memory
 from infer.models.base import DecoderLM
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
@@ -132,6 +132,9 @@ class PrefixStore:
                 self.cache = None
             elif self.capacity > 4 * max(64, self.tokens_held):  # mostly empty: pack what lives
                 self._rebuild(0)
+            else:
+                return
+            return_freed_memory()
 
     def _gap(self, n: int) -> int | None:
         """The first free run of ``n`` slots, or None."""

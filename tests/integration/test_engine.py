@@ -588,3 +588,40 @@ def test_growing_the_kv_slots_keeps_what_rows_hold_and_frees_the_old_buffers(det
         a = grown.step(0, 1, {0: [token]}, mode, values, None).logits[0]
         b = big.step(0, 1, {0: [token]}, mode, values, None).logits[0]
         assert torch.equal(a, b)
+
+
+def _anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+def test_a_regrowth_hands_the_old_layers_pages_back(llama: infer.LLM) -> None:
+    """After `KVSlots.reserve` grows the cache, the old layers' memory leaves the process (glibc
+    keeps freed heap blocks resident; `infer.cache.return_freed_memory` trims them): resident
+    anonymous memory grows by the new cache less the old one, not by the whole new cache."""
+    from infer.cache import _malloc_trim
+
+    if _malloc_trim() is None:
+        pytest.skip("not glibc: no malloc_trim, and no heap that keeps freed blocks this way")
+    # A freed 30 MiB block raises glibc's mmap threshold to 30 MiB (it follows freed blocks up to
+    # 32 MiB), so the layers below (24 MiB at 8 rows) come from the heap, as a running server's do.
+    raise_threshold = torch.ones(30 << 18)
+    del raise_threshold
+    slots = KVSlots(llama.model, 16, 16384)
+    with torch.inference_mode():
+        slots.reserve(8, 16384)
+        assert slots.cache is not None
+        for layer in slots.cache.layers:
+            for t in layer.tensors():
+                t.fill_(1.0)  # resident
+        old_mib = slots.nbytes / 2**20
+        before = _anon_mib()
+        slots.reserve(16, 16384)
+        for layer in slots.cache.layers:
+            for t in layer.tensors():
+                t.fill_(1.0)
+        new_mib = slots.nbytes / 2**20
+        grew = _anon_mib() - before
+    print(f"KV {old_mib:.0f} -> {new_mib:.0f} MiB: resident anonymous memory grew {grew:.0f} MiB")
+    assert new_mib >= 2 * old_mib > 0
+    assert grew < new_mib - old_mib / 2  # the old cache kept resident would add ~old_mib more
