@@ -108,6 +108,9 @@ RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly 
 # Greedy processed rows in a step up to which they re-score their candidates; with more, the step
 # computes the exact head (one product for every row costs less than many rows' re-scoring).
 RESCORED_ROWS = 2
+# Slots a row gets beyond its request's prompt + max_tokens (`KVSlots.bound`): a speculative
+# verify pass writes its whole draft before the rejected tokens are rolled back.
+BOUND_MARGIN = MAX_SPECULATIVE
 
 
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -367,6 +370,9 @@ class KVSlots:
         self.cache: KVCache | None = None
         self.held: list[list[int]] = []
         self.prefix: list[tuple[Segment, int] | None] = []
+        # Per row, the most tokens it may hold while its request runs (0: no request; it holds
+        # ``held``): the engine sets it at admission (prompt + max_tokens), so capacity stops there.
+        self.bounds: list[int] = []
         # Prefixes shared between rows are stored once (`infer.prefix`); where attention cannot
         # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
         self.share = shares_prefixes(model) if share is None else share
@@ -425,6 +431,9 @@ class KVSlots:
                 capacity = 1 << (want - 1).bit_length()
             else:  # a quarter more than asked, in whole key chunks: memory follows the longest row
                 capacity = round_up(want + want // 4, KEY_CHUNK)  # and a growing row copies rarely
+                bound = self.bound()  # ... but no further than any row may ever hold
+                if bound is not None:
+                    capacity = max(round_up(want, KEY_CHUNK), min(capacity, round_up(bound, KEY_CHUNK)))
             capacity = min(self.context, capacity)
         else:
             capacity = old.max_len
@@ -435,6 +444,16 @@ class KVSlots:
         self._replace(rows, capacity, keep)
         self.held += [[] for _ in range(rows - len(self.held))]
         self.prefix += [None] * (rows - len(self.prefix))
+        self.bounds += [0] * (rows - len(self.bounds))
+
+    def bound(self) -> int | None:
+        """The most tokens any row may hold, when the engine set `bounds` (None: unknown, as for
+        the slots a caller steps itself): a running request's bound, or what an idle row holds,
+        and a speculative draft's tokens on top."""
+        if not any(self.bounds):
+            return None
+        rows = range(len(self.held))
+        return max(self.bounds[r] or len(self.held[r]) for r in rows) + BOUND_MARGIN
 
     def _replace(self, rows: int, capacity: int, keep: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Swap the cache for one of ``rows x capacity`` slots, ``keep(old, new)`` copying each
@@ -1047,6 +1066,7 @@ class Engine:
         slots.rollback(best, best_n)
         r.row = best
         r.pending = r.prompt[best_n:]
+        slots.bounds[best] = len(slots.held[best]) + len(r.pending) + r.max_new
         r.started = time.perf_counter()
         r.handle.cached = best_n
         self._stats["cached_tokens"] += best_n
@@ -1323,6 +1343,8 @@ class Engine:
         if self._running.get(r.row) is r:
             del self._running[r.row]
             self._used[r.row] = now
+            if r.row < len(self.slots.bounds):
+                self.slots.bounds[r.row] = 0
         h = r.handle
         h.finish_detail = detail or reason
         h.exception = error

@@ -590,6 +590,36 @@ def test_growing_the_kv_slots_keeps_what_rows_hold_and_frees_the_old_buffers(det
         assert torch.equal(a, b)
 
 
+def test_kv_capacity_stops_at_what_a_running_request_may_hold(llama: infer.LLM, tmp_path: Path) -> None:
+    """A row's capacity grows a quarter past what it needs, but not past its request's prompt +
+    max_tokens (+ a speculative draft): the engine sets each row's bound at admission and clears
+    it when the request ends; slots stepped without an engine keep the quarter."""
+    from infer.engine import BOUND_MARGIN
+    from infer.speculative import MAX_TOKENS
+
+    assert BOUND_MARGIN == MAX_TOKENS
+    for bound, want in ((0, 1152), (1000, 1088), (2000, 1152)):
+        slots = KVSlots(llama.model, 4, 4096)
+        slots.reserve(1, 1)
+        slots.bounds[0] = bound
+        slots.reserve(1, 900)  # 900 x 1.25 -> 1152; a bound of 1000 (+ 32) -> 1088
+        print(f"bound {bound}: capacity {slots.capacity}")
+        assert slots.capacity == want
+    from infer.testing import build_checkpoint
+
+    long = infer.load(build_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=2048))
+    engine = Engine(long, max_batch=2)
+    try:
+        prompt = [5 + i % 50 for i in range(600)]
+        handle = engine.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(tokens_of(drain(handle))) == 3
+        # 600 x 1.25 -> 768 slots without the bound; 600 + 3 + 32 -> 640
+        print(f"engine: a {len(prompt)}-token prompt, 3 new tokens: capacity {engine.slots.capacity}")
+        assert engine.slots.capacity == 640 and not any(engine.slots.bounds)  # cleared at the end
+    finally:
+        engine.close(drain=False)
+
+
 def _anon_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
