@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, return_freed_memory, round_up
+from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, release_freed_memory, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
@@ -473,7 +473,7 @@ class KVSlots:
                 for src, dst in zip(before.tensors(), after.tensors(), strict=True):
                     keep(src, dst)
                 before.release()
-                return_freed_memory()  # the old layer's pages, before the next new one is written
+                release_freed_memory()  # the old layer's pages, before the next new one is written
             new.layers[i] = after
         if old is not None:
             r = min(rows, old.batch_size)

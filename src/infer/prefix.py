@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from infer.cache import KVCache, return_freed_memory
+from infer.cache import KVCache, release_freed_memory
 from infer.models.base import DecoderLM
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
@@ -130,11 +130,10 @@ class PrefixStore:
             self.segments.remove(segment)
             if not self.segments:  # nothing live: give the memory back
                 self.cache = None
+                release_freed_memory()
             elif self.capacity > 4 * max(64, self.tokens_held):  # mostly empty: pack what lives
                 self._rebuild(0)
-            else:
-                return
-            return_freed_memory()
+                release_freed_memory()
 
     def _gap(self, n: int) -> int | None:
         """The first free run of ``n`` slots, or None."""

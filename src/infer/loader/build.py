@@ -20,7 +20,6 @@ and the found value.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from infer.cache import release_freed_memory
 from infer.loader.config import ModelConfig
 from infer.loader.names import Entry, check_dimensions, map_names, stored_name
 from infer.loader.options import LoadOptions, ProgressFn
@@ -65,21 +65,6 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             seen[id(p)] = name
     return aliases
-
-
-def release_freed_memory() -> None:
-    """Return the heap memory freed by loading to the OS (glibc keeps it otherwise).
-
-    Loading frees many large temporaries (read buffers, conversion planes); glibc keeps
-    the freed heap pages, so the process held ~80 MiB more than its tensors after loading
-    SmolLM2 (190 MiB instead of 110 MiB). ``malloc_trim`` gives them back; elsewhere
-    (another libc) this does nothing.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def reset_buffers(model: nn.Module, device: torch.device | str) -> None:

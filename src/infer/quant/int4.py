@@ -154,7 +154,7 @@ def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     block, within = rows // BLOCK_N, rows % BLOCK_N
     if full == n:  # whole blocks only: one strided gather, no [R, K] index tensor
         shift = ((within // (BLOCK_N // 2)) * 4).to(torch.uint8)
-        byte = packed.view(n // BLOCK_N, k, BLOCK_N // 2)[block, :, within % (BLOCK_N // 2)]  # [R, K]
+        byte = packed.reshape(n // BLOCK_N, k, BLOCK_N // 2)[block, :, within % (BLOCK_N // 2)]  # [R, K]
         return (byte >> shift[:, None]) & 0x0F
     flat = packed.reshape(-1)
     # Full blocks: row j of a block is byte column j % 32, nibble j // 32.
