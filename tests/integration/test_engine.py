@@ -356,12 +356,18 @@ def test_cancel_frees_the_row_within_a_step(llama: infer.LLM) -> None:
         h = engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
         it = iter(h)
         next(it)
+        # The loop thread runs on while this one is descheduled (the tokens it queued meanwhile are
+        # still delivered): count the tokens made after the cancel, not the deltas that follow.
+        made = engine.stats()["generated_tokens"]
         h.cancel()
         rest = list(it)
-        assert len(rest) <= 3 and rest[-1].finish_reason == "cancelled"
+        after = engine.stats()["generated_tokens"] - made
+        print(f"tokens made after the cancel: {after}; deltas delivered after the first: {len(rest)}")
+        # the step in flight, and one begun between the count and the cancel
+        assert after <= 2 and rest[-1].finish_reason == "cancelled"
         assert engine.stats()["running"] == 0
-        after = drain(engine.submit(PROMPT, SamplingParams(max_tokens=3)))  # the row is free again
-        assert after[-1].finish_reason in ("length", "stop")
+        again = drain(engine.submit(PROMPT, SamplingParams(max_tokens=3)))  # the row is free again
+        assert again[-1].finish_reason in ("length", "stop")
     finally:
         engine.close(drain=False)
 
