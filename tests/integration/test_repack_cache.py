@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES
 
 import infer
 from infer.gguf.writer import write_gguf
-from infer.loader.repack_cache import RepackCache, gguf_layout
+from infer.loader.repack_cache import RepackCache, gguf_layout, max_bytes, prune
 from infer.quant import QuantizedLinear
 from infer.quant.ggml import QType
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -184,7 +184,7 @@ def test_unwritable_cache_only_costs_speed(
 
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize(
-    "qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "MXFP4", "Q6_K", "Q3_K", "F16"]
+    "qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "MXFP4", "Q6_K", "Q3_K", "Q2_K", "F16"]
 )
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
 def test_layout_is_what_conversion_builds(qtype: str, exact: bool, compute_dtype: torch.dtype) -> None:
@@ -196,7 +196,7 @@ def test_layout_is_what_conversion_builds(qtype: str, exact: bool, compute_dtype
     raw = torch.randint(0, 256, (n, k // block * size), dtype=torch.uint8, generator=gen)
     lin = QuantizedLinear.from_gguf(raw, qt, (n, k), compute_dtype=compute_dtype, exact_rescoring=exact)
     layout = gguf_layout(qt, n, k, compute_dtype, exact)
-    assert (lin.fmt, lin.planes) == (layout.fmt, layout.planes)
+    assert (lin.fmt, lin.planes, lin.paired) == (layout.fmt, layout.planes, layout.paired)
     built = {name: (tuple(b.shape), b.dtype) for name, b in lin.named_buffers()}
     assert built == layout.tensors
 
@@ -250,3 +250,46 @@ def test_a_checked_entry_is_not_checked_again(
     done = len(checked)
     infer.load(path)
     assert len(checked) == done
+
+
+def test_the_directory_is_pruned_oldest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries past the cap go least recently used first; the one just written always stays."""
+    files = []
+    for i in range(4):
+        f = tmp_path / f"m{i}.safetensors"
+        f.write_bytes(b"\0" * 1000)
+        os.utime(f, ns=(0, i * 10**9))  # m0 is the least recently used
+        files.append(f)
+    removed = prune(tmp_path, 2500, keep=files[0])
+    print("removed:", [f.name for f in removed])
+    assert removed == [files[1], files[2]]  # m0 is kept although oldest; m3 fits under the cap
+    assert sorted(tmp_path.glob("*.safetensors")) == [files[0], files[3]]
+    assert prune(tmp_path, 0, keep=files[3]) == [files[0]]
+    monkeypatch.setenv("INFER_REPACK_CACHE_MAX", "1.5G")
+    assert max_bytes() == int(1.5 * 2**30)
+    monkeypatch.setenv("INFER_REPACK_CACHE_MAX", "lots")
+    with pytest.raises(ValueError, match="INFER_REPACK_CACHE_MAX='lots'"):
+        max_bytes()
+
+
+def test_a_load_keeps_the_cache_under_its_cap(
+    tiny_gguf: Callable[[str, int], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing an entry prunes the least recently used others past ``INFER_REPACK_CACHE_MAX``."""
+    import shutil
+
+    a = tiny_gguf("Q4_0", 0)
+    b = shutil.copy(a, tmp_path / "b.gguf")
+    infer.load(a)
+    [entry_a] = cache_files(tmp_path / "cache")
+    infer.load(b)  # under the default cap: both kept
+    assert len(cache_files(tmp_path / "cache")) == 2
+    entry_b = next(f for f in cache_files(tmp_path / "cache") if f != entry_a)
+    os.utime(entry_a, ns=(0, 0))  # a long unused
+    cap = 2 * entry_b.stat().st_size + entry_a.stat().st_size // 2  # b's and c's entries, not a third
+    monkeypatch.setenv("INFER_REPACK_CACHE_MAX", str(cap))
+    c = shutil.copy(a, tmp_path / "c.gguf")
+    infer.load(c)  # a third entry of the same size: the oldest (a's) goes, b's stays
+    left = cache_files(tmp_path / "cache")
+    print("left:", [f.name for f in left])
+    assert entry_a not in left and entry_b in left and len(left) == 2

@@ -29,11 +29,12 @@ FP16_FIELDS = {
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [],
 }  # fmt: skip
 # Packed bytes / GGUF bytes expected per type (int4: bf16 scale+zero per group of 32 and plane;
+# paired (groups of 16): two nibbles a value and a bf16 scale+zero per 16 values;
 # dense: a bfloat16 copy), for a shape with no row padding.
 MEMORY_RATIO = {
     T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q4_K: 160 / 144, T.Q5_0: 40 / 22, T.Q5_1: 40 / 24,
     T.Q5_K: 320 / 176, T.Q8_0: 40 / 34, T.MXFP4: 40 / 17,
-    T.Q2_K: 512 / 84, T.Q3_K: 512 / 110, T.Q6_K: 512 / 210,
+    T.Q2_K: 320 / 84, T.Q3_K: 320 / 110, T.Q6_K: 320 / 210,
 }  # fmt: skip
 # Input shapes: decode steps (one token per sequence: the packed kernel with bfloat16 compute)
 # and prefill steps (several tokens: tile-wise dequantization + matmul).

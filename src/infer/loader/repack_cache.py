@@ -11,7 +11,8 @@ under ``cache_root() / "repack"``, so a later process maps it instead of convert
 * **Whether it is current**: the key stored in the file's metadata must equal the one
   computed now: the GGUF file's absolute path, size, ``mtime_ns`` and a fingerprint
   (sha256 of its header and of 16 blocks sampled across its tensor data), the compute
-  dtype and device, `FORMAT_VERSION` and torch's version. Each matrix's entry also
+  dtype and device, `FORMAT_VERSION`, torch's version and the int4 layout's row block
+  (which torch picks by CPU). Each matrix's entry also
   records its GGML type, shape and ``exact_rescoring``; its tensors must have exactly
   the names, shapes and dtypes conversion produces, and their bytes the CRC-32 stored
   for them (a matrix checked for NaN / inf when written is not checked again).
@@ -23,7 +24,12 @@ under ``cache_root() / "repack"``, so a later process maps it instead of convert
   loaded model into a temporary file, which then replaces the entry atomically
   (``os.replace``): no second copy of the model is held, and a reader never sees a
   partial file. A cache directory that cannot be written only costs speed. Writing
-  also deletes the entries of GGUF files that no longer exist.
+  also deletes the entries of GGUF files that no longer exist, then the least recently
+  used entries (by modification time, which a hit sets: access times move whenever a
+  header is read) until the directory holds at
+  most `max_bytes` (``INFER_REPACK_CACHE_MAX``, bytes with an optional K/M/G suffix;
+  default `DEFAULT_MAX_BYTES`, 4 GiB). The entry just written is never removed, so one
+  model larger than the cap still keeps its own.
 
 Not cached: tensor-parallel parts (each rank converts its slice) and streamed models.
 """
@@ -46,13 +52,14 @@ import torch
 from infer.quant import int4
 from infer.quant.ggml import FLOAT_TYPES, QType
 from infer.quant.linear import QuantizedLinear
-from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes
+from infer.quant.planes import GROUP, has_int4_form, is_paired, num_planes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Q2_K / Q3_K / Q6_K in the paired int4 form (1: dense)
 _ALIGN = 64  # every tensor's data starts on a 64-byte boundary of the file (the kernels' loads)
 _SAMPLES = 16  # blocks of the tensor data hashed into the fingerprint
 _SAMPLE_BYTES = 1 << 16
 _PAD = "__pad__."  # filler tensors that keep the next tensor aligned (safetensors has no gaps)
+DEFAULT_MAX_BYTES = 4 << 30  # the whole repack directory, oldest entries out first
 
 _DTYPE_NAMES = {
     torch.uint8: "U8",
@@ -69,13 +76,14 @@ class Layout:
 
     fmt: str
     planes: int
+    paired: bool
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def gguf_layout(qtype: QType, n: int, k: int, compute_dtype: torch.dtype, exact_rescoring: bool) -> Layout:
     """The layout `QuantizedLinear.from_gguf` gives a ``[n, k]`` matrix of ``qtype`` (kept in step)."""
-    if qtype in FLOAT_TYPES or qtype not in PLANE_DECODERS:
-        return Layout("dense", 1, {"weight": ((n, k), compute_dtype)})
+    if qtype in FLOAT_TYPES or not has_int4_form(qtype):
+        return Layout("dense", 1, False, {"weight": ((n, k), compute_dtype)})
     p = num_planes(qtype)
     n_pad = (n + int4.ROW_MULTIPLE - 1) // int4.ROW_MULTIPLE * int4.ROW_MULTIPLE
     kp = p * k
@@ -91,7 +99,7 @@ def gguf_layout(qtype: QType, n: int, k: int, compute_dtype: torch.dtype, exact_
     if split:
         tensors["packed_hi"] = ((n_pad, width), torch.uint8)
         tensors["scale_zero_fast"] = ((k // GROUP, n_pad, 2), compute_dtype)
-    return Layout("int4", p, tensors)
+    return Layout("int4", p, is_paired(qtype), tensors)
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -145,6 +153,7 @@ class RepackCache:
         self.key = json.dumps(
             {
                 "format": FORMAT_VERSION,
+                "int4_block": int4.BLOCK_N,  # the packed bytes' layout differs by CPU (int4.py)
                 "torch": torch.__version__,
                 "path": str(gguf),
                 "size": stat.st_size,
@@ -188,6 +197,8 @@ class RepackCache:
             return
         if isinstance(stored, dict):
             self._stored, self._tensors = stored, tensors
+            with contextlib.suppress(OSError):  # the modification time orders the entries for pruning
+                os.utime(self.file)
 
     def _cached(
         self, name: str, qtype: QType, shape: tuple[int, int], bias: torch.Tensor | None, exact: bool
@@ -211,8 +222,8 @@ class RepackCache:
         if info.get("finite") is True:
             self._finite.add(name)
         return QuantizedLinear(
-            k, n, layout.fmt, tensors, bias=bias, planes=layout.planes, source=qtype.name,
-            compute_dtype=self.compute_dtype,
+            k, n, layout.fmt, tensors, bias=bias, planes=layout.planes, paired=layout.paired,
+            source=qtype.name, compute_dtype=self.compute_dtype,
         )  # fmt: skip
 
     def linear(
@@ -322,6 +333,7 @@ class RepackCache:
                 os.unlink(tmp)
             raise
         _remove_orphans(self.file.parent)
+        prune(self.file.parent, max_bytes(), keep=self.file)
 
 
 def _stored_path(file: Path) -> str | None:
@@ -347,4 +359,53 @@ def _remove_orphans(directory: Path) -> None:
                 file.unlink()
 
 
-__all__ = ["FORMAT_VERSION", "Layout", "RepackCache", "gguf_layout"]
+def max_bytes() -> int:
+    """The cap on the repack directory: ``INFER_REPACK_CACHE_MAX`` (e.g. ``2G``, ``500M``, bytes)."""
+    text = os.environ.get("INFER_REPACK_CACHE_MAX", "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(text[-1].upper(), 1)
+    digits = text[:-1] if text[-1].upper() in units else text
+    try:
+        value = float(digits) * scale
+    except ValueError:
+        raise ValueError(
+            f"INFER_REPACK_CACHE_MAX={text!r}: expected a size in bytes, optionally with K, M, G or T"
+        ) from None
+    if value < 0:
+        raise ValueError(f"INFER_REPACK_CACHE_MAX={text!r}: a size cannot be negative")
+    return int(value)
+
+
+def prune(directory: Path, cap: int, *, keep: Path | None = None) -> list[Path]:
+    """Delete the least recently used entries of ``directory`` until the rest hold at most ``cap``
+    bytes (``keep`` is never deleted); returns the deleted files."""
+    entries = []
+    for file in directory.glob("*.safetensors"):
+        with contextlib.suppress(OSError):
+            st = file.stat()
+            entries.append((st.st_mtime_ns, st.st_size, file))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, file in sorted(entries, key=lambda e: e[0]):
+        if total <= cap:
+            break
+        if keep is not None and file == keep:
+            continue
+        with contextlib.suppress(OSError):
+            file.unlink()
+            total -= size
+            removed.append(file)
+    return removed
+
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "FORMAT_VERSION",
+    "Layout",
+    "RepackCache",
+    "gguf_layout",
+    "max_bytes",
+    "prune",
+]

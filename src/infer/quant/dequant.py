@@ -85,18 +85,24 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return (d * q.to(torch.float32)) + m
 
 
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+def q2_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K blocks -> scale ``d*sc``, offset ``dmin*m`` (``[n, 16, 1]`` float32), q ``[n, 16, 16]`` int16."""
     n = b.shape[0]
     scales, qs = b[:, :16], b[:, 16:80]
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     q = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)) & 3  # [n, 2, 4, 32]
-    q = q.reshape(n, 16, 16).to(torch.float32)
-    return (dl * q - ml).reshape(n, 256)
+    return dl, ml, q.reshape(n, 16, 16).to(torch.int16)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    dl, ml, q = q2_k_parts(b)
+    return (dl * q.to(torch.float32) - ml).reshape(b.shape[0], 256)
+
+
+def q3_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks -> scale ``d * (sc - 32)`` ``[n, 16, 1]`` float32, q in -4..3 ``[n, 16, 16]`` int16."""
     n = b.shape[0]
     hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
     d = _f16(b[:, 108:110])
@@ -108,8 +114,12 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     ql = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 16, 16) & 3
     qh = (hmask.reshape(n, 1, 1, 32) >> _shifts(range(8), (1, 1, 8, 1), b.device)).reshape(n, 16, 16) & 1
     qh = qh ^ 1  # the -4 offset applies where the mask bit is 0
-    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
-    return (dl * q).reshape(n, 256)
+    return dl, (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.int16)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    dl, q = q3_k_parts(b)
+    return (dl * q.to(torch.float32)).reshape(b.shape[0], 256)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,15 +164,20 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q - offset).reshape(n, 256)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def q6_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks -> scale ``d * sc`` ``[n, 16, 1]`` float32, ``q - 32`` in -32..31 ``[n, 16, 16]`` int16."""
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
     sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = (_f16(b[:, 208:210]) * sc).reshape(n, 16, 1)
     lo = (ql.reshape(n, 2, 1, 64) >> _shifts((0, 4), (1, 1, 2, 1), b.device)).reshape(n, 8, 32) & 0x0F
     hi = (qh.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 8, 32) & 0x03
-    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
-    return (d * q).reshape(n, 256)
+    return d, ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.int16)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    d, q = q6_k_parts(b)
+    return (d * q.to(torch.float32)).reshape(b.shape[0], 256)
 
 
 def e8m0_to_float_half(e: torch.Tensor) -> torch.Tensor:
@@ -242,4 +257,4 @@ def dequantize(
     return out.reshape(shape)
 
 
-__all__ = ["BLOCK_DECODERS", "dequantize", "e8m0_to_float_half"]
+__all__ = ["BLOCK_DECODERS", "dequantize", "e8m0_to_float_half", "q2_k_parts", "q3_k_parts", "q6_k_parts"]

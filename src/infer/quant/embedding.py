@@ -17,7 +17,6 @@ from torch import nn
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import QType, as_rows, check_supported
 from infer.quant.linear import QuantizedLinear
-from infer.quant.planes import GROUP
 
 
 class QuantizedEmbedding(nn.Module):
@@ -85,12 +84,7 @@ class QuantizedEmbedding(nn.Module):
             return lin.weight[flat].to(torch.float32)
         if lin.fmt == "int8":
             return lin.qweight[flat].to(torch.float32) * lin.scales[flat].to(torch.float32)[:, None]
-        nib = lin.unpacked_rows(flat).to(torch.float32)  # [R, P*D]
-        sz = lin.scale_zero[:, flat].to(torch.float32)  # [P*D/32, R, 2]
-        scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*D/32, 1]
-        r = flat.numel()
-        w = ((nib.view(r, -1, GROUP) - 8) * scale + zero).view(r, lin.planes, self.embedding_dim)
-        return w.sum(dim=1)
+        return lin.compose(lin.unpacked_rows(flat), lin.scale_zero[:, flat].to(torch.float32))
 
     def extra_repr(self) -> str:
         src = self.qtype.name if self.qtype is not None else "shared with a QuantizedLinear"

@@ -3,10 +3,15 @@
 ``_convert_weight_to_int4pack_for_cpu`` takes ``[N, K]`` int32 nibbles and returns
 ``[N, K/2]`` uint8 in this layout (checked at run time by `cpu_kernel_usable`):
 
-- rows in blocks of 64: for each block, ``[K, 32]`` bytes; byte ``(k, j)`` holds row ``j``
-  of the block in its low nibble and row ``j + 32`` in its high nibble;
-- a last block of ``r < 64`` rows (``r`` a multiple of 16): ``[K, r/2]`` bytes; byte
+- rows in blocks of `BLOCK_N` (64 where torch's CPU kernels are built for AVX-512, 32 for
+  AVX2): for each block, ``[K, BLOCK_N/2]`` bytes; byte ``(k, j)`` holds row ``j`` of the
+  block in its low nibble and row ``j + BLOCK_N/2`` in its high nibble;
+- a last block of ``r < BLOCK_N`` rows (``r`` a multiple of 16): ``[K, r/2]`` bytes; byte
   ``(k, j)`` holds rows ``2j`` (low) and ``2j + 1`` (high).
+
+`BLOCK_N` is read off torch's converter once, at import (`_converter_block_n`): the same
+torch lays the bytes out differently by the CPU it runs on, so packed bytes (the repack
+cache's) are valid only where the block size is the same.
 
 We pack and unpack it ourselves in torch, so packing never makes the ``[N, K]`` int32
 temporary the converter needs (1.3 GB for Gemma 3's embedding) and the weights can be
@@ -23,8 +28,8 @@ import torch
 
 from infer.quant.operands import INT32_LIMIT, plain_cpu_operands
 
-BLOCK_N = 64  # rows per packing block
 ROW_MULTIPLE = 16  # the kernel needs N % 16 == 0
+_BLOCK_SIZES = (64, 32)  # the converter's row blocks: AVX-512 builds, AVX2 builds
 
 
 def _block_starts(n_rows: int) -> list[tuple[int, int]]:
@@ -33,14 +38,18 @@ def _block_starts(n_rows: int) -> list[tuple[int, int]]:
 
 def pack(nibbles: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` values 0..15 (any integer dtype) -> ``[N, K/2]`` uint8 in the CPU kernel layout."""
+    return _pack(nibbles, BLOCK_N)
+
+
+def _pack(nibbles: torch.Tensor, block_n: int) -> torch.Tensor:
     n, k = nibbles.shape
     if n % ROW_MULTIPLE or k % 2:
         raise ValueError(f"int4 packing needs rows % {ROW_MULTIPLE} == 0 and even columns, got {n}x{k}")
     q = nibbles.to(torch.uint8)
     out = torch.empty(n * k // 2, dtype=torch.uint8, device=nibbles.device)
-    full = n - n % BLOCK_N
+    full = n - n % block_n
     if full:
-        blk = q[:full].reshape(full // BLOCK_N, 2, BLOCK_N // 2, k)  # [nb, half, j, K]
+        blk = q[:full].reshape(full // block_n, 2, block_n // 2, k)  # [nb, half, j, K]
         byte = blk[:, 0] | (blk[:, 1] << 4)  # [nb, 32, K]
         out[: full * k // 2] = byte.transpose(1, 2).reshape(-1)  # [nb, K, 32]
     if full < n:
@@ -59,7 +68,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
     full = n - n % BLOCK_N
     if full:
-        byte = flat[: full * half_k].reshape(full // BLOCK_N, k, BLOCK_N // 2)  # [nb, K, 32]
+        byte = flat[: full * half_k].reshape(full // BLOCK_N, k, BLOCK_N // 2)  # [nb, K, BLOCK_N/2]
         view = out[:full].reshape(full // BLOCK_N, 2, BLOCK_N // 2, k)  # [nb, half, j, K]
         view[:, 0] = (byte & 0x0F).transpose(1, 2)
         view[:, 1] = (byte >> 4).transpose(1, 2)
@@ -92,7 +101,7 @@ def unpack_transposed(
         nb = (full_stop - start) // BLOCK_N
         byte = packed[start:full_stop].reshape(nb, k, BLOCK_N // 2)  # contiguous: fast shifts
         both = torch.stack((byte & 0x0F, byte >> 4), dim=2)  # [nb, K, 2, 32]: rows j, j + 32
-        parts.append(both.permute(1, 0, 2, 3).reshape(k, nb * BLOCK_N))  # [K, nb * 64]
+        parts.append(both.permute(1, 0, 2, 3).reshape(k, nb * BLOCK_N))  # [K, nb * BLOCK_N]
     if stop > full_stop:
         r = stop - full_stop  # the tail block (stop == N)
         byte = packed[full_stop:stop].reshape(k, r // 2)  # [K, r/2]
@@ -138,7 +147,7 @@ def unpack_joined_transposed(
         first = torch.bitwise_left_shift(hi, 4).bitwise_or_(lo & 0x0F)  # rows in the low nibbles
         second = (hi & 0xF0).bitwise_or_(lo >> 4)  # ... and in the high nibbles
         blocks, width = lo.shape[0], lo.shape[2]
-        if b - a >= BLOCK_N:  # full blocks: rows j, j + 32
+        if b - a >= BLOCK_N:  # full blocks: rows j, j + BLOCK_N/2
             both = torch.stack((first, second), dim=2)  # [blocks, k, 2, 32]
             parts.append(both.permute(1, 0, 2, 3).reshape(k, blocks * BLOCK_N))
         else:  # the tail block: rows 2j, 2j + 1
@@ -173,6 +182,21 @@ def gather_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     ks = torch.arange(k, device=packed.device)
     index = base[:, None] + ks[None, :] * width[:, None] + col[:, None]  # [R, K] byte positions
     return (flat[index] >> shift[:, None].to(torch.uint8)) & 0x0F
+
+
+def _converter_block_n() -> int:
+    """The converter's row block (`_BLOCK_SIZES`), found by packing a probe both ways; 64 when
+    no layout matches (`cpu_kernel_usable` then says no)."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (64 + 48, 64), generator=gen, dtype=torch.int32)
+        ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return _BLOCK_SIZES[0]
+    return next((b for b in _BLOCK_SIZES if torch.equal(ref, _pack(q, b))), _BLOCK_SIZES[0])
+
+
+BLOCK_N = _converter_block_n()  # rows per packing block
 
 
 @functools.cache

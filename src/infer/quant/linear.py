@@ -4,10 +4,10 @@ Three storage formats, chosen per GGML type (numbers and reasons in docs/quantiz
 
 - ``int4``: 4-bit planes with a scale and zero per group of 32 (`infer.quant.planes`),
   packed for torch's CPU kernel (`infer.quant.int4`). Q4_0, Q4_1, Q4_K take one plane
-  (about their file size); Q5_0, Q5_1, Q5_K, Q8_0, MXFP4 take two (1.25 bytes a weight).
+  (about their file size); Q5_0, Q5_1, Q5_K, Q8_0, MXFP4 take two (1.25 bytes a weight);
+  Q2_K, Q3_K, Q6_K (groups of 16) take the paired form over a paired input (1.25 bytes).
 - ``int8``: int8 per output channel with one scale per row (``quantize="int8"``).
-- ``dense``: a float copy in the compute dtype, for Q2_K, Q3_K, Q6_K (groups of 16, which
-  the kernel cannot take) and float GGUF tensors.
+- ``dense``: a float copy in the compute dtype, for float GGUF tensors.
 
 Per call: with a bfloat16 compute dtype on CPU, products of up to `KERNEL_MAX_ROWS` rows
 (decode steps; int4: prompts up to 128 tokens too) run the packed kernel on bfloat16 activations
@@ -30,7 +30,15 @@ from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
 from infer.quant.operands import INT32_LIMIT, plain_cpu_operands
-from infer.quant.planes import GROUP, PLANE_DECODERS, num_planes, to_planes
+from infer.quant.planes import (
+    GROUP,
+    compose_paired,
+    has_int4_form,
+    is_paired,
+    num_planes,
+    pair_input,
+    to_planes,
+)
 from infer.quant.quantize import quantize_int8_per_channel
 
 # Outputs re-scored exactly per row by an output head that kept float32 scales (see `rescore`).
@@ -113,6 +121,7 @@ class QuantizedLinear(nn.Module):
 
     fmt: str
     planes: int
+    paired: bool  # int4 in the paired form (groups of 16, `infer.quant.planes`): input paired, not repeated
     tile_rows: int = 0  # the deterministic mode's fixed row tiles (`infer.rows`); 0: free shapes
     # Buffers, present per format: int4 -> packed, scale_zero; int8 -> qweight, scales; dense -> weight.
     packed: torch.Tensor
@@ -133,6 +142,7 @@ class QuantizedLinear(nn.Module):
         *,
         bias: torch.Tensor | None = None,
         planes: int = 1,
+        paired: bool = False,
         source: str = "",
         compute_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -143,6 +153,7 @@ class QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.fmt = fmt
         self.planes = planes
+        self.paired = paired
         self.split = "packed_hi" in tensors  # planes held as separate packed matrices
         self.source = source  # e.g. "Q4_1", "q4_0", "int8"
         self.compute_dtype = compute_dtype
@@ -183,7 +194,7 @@ class QuantizedLinear(nn.Module):
         n, k = (int(s) for s in shape)
         device = torch.device(device) if device is not None else raw.device
         bias = bias.to(device) if bias is not None else None
-        if qt in FLOAT_TYPES or qt not in PLANE_DECODERS:
+        if qt in FLOAT_TYPES or not has_int4_form(qt):
             w = dequantize(raw, qt, (n, k), name=name).to(device=device, dtype=compute_dtype)
             return cls(k, n, "dense", {"weight": w}, bias=bias, source=qt.name, compute_dtype=compute_dtype)
         rows = as_rows(raw, qt, n, k, name)
@@ -223,7 +234,10 @@ class QuantizedLinear(nn.Module):
             fast = scale_zero_f32[k // GROUP :].clone()  # type: ignore[index]
             fast[..., 1] += 7.5 * lo_scale
             tensors |= {"packed_hi": packed[1], "scale_zero_fast": fast.to(compute_dtype)}
-        return cls(k, n, "int4", tensors, bias=bias, planes=p, source=qt.name, compute_dtype=compute_dtype)
+        return cls(
+            k, n, "int4", tensors, bias=bias, planes=p, paired=is_paired(qt), source=qt.name,
+            compute_dtype=compute_dtype,
+        )  # fmt: skip
 
     @classmethod
     def from_int8(
@@ -249,6 +263,7 @@ class QuantizedLinear(nn.Module):
             p.fmt == first.fmt
             and p.in_features == first.in_features
             and p.planes == first.planes
+            and p.paired == first.paired
             and p.compute_dtype == first.compute_dtype
             and not p.split
             and not hasattr(p, "scale_zero_residual")
@@ -272,8 +287,8 @@ class QuantizedLinear(nn.Module):
         n = sum(p.out_features for p in parts)
         source = "+".join(sorted({p.source for p in parts}))
         fused = cls(
-            first.in_features, n, first.fmt, tensors, bias=bias, planes=first.planes, source=source,
-            compute_dtype=first.compute_dtype,
+            first.in_features, n, first.fmt, tensors, bias=bias, planes=first.planes, paired=first.paired,
+            source=source, compute_dtype=first.compute_dtype,
         )  # fmt: skip
         start = 0
         for p in parts:
@@ -398,11 +413,17 @@ class QuantizedLinear(nn.Module):
 
     def exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Weight rows ``[R, in_features]`` (float32) with the exact scales kept for rescoring."""
-        n, k = rows.numel(), self.in_features
-        nib = self.unpacked_rows(rows).to(torch.float32)  # [R, P*K]
         sz = self.scale_zero[:, rows].float() + self.scale_zero_residual[:, rows].float()  # [P*K/32, R, 2]
+        return self.compose(self.unpacked_rows(rows), sz)
+
+    def compose(self, nib: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``[R, K]`` float32 from their nibbles ``[R, P*K]`` (uint8, planes side by side
+        or paired) and scale/zero ``[P*K/32, R, 2]`` float32."""
+        n, k = nib.shape[0], self.in_features
+        if self.paired:
+            return compose_paired(nib, sz[..., 0].T, sz[..., 1].T)
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [R, P*K/32, 1]
-        w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
+        w = ((nib.to(torch.float32).view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
     def _int4(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
@@ -417,7 +438,10 @@ class QuantizedLinear(nn.Module):
                 y_hi = int4.cpu_matmul(xk, self.packed_hi, GROUP, hi)
                 y = (y_lo.float() + y_hi.float()).to(x2.dtype)
         elif kernel:
-            xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
+            if self.paired:
+                xp = pair_input(x2)  # [M, 2K]
+            else:
+                xp = x2.repeat(1, self.planes) if self.planes > 1 else x2.contiguous()  # [M, P*K]
             if int4.cpu_kernel_accepts(xp, self.packed, GROUP, self.scale_zero, usable_checked=True):
                 y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
         if y is None:  # prefill, another device, or operands the kernel does not take
@@ -442,6 +466,8 @@ class QuantizedLinear(nn.Module):
         """
         k, r = self.in_features, stop - start
         kp = self.planes * k
+        if self.paired:
+            return self._dequant_paired_t(start, stop)
         if self.planes == 2 and not torch.compiler.is_compiling():
             return self._dequant_two_planes_t(start, stop)
         parts = [int4.unpack_transposed(m, start, stop, torch.float32) for m in self._plane_matrices()]
@@ -481,6 +507,22 @@ class QuantizedLinear(nn.Module):
         f3.mul_(scale[:, None]).add_(zero[:, None])
         return f.to(self.compute_dtype)
 
+    def _dequant_paired_t(self, start: int, stop: int) -> torch.Tensor:
+        """`_dequant_tile_t` of the paired form: ``s * (lo + 16 * hi - 136) + 17 * z`` per value,
+        ``lo`` and ``hi`` the two halves of a group of 32 packed columns (`infer.quant.planes`)."""
+        k, r = self.in_features, stop - start
+        nib = int4.unpack_transposed(self.packed, start, stop)  # [2K, rows] uint8
+        pairs = nib.view(k // 16, 2, 16, r)
+        c = torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])  # [K/16, 16, rows]
+        sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/16, rows, 2]
+        scale, zero = sz[..., 0].contiguous(), (17 * sz[..., 1]).contiguous()
+        if torch.compiler.is_compiling():  # one fused loop
+            w = (c.to(torch.float32) - 136) * scale[:, None] + zero[:, None]
+            return w.reshape(k, r).to(self.compute_dtype)
+        f = c.to(torch.float32).sub_(136.0)
+        f.mul_(scale[:, None]).add_(zero[:, None])
+        return f.view(k, r).to(self.compute_dtype)
+
     def _int8(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
         if kernel:
             xk = x2.contiguous()
@@ -504,17 +546,14 @@ class QuantizedLinear(nn.Module):
 
     def effective_weight(self) -> torch.Tensor:
         """The weight every path computes with, ``[out_features, in_features]`` float32."""
-        n, k = self.out_features, self.in_features
+        n = self.out_features
         if self.fmt == "dense":
             return self.weight.to(torch.float32)
         if self.fmt == "int8":
             return self.qweight.to(torch.float32) * self.scales.to(torch.float32)[:, None]
         parts = [int4.unpack(m)[:n] for m in self._plane_matrices()]
-        nib = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(torch.float32)  # [N, P*K]
-        sz = self.scale_zero[:, :n].to(torch.float32)  # [P*K/32, N, 2]
-        scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # [N, P*K/32, 1]
-        w = ((nib.view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
-        return w.sum(dim=1)
+        nib = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [N, P*K]
+        return self.compose(nib, self.scale_zero[:, :n].to(torch.float32))
 
     def packed_nbytes(self) -> int:
         """Bytes held by the weight (packed values and scales, not the bias)."""
@@ -524,6 +563,7 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, fmt={self.fmt}, source={self.source}, planes={self.planes}, "
+            f"paired={self.paired}, "
             f"compute_dtype={self.compute_dtype}"
         )
 

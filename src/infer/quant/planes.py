@@ -14,8 +14,19 @@ reference by one rounding of ``zero``):
   (scale d, zero 8d) and hi + 8 (scale 16d, zero 0)
 - MXFP4: the doubled e2m1 value v in -12..12 as v + 12 = 16*hi + lo, scale 2^(e-128)
 
-Types with groups of 16 (Q2_K, Q3_K, Q6_K) do not fit the kernel's group of 32 and are
-not handled here (`to_planes` raises): the caller keeps them as dense float.
+Types with groups of 16 (Q2_K, Q3_K, Q6_K) take the **paired** form: the kernel's group of
+32 holds one group of 16 twice over, its values ``v`` split as ``v + 8 = 16*h + l`` (``l`` in
+0..15, ``h`` signed), ``lo = l`` in the group's first 16 columns and ``hi = h + 8`` in its last
+16, both under the group's own scale. The input is paired to match (`pair_input`): each 16
+values ``x_j`` become ``[x_j, 16 * x_j]`` (a power of two: exact in every float dtype), so the
+kernel computes ``s * ((lo - 8) + 16 * (hi - 8)) + 17 * z = s * v + 17 * z`` per value:
+
+- Q6_K: v = q - 32 (-32..31: hi 6..10), scale d*sc, zero 0 -- exact in any compute dtype
+- Q3_K: v = q (-4..3: hi 8), scale d*(sc-32), zero 0
+- Q2_K: v = q (0..3), scale d*sc, zero ``-dmin*m / 17`` (rounded once)
+
+Held that way a value costs 8 bits of nibbles and 2 of scale and zero (bfloat16 pairs per
+16 values): ~10 bits, against 16 as a dense bfloat16 copy.
 """
 
 from __future__ import annotations
@@ -24,7 +35,17 @@ from collections.abc import Callable
 
 import torch
 
-from infer.quant.dequant import _bits32, _f16, _k_group_params, _k_low_nibbles, _nibbles, e8m0_to_float_half
+from infer.quant.dequant import (
+    _bits32,
+    _f16,
+    _k_group_params,
+    _k_low_nibbles,
+    _nibbles,
+    e8m0_to_float_half,
+    q2_k_parts,
+    q3_k_parts,
+    q6_k_parts,
+)
 from infer.quant.ggml import QType, block_size, type_size
 
 GROUP = 32
@@ -115,23 +136,86 @@ PLANE_DECODERS: dict[QType, PlaneDecoder] = {
 }
 
 
+def _paired(v: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Values ``v [n, G, 16]`` (int16, -136..119) of groups of 16 with ``scale`` (and an additive
+    ``offset``) ``[n, G, 1]`` -> paired nibbles ``[n, G * 32]``, scale and zero ``[n, G]``."""
+    n, g, _ = v.shape
+    u = v + 8
+    lo, hi = u & 0x0F, (u >> 4) + 8  # (lo - 8) + 16 (hi - 8) = u - 8 = v
+    nib = torch.stack([lo, hi], dim=2).to(torch.uint8).reshape(n, g * 2 * 16)  # [n, G, 2, 16]
+    zero = torch.zeros_like(scale) if offset is None else offset / 17  # the kernel adds 17 * zero
+    return nib, scale.reshape(n, g), zero.reshape(n, g)
+
+
+def _q2_k_paired(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    dl, ml, q = q2_k_parts(b)
+    return _paired(q, dl, -ml)
+
+
+def _q3_k_paired(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    dl, q = q3_k_parts(b)
+    return _paired(q, dl, None)
+
+
+def _q6_k_paired(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    d, q = q6_k_parts(b)
+    return _paired(q, d, None)
+
+
+# blocks [n, type_size] uint8 -> paired nibbles [n, 2 * block_size] uint8, scale, zero [n, block_size/16] f32
+PAIRED_DECODERS: dict[QType, PlaneDecoder] = {
+    QType.Q2_K: _q2_k_paired,  # type: ignore[dict-item]
+    QType.Q3_K: _q3_k_paired,  # type: ignore[dict-item]
+    QType.Q6_K: _q6_k_paired,  # type: ignore[dict-item]
+}
+PAIR = 16  # values per group of the paired types
+
+
+def is_paired(qtype: QType) -> bool:
+    """Whether ``qtype`` takes the paired form (groups of 16)."""
+    return qtype in PAIRED_DECODERS
+
+
+def has_int4_form(qtype: QType) -> bool:
+    """Whether ``qtype`` is held as int4 nibbles (planes or paired), not as a dense copy."""
+    return qtype in PLANE_DECODERS or qtype in PAIRED_DECODERS
+
+
+def pair_input(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` -> ``[M, 2K]``: each 16 values ``x_j`` followed by ``16 * x_j`` (paired form)."""
+    m, k = x.shape
+    x3 = x.reshape(m, k // PAIR, 1, PAIR)
+    return torch.cat([x3, x3 * 16], dim=2).reshape(m, 2 * k)  # [M, K/16, 2, 16]
+
+
+def compose_paired(nib: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The weights ``[R, K]`` float32 of paired nibbles ``[R, 2K]`` with ``scale``/``zero`` ``[R, K/16]``."""
+    r, kp = nib.shape
+    pairs = nib.view(r, kp // (2 * PAIR), 2, PAIR).to(torch.float32)
+    c = pairs[:, :, 0] + 16 * pairs[:, :, 1]  # [R, K/16, 16]
+    return ((c - 136) * scale[..., None] + 17 * zero[..., None]).reshape(r, kp // 2)
+
+
 def num_planes(qtype: QType) -> int:
     """Nibble planes per value for a type `to_planes` handles (1 or 2)."""
-    return 1 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 2
+    return 1 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 2  # paired: 2 nibbles a value
 
 
 def to_planes(rows: torch.Tensor, qtype: QType, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rows [R, row_bytes]`` of GGML blocks -> nibbles ``[R, P*cols]``, scale and zero ``[R, P*cols/32]``.
 
     Plane ``p`` occupies columns ``p*cols .. (p+1)*cols``, so ``x @ W.T`` is
-    ``cat([x] * P) @ W_planes.T``.
+    ``cat([x] * P) @ W_planes.T``; a paired type's (P = 2) are ``pair_input(x) @ W_paired.T``.
     """
-    decode = PLANE_DECODERS.get(qtype)
-    if decode is None:
-        raise ValueError(f"GGML type {qtype.name} has no 4-bit plane form (groups of 16); keep it dense")
     r = rows.shape[0]
     bs, ts = block_size(qtype), type_size(qtype)
     nb = cols // bs
+    if qtype in PAIRED_DECODERS:  # blocks side by side: the paired form is local to a group of 16
+        nib, scale, zero = PAIRED_DECODERS[qtype](rows.reshape(r * nb, ts))
+        return nib.reshape(r, 2 * cols), scale.reshape(r, -1), zero.reshape(r, -1)
+    decode = PLANE_DECODERS.get(qtype)
+    if decode is None:
+        raise ValueError(f"GGML type {qtype.name} has no 4-bit form; keep it dense")
     nib, scale, zero = decode(rows.reshape(r * nb, ts))  # [r*nb, P, bs], [r*nb, P, bs/32]
     p = nib.shape[1]
     # [r, nb, P, bs] -> [r, P, nb, bs]: planes first along a row
@@ -141,4 +225,15 @@ def to_planes(rows: torch.Tensor, qtype: QType, cols: int) -> tuple[torch.Tensor
     return nib, scale, zero
 
 
-__all__ = ["GROUP", "PLANE_DECODERS", "num_planes", "to_planes"]
+__all__ = [
+    "GROUP",
+    "PAIR",
+    "PAIRED_DECODERS",
+    "PLANE_DECODERS",
+    "compose_paired",
+    "has_int4_form",
+    "is_paired",
+    "num_planes",
+    "pair_input",
+    "to_planes",
+]
