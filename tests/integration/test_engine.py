@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import infer
-from infer.engine import Delta, Engine, EngineFull, KVSlots, RequestHandle, SamplingParams
+from infer.engine import IDLE_EXIT_S, Delta, Engine, EngineFull, KVSlots, RequestHandle, SamplingParams
 from infer.step import sampling_inputs
 
 TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
@@ -512,6 +513,11 @@ def test_generate_runs_the_model_on_the_callers_thread(
         threads.add(threading.current_thread().name)
         return head(h, greedy=greedy)
 
+    # A loop thread an earlier test of this module started (to end its cancelled requests) lives
+    # on for IDLE_EXIT_S; while it does it may run a step. Wait it out (bounded) first.
+    deadline = time.monotonic() + IDLE_EXIT_S + 10
+    while any(t.name == "infer-engine" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     monkeypatch.setattr(llama.model, "head", recording)
     llama.generate([PROMPT, PROMPT[:3]], max_new_tokens=4)
     list(llama.stream(PROMPT, max_new_tokens=3))
