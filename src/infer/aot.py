@@ -541,6 +541,7 @@ class PackageCache:
         self._looked: dict[str, float] = {}  # key -> when its path was last looked at
         self.builds: list[subprocess.Popen[bytes]] = []  # the builders this process started
         self._scanned, self._present = -self.RECHECK_S, False
+        self._announced = False  # `_announce` said its line
         # The checkpoint as loaded: a request for it is dropped if its files change.
         self._temporary = recipe is not None and builder.temporary(recipe.path)
         self._files = builder.checkpoint_files(recipe.path) if recipe is not None else []
@@ -692,7 +693,24 @@ class PackageCache:
             self.queued[r["key"]] = now
             _MISSING.pop(r["key"], None)
         self._keep(started)
+        self._announce(todo)
         return started
+
+    def _announce(self, todo: list[dict[str, Any]]) -> None:
+        """One line on stderr, the first time this model queues a build: what is built, and when
+        it will be used (a user's first minutes on a big model otherwise run eagerly unexplained)."""
+        if self._announced or not todo:
+            return
+        self._announced = True
+        name = Path(self.recipe.path).name if self.recipe is not None else "the model"
+        batches = ", ".join(str(b) for b in sorted({int(r["batch"]) for r in todo}))
+        print(
+            f"infer: compiling {name}'s decode steps (batch {batches}) in the background while the "
+            f"machine is idle (minutes for a big model; log: {builder.LOG} in {cache_dir()}); steps run "
+            "eagerly until it is ready, then this process and later ones use it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _keep(self, started: subprocess.Popen[bytes] | None) -> None:
         if started is None:

@@ -6,9 +6,13 @@ the machine to be idle costs an interpreter and nothing more.
 
 * **Queue.** A request is a JSON file ``DIR/queue/KEY.json``, written whole and renamed into
   place (``os.replace``), so a reader never sees half of one; queueing the same key again
-  replaces it.
+  replaces it. **The newest submission is built first**, its requests in the order given:
+  the process that asked last is the one running eagerly now, while an older request's
+  process may be long gone (a new process's model waited ~13 minutes behind another model's
+  queued packages). Each request's modification time is set to its submission's time less
+  its index (nanoseconds), so the order is read off a ``stat``.
 * **One builder per directory.** ``python -m infer.builder DIR`` holds an exclusive ``flock``
-  on ``DIR/builder.lock`` while it lives and takes requests from the queue, oldest first, until
+  on ``DIR/builder.lock`` while it lives and takes requests from the queue, newest first, until
   none is left; a process that queues a request starts a builder only when nobody holds that
   lock, and takes the lock itself first: the builder inherits the locked descriptor, so the
   lock is held from the moment a builder is decided on, not from when its Python has started
@@ -284,12 +288,15 @@ def pending(directory: Path) -> list[str]:
 
 
 def add(directory: Path, requests: list[dict[str, Any]]) -> None:
-    """Queue ``requests`` (each with a ``key``), each written whole then renamed into place."""
+    """Queue ``requests`` (each with a ``key``), each written whole then renamed into place,
+    ahead of what is queued already and in their order (the queue's order: the module's doc)."""
     q = queue_dir(directory)
     q.mkdir(parents=True, exist_ok=True)
-    for request in requests:
+    now = time.time_ns()
+    for i, request in enumerate(requests):
         tmp = q / f".{request['key']}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(request))
+        os.utime(tmp, ns=(now, now - i))
         os.replace(tmp, q / f"{request['key']}.json")
 
 
@@ -341,11 +348,12 @@ class Builder:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{os.getpid()}] {message}", flush=True)
 
     def next(self) -> tuple[Path, dict[str, Any]] | None:
-        """The oldest request worth building (stale ones are dropped on the way), or None."""
+        """The next request worth building, newest submission first (stale ones are dropped on
+        the way), or None. A request whose workers were killed goes behind the others."""
         files = []
         for path in queue_dir(self.directory).glob("*.json"):
             with contextlib.suppress(OSError):
-                files.append((self.tries.get(path.stem, 0), path.stat().st_mtime_ns, path))
+                files.append((self.tries.get(path.stem, 0), -path.stat().st_mtime_ns, path))
         for _, _, path in sorted(files):
             request = self.read(path)
             if request is not None:

@@ -186,11 +186,14 @@ def test_a_background_build_serves_the_next_load(
 
 
 def test_prepare_queues_shapes_ahead_of_need(
-    tiny_ckpt_factory: Callable[..., Path], packages: Path, reap_processes: Callable[[], list[int]]
+    tiny_ckpt_factory: Callable[..., Path],
+    packages: Path,
+    reap_processes: Callable[[], list[int]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`PackageCache.prepare` (a server at start) queues every shape asked for that has no
     package, once; it queues nothing where builds are off, or for a temporary checkpoint by
-    default."""
+    default. The first queueing says so in one line on stderr."""
     path = tiny_ckpt_factory("llama")
     llm = infer.load(path)
     cache = llm.stepper.packages
@@ -208,6 +211,11 @@ def test_prepare_queues_shapes_ahead_of_need(
         assert {k.split("-")[1] for k in keys} == {"b1", "b2"}  # "b1-", "b2-16-": every capacity
         assert cache.prepare([1, 8]) == []  # queued already
         assert len(cache.builds) == 1
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("infer: ")]
+        print(said)
+        assert len(said) == 1 and "decode steps (batch 1, 2)" in said[0] and "run eagerly until" in said[0]
+        cache.prepare([32])
+        assert not any(line.startswith("infer: ") for line in capsys.readouterr().err.splitlines())
         deadline = time.monotonic() + 30
         while not builder.running(packages) and time.monotonic() < deadline:
             time.sleep(0.1)  # the builder starting: its lock once its interpreter is up

@@ -225,3 +225,22 @@ def test_a_worker_stopped_too_long_is_killed_and_tried_again_a_bounded_number_of
     assert out.count("killed; kept for another try") == builder.MAX_TRIES - 1
     assert f"dropped key-busy: stopped over {builder.STOP_LIMIT_S:.0f} s {builder.MAX_TRIES} times" in out
     assert builder.queued(cache) == [] and not list(cache.glob("*.failed"))
+
+
+def test_the_newest_submission_is_built_first_in_its_own_order(tmp_path: Path) -> None:
+    """A process's own model goes ahead of what other processes queued earlier (they may be long
+    gone); its requests keep the order it gave; a request whose workers were killed goes last."""
+    cache = tmp_path / "aot"
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    builder.add(cache, [_request(cache, ckpt, k) for k in ("old-a", "old-b")])
+    builder.add(cache, [_request(cache, ckpt, k) for k in ("new-a", "new-b", "new-c")])
+    b = builder.Builder(cache, tmp_path / "run.lock")
+    order = []
+    while (found := b.next()) is not None:
+        order.append(found[0].stem)
+        found[0].unlink()
+    print("build order:", order)
+    assert order == ["new-a", "new-b", "new-c", "old-a", "old-b"]
+    builder.add(cache, [_request(cache, ckpt, k) for k in ("x", "y")])
+    b.tries["x"] = 1  # a worker for x was killed: y first
+    assert [b.next()[0].stem for _ in range(1)] == ["y"]  # type: ignore[index]
