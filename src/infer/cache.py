@@ -25,10 +25,8 @@ upper bound of the slots used, to refuse overflowing steps before they run.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,33 +139,6 @@ class LayerKV:
         if self.k_scale is not None and self.v_scale is not None:
             view.k_scale, view.v_scale = self.k_scale[rows], self.v_scale[rows]
         return view
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: another C library, or no symbol table to search)."""
-    try:
-        trim: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
-        return trim
-    except (OSError, TypeError):  # no C library to open (TypeError: CDLL(None) outside POSIX)
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op elsewhere).
-
-    torch's CPU tensors come from ``malloc``, and glibc keeps freed heap pages resident. Loading
-    frees many large temporaries (read buffers, conversion planes): SmolLM2 held ~80 MiB more
-    than its tensors after loading (190 MiB instead of 110 MiB). glibc serves a large block from
-    its own mapping, returned when freed, but raises that threshold to the size of each such block
-    freed (up to 32 MiB), so once a KV layer is freed the next ones of that size live in the heap:
-    a regrowth's old cache stayed resident (Gemma 3, 16 rows of ~2,000 tokens: 700 MiB, AMD EPYC
-    Zen 4). Cheap (it madvises the free pages): called after loading and where KV buffers are
-    released.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class StepKV:

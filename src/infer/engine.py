@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, release_freed_memory, round_up
+from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
 from infer.generate import (
     NonFiniteLogitsError,
     TextStream,
@@ -65,6 +65,7 @@ from infer.generate import (
     SamplingParams as _Values,
 )
 from infer.models.base import DecoderLM
+from infer.pages import release_freed_memory
 from infer.speculative import MAX_TOKENS as MAX_SPECULATIVE
 from infer.speculative import NoiseQueue, RowState, Speculative, Speculator, common_prefix
 from infer.step import (

@@ -31,6 +31,7 @@ FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
         "infer.rows",
+        "infer.pages",
         "infer.threads",
         "infer.idle",
         "infer.builder",

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from infer import rows as row_rules
+from infer.pages import drop_mapped_pages
 from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
@@ -307,6 +308,7 @@ class QuantizedLinear(nn.Module):
             first.in_features, n, first.fmt, tensors, bias=bias, planes=first.planes, paired=first.paired,
             source=source, compute_dtype=first.compute_dtype,
         )  # fmt: skip
+        originals = [getattr(p, name) for p in parts for name, _ in pairs]
         start = 0
         for p in parts:
             stop = start + p.out_features
@@ -315,6 +317,9 @@ class QuantizedLinear(nn.Module):
             if p.bias is not None and fused.bias is not None:
                 p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
             start = stop
+        # Parts mapped from a file (the repack cache) are now read from the fused copy: their
+        # pages need not stay resident beside it.
+        drop_mapped_pages(originals)
         return fused
 
     # ---- forward --------------------------------------------------------------
