@@ -53,7 +53,7 @@ def _madvise() -> Callable[..., int] | None:
     if fn is not None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _file_mappings() -> list[tuple[int, int]]:
