@@ -165,3 +165,60 @@ def test_short_common_prefixes_are_not_shared(tiny_ckpt_factory: Callable[..., P
     head = torch.randint(3, llm.config.vocab_size, (MIN_SHARED - 1,), generator=g).tolist()
     out = _run(llm, [[*head, 5, 6, 7], [*head, 8, 9]], max_tokens=2)
     assert [c for *_, c in out] == [0, 0] and not llm.engine.slots.store.segments
+
+
+def test_a_fragmented_store_never_places_a_segment_over_a_live_one(
+    tiny_ckpt_factory: Callable[..., Path],
+) -> None:
+    """Segments freed in the middle leave gaps: a new segment exactly a gap's size takes that gap,
+    one slot more goes elsewhere; then a random churn of allocations and releases. Every segment's
+    slots stay disjoint from every other live one's, and its K/V (a marker per segment) intact."""
+    import itertools
+    import random
+
+    from infer.prefix import PrefixStore, Segment
+
+    llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32)
+    store = PrefixStore(llm.model)
+
+    def new(n: int) -> Segment:
+        s = store.allocate(tuple(range(n)))
+        store.acquire(s)
+        assert store.cache is not None
+        for layer in store.cache.layers:
+            layer.k[0, :, s.start : s.end] = float(s.id)  # a marker: moved by a rebuild, never overwritten
+        return s
+
+    def check() -> None:
+        live = sorted(store.segments, key=lambda s: s.start)
+        for a, b in itertools.pairwise(live):
+            assert a.end <= b.start, f"segment {b.id} at {b.start} overlaps {a.id} ending at {a.end}"
+        assert store.cache is not None and (not live or live[-1].end <= store.capacity)
+        for s in live:
+            for layer in store.cache.layers:
+                assert bool((layer.k[0, :, s.start : s.end] == float(s.id)).all()), (
+                    f"segment {s.id} overwritten"
+                )
+
+    segs = [new(n) for n in (40, 24, 40, 24, 40)]
+    cap = store.capacity
+    for s in (segs[1], segs[3]):  # two gaps of 24 slots in the middle
+        store.release(s)
+    assert store.capacity == cap, "the store was packed: no gaps left to test"
+    check()
+    exact = new(24)
+    assert exact.start == segs[1].start, "a segment of a gap's size belongs in the first gap"
+    check()
+    one_more = new(25)
+    assert one_more.start not in (segs[1].start, segs[3].start)
+    check()
+    rng = random.Random(0)
+    live = [s for s in store.segments]
+    for _ in range(200):
+        if live and rng.random() < 0.45:
+            store.release(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(new(rng.randint(1, 48)))
+        if store.cache is not None:
+            check()
+    print(f"capacity {store.capacity}, {len(live)} live segments, {store.tokens_held} tokens held")
