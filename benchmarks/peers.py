@@ -256,9 +256,13 @@ def run_default(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], d
     from infer.aot import building
 
     home = Path(tempfile.mkdtemp(prefix="infer-peers-cache-"))
-    # The default, except that the model is assembled under this temporary cache home: a
-    # temporary checkpoint's shapes are built only under an explicit INFER_AOT=on (infer.aot).
+    # The default, except for INFER_AOT=on: a model under a temporary directory (the models
+    # directory may be one) has its shapes built only when asked (infer.aot). A fresh cache
+    # for the first run, but the models where they are: a 1 GB model is not fetched again.
+    import infer.realmodels as rm
+
     env = os.environ | {"INFER_AOT": "on", "XDG_CACHE_HOME": str(home)}
+    env["INFER_MODELS_DIR"] = str(rm.models_dir())
     try:
         first = spawn(model, "default", args, env)
         t0 = time.perf_counter()

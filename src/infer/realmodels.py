@@ -54,7 +54,11 @@ def smollm2_path() -> Path:
 
 
 def models_dir() -> Path:
-    return cache_root() / "models"
+    """Where assembled and fetched models live: ``INFER_MODELS_DIR``, else ``cache_root()/models``
+    (a benchmark that gives each process a fresh cache points this at one place, so a 1 GB
+    model is not fetched again for each)."""
+    override = os.environ.get("INFER_MODELS_DIR")
+    return Path(override) if override else cache_root() / "models"
 
 
 def _verified(target: Path, sha256: str) -> bool:
