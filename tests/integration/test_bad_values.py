@@ -176,6 +176,20 @@ def test_non_finite_weights_refused(tiny_ckpt_factory: Callable[..., Path], tmp_
 # --------------------------------------------------------------------------- GGUF
 
 
+def test_a_packed_embedding_with_a_nan_scale_is_refused(tmp_path: Path) -> None:
+    """The packed embedding's check reads only its blocks' fp16 scales (exact: `scale_fields_finite`);
+    a NaN there is still found, and named with its row, as the full check named it."""
+    hf = tiny_hf_model("llama", tie_word_embeddings=False)
+    path = write_gguf(tmp_path / "m.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype="Q8_0")
+    infer.load(path, cache=False)  # loads while every scale is finite
+    info = GGUFFile(path).tensors["token_embd.weight"]
+    with path.open("r+b") as f:
+        f.seek(info.offset + 7 * 34)  # block 7's d (Q8_0 blocks: fp16 d, 32 int8)
+        f.write(bytes([0x00, 0x7E]))  # fp16 NaN
+    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' holds a non-finite value \(nan"):
+        infer.load(path, cache=False)
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("good")

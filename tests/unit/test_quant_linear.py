@@ -409,3 +409,28 @@ def test_a_tile_computes_each_row_on_its_own(name: str) -> None:
     same = sum(torch.equal(r, results[0]) for r in results)
     print(f"{name}: {same} of {len(results)} placements give the same bits")
     assert same == len(results)
+
+
+@pytest.mark.parametrize("qtype", [t for t in QUANTIZED if t != T.MXFP4], ids=lambda t: t.name)
+def test_scale_fields_tell_finiteness_exactly(qtype: T) -> None:
+    """`scale_fields_finite` agrees with dequantizing every value: True on finite fields (even the
+    largest fp16), False with one NaN or inf field, whichever field of a block it is."""
+    from infer.quant.ggml import FP16_FIELDS, scale_fields_finite
+
+    n, k = 64, 512
+    raw = random_gguf(qtype, n, k, 7).clone()
+    big = raw.clone()
+    largest = torch.tensor([0xFF, 0x7B], dtype=torch.uint8)  # 65504, the largest finite fp16
+    for off in FP16_FIELDS[qtype]:  # in every field of one row: the values stay finite
+        big[3].view(-1, GGML_QUANT_SIZES[qtype][1])[:, off : off + 2] = largest
+    for blocks in (raw, big):
+        assert scale_fields_finite(blocks, qtype) is True
+        assert bool(torch.isfinite(dequantize(blocks, qtype, (n, k))).all())
+    for off in FP16_FIELDS[qtype]:
+        for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, inf, -inf
+            broken = raw.clone()
+            blocks = broken.view(-1, GGML_QUANT_SIZES[qtype][1])
+            blocks[5, off : off + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+            assert scale_fields_finite(broken, qtype) is False
+            assert not bool(torch.isfinite(dequantize(broken, qtype, (n, k))).all())
+    assert scale_fields_finite(raw, T.F16) is None and scale_fields_finite(raw, T.MXFP4) is None

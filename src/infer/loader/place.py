@@ -30,7 +30,7 @@ from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models.arch import Fix
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
-from infer.quant.ggml import QType, block_size, type_size
+from infer.quant.ggml import QType, block_size, scale_fields_finite, type_size
 
 _CHECK_ELEMENTS = 1 << 16  # values checked for NaN / inf at a time
 
@@ -282,8 +282,9 @@ def place_module(
         embedding = QuantizedEmbedding.from_gguf(
             read_part(source, weight), stored.qtype, _part_shape(weight), name=what, dtype=opts.dtype
         )
-        if opts.validate:
-            for start in range(0, embedding.num_embeddings, 4096):
+        raw = embedding.raw
+        if opts.validate and not (raw is not None and scale_fields_finite(raw, stored.qtype)):
+            for start in range(0, embedding.num_embeddings, 4096):  # finds and names the bad row
                 ids = torch.arange(start, min(start + 4096, embedding.num_embeddings))
                 check_finite(embedding(ids), what)
         _set(model, path, embedding)
