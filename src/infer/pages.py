@@ -75,7 +75,8 @@ def _file_mappings() -> list[tuple[int, int]]:
 def drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     """Drop the resident pages of ``tensors`` that lie in a file mapping (a repack cache entry's
     matrices, say, once copied into fused products): ``madvise(MADV_DONTNEED)`` on the whole
-    pages their storages cover. Returns the bytes advised.
+    pages each tensor's bytes cover (not its storage's: one mapping can back many tensors).
+    Returns the bytes advised.
 
     Safe by construction for file mappings only (anything else is left alone): a file page
     dropped is read from the file again if touched, so no value changes; the caller's point is
@@ -89,9 +90,12 @@ def drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     page = 4096
     done = 0
     for t in tensors:
-        storage = t.untyped_storage()
-        start, size = storage.data_ptr(), storage.nbytes()
-        if not t.is_cpu or size == 0 or not any(lo <= start and start + size <= hi for lo, hi in files):
+        if not t.is_cpu or t.numel() == 0:
+            continue
+        # The tensor's own bytes (its storage may be a whole mapped file shared by other tensors).
+        span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+        start, size = t.data_ptr(), span * t.element_size()
+        if not any(lo <= start and start + size <= hi for lo, hi in files):
             continue
         first = -(-start // page) * page  # whole pages only: a neighbour may share the edges
         last = (start + size) // page * page

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -293,3 +294,21 @@ def test_a_load_keeps_the_cache_under_its_cap(
     left = cache_files(tmp_path / "cache")
     print("left:", [f.name for f in left])
     assert entry_a not in left and entry_b in left and len(left) == 2
+
+
+def test_fused_projections_of_a_mapped_cache_are_views_not_copies(
+    tiny_gguf: Callable[[str, int], Path], tmp_path: Path
+) -> None:
+    """The cache writes each matrix's packed bytes in the model's module order, so q/k/v and
+    gate/up lie side by side in the file: fusing them on a cache hit makes a view of the mapping
+    (no copy, no second set of pages), and the fused model's logits equal the first load's."""
+    path = tiny_gguf("Q8_0", 0)
+    first = infer.load(path)
+    want = logits(first)
+    second = infer.load(path)
+    [file] = cache_files(tmp_path / "cache")
+    attn: Any = second.model.layers[0].self_attn  # fused: q/k/v now views of the fused product's bytes
+    q, k, v = (getattr(attn, n).packed for n in ("q_proj", "k_proj", "v_proj"))
+    assert mapped_from(q, file) and mapped_from(v, file), "the fused q/k/v packed bytes were copied"
+    assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+    assert torch.equal(logits(second), want)

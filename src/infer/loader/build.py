@@ -259,7 +259,7 @@ def load_model(builder: ModelBuilder) -> DecoderLM:
     reset_buffers(model, device)
     builder.check_complete()
     if repack is not None:
-        repack.save()
+        repack.save(order=list(model.modules()))
     release_freed_memory()
     return model.eval()
 

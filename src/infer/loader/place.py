@@ -24,10 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infer.gguf.source import GGUFSource
 from infer.loader.names import Entry
 from infer.loader.repack_cache import RepackCache
 from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models.arch import Fix
+from infer.pages import drop_mapped_pages
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
 from infer.quant.ggml import QType, block_size, scale_fields_finite, type_size
@@ -279,11 +281,19 @@ def place_module(
         stored = weight.stored
         assert stored.qtype is not None
         what = f"{desc}: tensor {stored.name!r}"
+        # Kept as stored: mapped from the file where it can be (rows become resident as looked up).
+        if isinstance(source, GGUFSource) and weight.part is None and weight.fix is None:
+            stored_rows = source.mapped(stored.name)
+        else:
+            stored_rows = read_part(source, weight)
         embedding = QuantizedEmbedding.from_gguf(
-            read_part(source, weight), stored.qtype, _part_shape(weight), name=what, dtype=opts.dtype
+            stored_rows, stored.qtype, _part_shape(weight), name=what, dtype=opts.dtype
         )
         raw = embedding.raw
-        if opts.validate and not (raw is not None and scale_fields_finite(raw, stored.qtype)):
+        finite = opts.validate and raw is not None and scale_fields_finite(raw, stored.qtype)
+        if finite and raw is not None:
+            drop_mapped_pages([raw])  # the check read a few bytes of every page: not needed resident
+        if opts.validate and not finite:
             for start in range(0, embedding.num_embeddings, 4096):  # finds and names the bad row
                 ids = torch.arange(start, min(start + 4096, embedding.num_embeddings))
                 check_finite(embedding(ids), what)

@@ -39,10 +39,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from infer.quant.ggml import FLOAT_TYPES, QType
 from infer.quant.linear import QuantizedLinear
 from infer.quant.planes import GROUP, has_int4_form, is_paired, num_planes
 
-FORMAT_VERSION = 3  # 3: 64-bit word sums for CRC-32s; 2: Q2_K / Q3_K / Q6_K paired (1: dense)
+FORMAT_VERSION = 4  # 4: packed bytes in module order; 3: word sums; 2: Q2_K/Q3_K/Q6_K paired; 1: dense
 _ALIGN = 64  # every tensor's data starts on a 64-byte boundary of the file (the kernels' loads)
 _SAMPLES = 16  # blocks of the tensor data hashed into the fingerprint
 _SAMPLE_BYTES = 1 << 16
@@ -187,20 +188,40 @@ class RepackCache:
     # ---- reading ------------------------------------------------------------------
 
     def _open(self) -> None:
-        """Map the cache file, if there is one whose key is ours; otherwise start empty."""
-        from safetensors import safe_open
+        """Map the cache file, if there is one whose key is ours; otherwise start empty.
 
+        The file is mapped once, whole (``torch.from_file``, private: nothing is written back),
+        and every tensor is a view of that one mapping, so matrices written side by side are
+        one run of memory that `QuantizedLinear.concat` fuses without a copy. The header is
+        safetensors' (8-byte length, JSON); a header that does not parse, or an entry outside
+        the file, is a miss.
+        """
         if not self.file.is_file():
             return
         try:
-            with safe_open(str(self.file), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                if meta.get("key") != self.key:
-                    return  # stale: another file, torch or format
-                stored = json.loads(meta["linears"])
-                names = [name for name in f.keys() if not name.startswith(_PAD)]  # noqa: SIM118 (not a dict)
-                tensors = {name: f.get_tensor(name) for name in names}
-        except Exception:  # safetensors' own errors (truncated, bad header), bad JSON, OSError
+            size = self.file.stat().st_size
+            with self.file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > min(size - 8, 1 << 28):
+                    return  # truncated, or not a header
+                header = json.loads(f.read(length))
+            meta = header.pop("__metadata__", None) or {}
+            if meta.get("key") != self.key:
+                return  # stale: another file, torch or format
+            stored = json.loads(meta["linears"])
+            data = torch.from_file(str(self.file), shared=False, size=size, dtype=torch.uint8)[8 + length :]
+            dtypes = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+            tensors = {}
+            for name, info in header.items():
+                if name.startswith(_PAD):
+                    continue
+                lo, hi = (int(x) for x in info["data_offsets"])
+                dtype, shape = dtypes[info["dtype"]], [int(d) for d in info["shape"]]
+                nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+                if not 0 <= lo <= hi <= data.numel() or hi - lo != nbytes:
+                    return
+                tensors[name] = data[lo:hi].view(dtype).view(shape)
+        except Exception:  # truncated or garbage header, bad JSON, an unknown dtype, OSError
             return
         if isinstance(stored, dict):
             self._stored, self._tensors = stored, tensors
@@ -278,26 +299,33 @@ class RepackCache:
 
     # ---- writing ------------------------------------------------------------------
 
-    def save(self) -> None:
+    def save(self, order: Sequence[object] = ()) -> None:
         """Write the file if a matrix was converted or newly checked (a read-only cache directory
-        only costs speed)."""
+        only costs speed). ``order``: the model's modules in order (``model.modules()``); the
+        matrices' packed bytes are written in it, one after another, so sibling projections
+        (q, k, v; gate, up) lie side by side in the file and fuse without a copy
+        (`QuantizedLinear.concat`)."""
         if not self._changed or not self._entries:
             return
         with contextlib.suppress(OSError):
-            self._write()
+            self._write(order)
 
-    def _write(self) -> None:
+    def _write(self, order: Sequence[object]) -> None:
         # The modules' buffers, in order; the cache's own mapped tensors keep the old file alive.
+        # Every matrix's packed bytes first, in the model's module order; then the rest.
+        rank = {id(m): i for i, m in enumerate(order)}
+        entries = sorted(self._entries.items(), key=lambda e: rank.get(id(e[1].module), len(rank)))
         items: list[tuple[str, torch.Tensor]] = []
+        later: list[tuple[str, torch.Tensor]] = []
         linears: dict[str, dict[str, object]] = {}
-        for name, entry in self._entries.items():
+        for name, entry in entries:
             n, k = entry.shape
             layout = gguf_layout(entry.qtype, n, k, self.compute_dtype, entry.exact)
             crcs: dict[str, int] = {}
             for attr in layout.tensors:
                 t = entry.module.get_buffer(attr)
                 crcs[attr] = _checksum(t.cpu())
-                items.append((f"{name}:{attr}", t))
+                (items if attr == "packed" else later).append((f"{name}:{attr}", t))
             linears[name] = {
                 "qtype": entry.qtype.name,
                 "shape": [n, k],
@@ -305,6 +333,7 @@ class RepackCache:
                 "sum": crcs,
                 "finite": name in self._finite,
             }
+        items += later
         header: dict[str, object] = {"__metadata__": {"key": self.key, "linears": json.dumps(linears)}}
         offset = 0
         chunks: list[torch.Tensor | int] = []  # the data: tensors, and zero bytes before the next one

@@ -129,6 +129,36 @@ def int8_kernel_accepts(
     )
 
 
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, but a view when the parts already lie one after another in one
+    storage along dim 0 (matrices the repack cache wrote side by side: no copy, no second set of
+    pages)."""
+    first = parts[0]
+    storage = first.untyped_storage()
+    adjacent = dim == 0 and all(p.is_contiguous() and p.dtype == first.dtype for p in parts)
+    if adjacent:
+        at = first.storage_offset()
+        for p in parts:
+            same = p.untyped_storage().data_ptr() == storage.data_ptr()
+            if not same or p.storage_offset() != at or p.shape[1:] != first.shape[1:]:
+                adjacent = False
+                break
+            at += p.numel()
+    if not adjacent:
+        return torch.cat(parts, dim=dim)
+    rows = sum(p.shape[0] for p in parts)
+    view: torch.Tensor = first.new_empty(0).set_(
+        storage, first.storage_offset(), (rows, *first.shape[1:]), first.stride()
+    )  # contiguous parts of the same trailing shape: the same strides
+    return view
+
+
+def _within(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``t``'s bytes lie inside one of ``tensors`` (a part joined by a view, not copied)."""
+    lo = t.data_ptr()
+    return any(f.data_ptr() <= lo and lo + t.nbytes <= f.data_ptr() + f.nbytes for f in tensors)
+
+
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T + bias`` with ``W [out_features, in_features]`` held packed.
 
@@ -300,7 +330,7 @@ class QuantizedLinear(nn.Module):
         else:
             names, dims = ["weight"], [0]
         pairs = list(zip(names, dims, strict=True))
-        tensors = {name: torch.cat([getattr(p, name) for p in parts], dim=dim) for name, dim in pairs}
+        tensors = {name: _joined([getattr(p, name) for p in parts], dim) for name, dim in pairs}
         bias = torch.cat([p.bias for p in parts]) if first.bias is not None else None  # type: ignore[misc]
         n = sum(p.out_features for p in parts)
         source = "+".join(sorted({p.source for p in parts}))
@@ -317,9 +347,9 @@ class QuantizedLinear(nn.Module):
             if p.bias is not None and fused.bias is not None:
                 p.bias = nn.Parameter(fused.bias[start:stop], requires_grad=False)
             start = stop
-        # Parts mapped from a file (the repack cache) are now read from the fused copy: their
-        # pages need not stay resident beside it.
-        drop_mapped_pages(originals)
+        # Parts mapped from a file (the repack cache) and copied are now read from the fused copy:
+        # their pages need not stay resident beside it (those joined as a view are the fused bytes).
+        drop_mapped_pages([t for t in originals if not _within(t, list(tensors.values()))])
         return fused
 
     # ---- forward --------------------------------------------------------------
