@@ -55,7 +55,11 @@ import psutil  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = Path("/root/.cache/infer-peers/llama.cpp-7a0258d54b25/bin/llama-server")
-MODELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma 3 270M Q4_K_M"}
+MODELS = {
+    "smollm2": "SmolLM2-135M Q4_1",
+    "gemma3": "Gemma 3 270M Q4_K_M",
+    "qwen-coder-1.5b": "Qwen2.5-Coder-1.5B Q4_K_M",  # on request (--models): fetched once, 1.1 GB
+}
 TOPICS = [
     "a lighthouse keeper",
     "a lost umbrella",
@@ -83,6 +87,8 @@ TOPICS = [
 def model_path(model: str) -> Path:
     import infer.realmodels as rm
 
+    if model in rm.SPLIT_MODELS:
+        return rm.fetch(model)
     return Path(rm.smollm2_path() if model == "smollm2" else rm.gemma3_270m_path())
 
 
@@ -644,7 +650,7 @@ def chart(results: dict[str, Any], args: argparse.Namespace, path: Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
+    p.add_argument("--models", default="smollm2,gemma3", help="comma-separated: " + ", ".join(MODELS))
     p.add_argument(
         "--servers",
         default="infer,infer-det,llama-server",
