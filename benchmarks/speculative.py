@@ -355,6 +355,16 @@ def mode_lookup(args: argparse.Namespace) -> None:
     )
 
 
+def print_compared(results: dict[str, dict[str, Any]], plain: str, spec: str) -> None:
+    """The table of `compare`'s results, one row a workload."""
+    print(f"| workload | tokens | {plain} | {spec} | speed-up | kept/proposed | tokens/pass | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w, r in results.items():
+        print(f"| {w} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+              f"| {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['acceptance']:.2f} | {r['per_pass']:.2f} "
+              f"| {same_text(r)} |")  # fmt: skip
+
+
 def mode_draft(args: argparse.Namespace) -> None:
     path = model_path(args.model)
     target = infer.load(path, dtype=torch.float32)
@@ -368,13 +378,7 @@ def mode_draft(args: argparse.Namespace) -> None:
     results = {w: compare(target, ids, args.tokens, spec, args.reps) for w, ids in prompts.items()}
     print(f"\n{args.model} float32 (the exact mode) verified against its GGUF's packed weights "
           f"(+ lookup {args.lookup}); at most {args.k} tokens per pass")  # fmt: skip
-    print("| workload | tokens | float32 tok/s | with the packed draft | speed-up | kept/proposed "
-          "| tokens/pass | same tokens |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for w, r in results.items():
-        print(f"| {w} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-              f"| {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['acceptance']:.2f} | {r['per_pass']:.2f} "
-              f"| {same_text(r)} |")  # fmt: skip
+    print_compared(results, "float32 tok/s", "with the packed draft")
     _save(args, {"mode": "draft", "model": args.model, "results": results})
 
 
@@ -474,13 +478,7 @@ def mode_pair(args: argparse.Namespace) -> None:
     results = {w: compare(target, ids, args.tokens, spec, args.reps) for w, ids in prompts.items()}
     print(f"\nQwen2.5-Coder-1.5B Q4_K_M with the 0.5B as its draft (+ lookup {args.lookup}), at most "
           f"{args.k} tokens per pass")  # fmt: skip
-    print("| workload | tokens | plain tok/s | with the draft | speed-up | kept/proposed | tokens/pass "
-          "| same tokens |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for w, r in results.items():
-        print(f"| {w} | {r['tokens']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-              f"| {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['acceptance']:.2f} | {r['per_pass']:.2f} "
-              f"| {same_text(r)} |")  # fmt: skip
+    print_compared(results, "plain tok/s", "with the draft")
     _save(args, {"mode": "pair", "model": "qwen-coder-1.5b", "results": results})
 
 

@@ -434,3 +434,34 @@ def test_scale_fields_tell_finiteness_exactly(qtype: T) -> None:
             assert scale_fields_finite(broken, qtype) is False
             assert not bool(torch.isfinite(dequantize(broken, qtype, (n, k))).all())
     assert scale_fields_finite(raw, T.F16) is None and scale_fields_finite(raw, T.MXFP4) is None
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_tiles_multiply_in_float32_without_bfloat16_arithmetic(
+    qtype: T, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU has no bfloat16 arithmetic (`native_bf16_gemm`, forced both ways here so every
+    CPU runs both) prefill's dequantized tiles multiply in float32, elsewhere in bfloat16; the
+    output is the effective weight's product either way, in the activations' dtype."""
+    from infer.quant import linear
+
+    n, k = shape_for(qtype)
+    lin = QuantizedLinear.from_gguf(random_gguf(qtype, n, k, 11), qtype, (n, k))
+    x = torch.randn(2, 60, k)  # prefill: past the kernel's rows (KERNEL_MAX_ROWS)
+    ref = F.linear(x, lin.effective_weight())
+    seen: list[torch.dtype] = []
+    matmul = rows.matmul
+
+    def recording(a: torch.Tensor, w_t: torch.Tensor, tile: int = 0) -> torch.Tensor:
+        seen.append(w_t.dtype)
+        return matmul(a, w_t, tile)
+
+    monkeypatch.setattr(rows, "matmul", recording)
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(linear, "native_bf16_gemm", lambda native=native: native)
+        seen.clear()
+        y = lin(x)
+        err = rel_err(y, ref)
+        print(f"{qtype.name}: native bfloat16 {native}: tiles {set(seen)}, error {err:.1e}")
+        assert seen and set(seen) == {want}
+        assert y.dtype == torch.float32 and y.shape == (2, 60, n) and err < 2e-2

@@ -80,3 +80,12 @@ def test_a_missing_wheel_names_it(split_model: SplitModel, monkeypatch: pytest.M
 def test_an_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(KeyError, match=r"qwen-coder-1\.5b"):
         realmodels.fetch("nope")
+
+
+def test_the_models_directory_can_be_pointed_elsewhere(
+    split_model: SplitModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``INFER_MODELS_DIR`` (a benchmark's fresh-cache processes): fetched there, found there."""
+    monkeypatch.setenv("INFER_MODELS_DIR", str(tmp_path / "shared-models"))
+    path = realmodels.fetch("fake", quiet=True)
+    assert path == tmp_path / "shared-models" / "fake.gguf" and path.read_bytes() == b"".join(PARTS)
