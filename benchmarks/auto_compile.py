@@ -42,7 +42,7 @@ import infer, infer.aot as aot
 from infer.realmodels import gemma3_270m_path, smollm2_path
 from pathlib import Path
 model, tokens, cache_dir, compile_arg = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-aot.CACHE_DIR = Path(cache_dir)
+aot.settings.CACHE_DIR = Path(cache_dir)
 path = smollm2_path() if model == "smol" else gemma3_270m_path()
 llm = infer.load(str(path), compile=None if compile_arg == "default" else False)
 t_ready = time.perf_counter()

@@ -17,6 +17,7 @@ relative to the largest logit.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -117,8 +118,9 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     import infer.aot as aot
     from infer.step import Sampling, Stepper
 
-    aot.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
-    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built below, not queued
+    aot.settings.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
+    if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built below, not queued
+        os.environ.pop("INFER_AOT", None)
     recipe = aot.Recipe(str(llm.source), None if dtype == "default" else dtype)
     cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
     stepper = Stepper(llm.model, compile="auto", packages=cache)

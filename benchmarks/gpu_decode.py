@@ -91,7 +91,7 @@ def end_to_end(path: Path, ids: torch.Tensor, new: int = 64) -> None:
 
         def run(n: int, llm: infer.LLM = llm) -> object:  # LLM.generate's path, EOS ignored (random weights)
             params = SamplingParams(max_tokens=n, ignore_eos=True)
-            (handle,) = llm.engine._submit([prompt], [params], text=False, wait=True, drive=True)
+            (handle,) = llm.engine.submit_many([prompt], [params], text=False, wait=True, drive=True)
             return collect(handle)
 
         rates[name] = rate(run)

@@ -167,7 +167,7 @@ def vocabulary_bytes(tokenizer: Any, vocab: int) -> list[bytes | None]:
     """Each token id's bytes (None for special tokens and ids past the tokenizer): byte-level
     BPE pieces through GPT-2's byte alphabet, SentencePiece pieces with ``▁`` as a space and
     ``<0xHH>`` as one byte (outlines-core takes the vocabulary as bytes)."""
-    from infer.serve.app import _byte_decoder
+    from infer.serve.logprobs import byte_decoder as _byte_decoder
 
     tk = tokenizer.hf._tk
     byte_level = json.loads(tk.to_str()).get("decoder", {}).get("type") == "ByteLevel"

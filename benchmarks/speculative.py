@@ -233,8 +233,9 @@ def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, director
     import infer.aot as aot
     from infer.step import Sampling, Stepper
 
-    aot.CACHE_DIR = Path(directory)
-    aot.ENABLED, aot.BACKGROUND_BUILDS = True, True  # note what is missing; built here, not queued
+    aot.settings.CACHE_DIR = Path(directory)
+    if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built here, not queued
+        os.environ.pop("INFER_AOT", None)
     recipe = aot.Recipe(str(llm.source), None, None)
     cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
     llm.stepper = Stepper(llm.model, compile="auto", packages=cache)
@@ -245,8 +246,8 @@ def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, director
         aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
     cache.missing.clear()
     cache._looked.clear()
-    aot.BACKGROUND_BUILDS = False  # shapes missed later run eagerly; nothing is built at exit
-    built = len(list(aot.CACHE_DIR.glob("*.pt2")))
+    os.environ["INFER_AOT"] = "use"  # shapes missed later run eagerly; nothing is built at exit
+    built = len(list(aot.cache_dir().glob("*.pt2")))
     print(f"{built} packages in {directory} ({time.perf_counter() - t0:.0f} s building)")
 
 
@@ -432,7 +433,7 @@ def mode_server(args: argparse.Namespace) -> None:
             llm.speculative = Speculative(lookup=args.lookup, max_tokens=args.k) if on else None
             engine = Engine(llm, max_batch=16)
             t0 = time.perf_counter()
-            handles = engine._submit(prompts, params, text=True, wait=True)
+            handles = engine.submit_many(prompts, params, text=True, wait=True)
             for h in handles:
                 for _ in h:
                     pass

@@ -323,7 +323,7 @@ def compile_times(llm: Any, schemas: list[Any]) -> dict[str, Any]:
     from infer.structured import Constraint, Grammars
 
     t0 = time.perf_counter()
-    grammars = Grammars(llm.tokenizer, llm.model.vocab_size, llm._eos_ids())
+    grammars = Grammars(llm.tokenizer, llm.model.vocab_size, llm.eos_ids)
     _ = grammars.lltokenizer
     setup = time.perf_counter() - t0
     times = []

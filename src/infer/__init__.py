@@ -11,17 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from infer.api import LLM, GenerationResult, load
-    from infer.generate import SamplingParams
+    from infer.api import load
+    from infer.llm import LLM, GenerationResult
+    from infer.params import SamplingParams
     from infer.streaming.config import StreamingConfig
 
 # Imported on first use: `import infer` (and so `infer.cli`, whose first act is to take
 # Ctrl-C) is instant; torch is imported with the first of these names.
 _LAZY = {
-    "LLM": "infer.api",
-    "GenerationResult": "infer.api",
+    "LLM": "infer.llm",
+    "GenerationResult": "infer.llm",
     "load": "infer.api",
-    "SamplingParams": "infer.generate",
+    "SamplingParams": "infer.params",
     "StreamingConfig": "infer.streaming.config",
 }
 

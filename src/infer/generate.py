@@ -14,98 +14,25 @@ so in the deterministic mode (fixed product tiles, `infer.rows`, and
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from infer.cache import KVCache
-from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
+from infer.params import SEED_MAX, SamplingParams, check_max_new_tokens
 from infer.step import (
     Sampling,
     SamplingValues,
     StepFeed,
     StepOutput,
     Stepper,
-    gumbel_noise,
     head_and_sample,
+    row_noise,
     sampling_inputs,
 )
-
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
-TOP_K_MAX = 2**63 - 1  # top_k travels as an int64 tensor; any k >= the vocabulary keeps every token
-
-
-def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    """``value`` as an int in ``[minimum, maximum]``; `TypeError` for bools, floats and others."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    v = operator.index(value)
-    if v < minimum or (maximum is not None and v > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an int {bound}, got {_int_text(v)}")
-    return v
-
-
-def _int_text(v: int) -> str:
-    """``v`` in an error message: a power of two as ``2**n`` (``2**63``), a huge number shortened."""
-    if v > 1 and v & (v - 1) == 0 and v >= 2**32:
-        return f"2**{v.bit_length() - 1}"
-    text = str(v)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
-
-
-def check_float(name: str, value: Any) -> float:
-    """``value`` as a finite float; `TypeError` for bools and non-numbers, `ValueError` for NaN/inf."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    return v
-
-
-def check_max_new_tokens(value: Any) -> int:
-    """``max_new_tokens`` is an int >= 1: a generation call always generates."""
-    return check_int("max_new_tokens", value, 1)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
-
-    Values are checked (and normalized to int / float) on construction: ``temperature``
-    finite and >= 0, ``top_k`` an int in [0, 2**63 - 1], ``top_p`` finite in (0, 1], ``seed`` None or
-    an int in [0, 2**64 - 1].
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        temperature = check_float("temperature", self.temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        top_p = check_float("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        object.__setattr__(self, "temperature", temperature)
-        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, 0, TOP_K_MAX))
-        object.__setattr__(self, "top_p", top_p)
-        if self.seed is not None:
-            object.__setattr__(self, "seed", check_int("seed", self.seed, 0, SEED_MAX))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -123,60 +50,6 @@ def row_generator(seed: int | None, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if seed is not None else torch.seed())
     return generator
-
-
-def row_noise(
-    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
-) -> torch.Tensor | None:
-    """Gumbel noise ``[B, vocab]``, row ``b`` from ``generators[b]`` (zeros for a greedy row, None)."""
-    if all(g is None for g in generators):
-        return None
-    zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-    return torch.cat([zeros if g is None else gumbel_noise(1, vocab, g, device) for g in generators])
-
-
-def stop_prefix(text: str, stops: Sequence[str]) -> int:
-    """The length of the longest end of ``text`` that begins one of ``stops`` (a proper prefix)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-class TextStream:
-    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens)
-
-    def push(self, tokens: list[int], stops: Sequence[str] = ()) -> str:
-        """Replace the tokens and return the new safe text.
-
-        The text's end is kept back while it could be the start of one of the ``stops``
-        strings: at most ``L - 1`` characters for a longest stop string of ``L``, and
-        only as long as they match a stop string's beginning.
-        """
-        self.tokens = tokens
-        full = self.text()
-        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            full = full.rstrip("\ufffd")
-        safe = full[: max(len(self.emitted), len(full) - stop_prefix(full, stops))]
-        piece = safe[len(self.emitted) :] if safe.startswith(self.emitted) else ""
-        self.emitted += piece
-        return piece
 
 
 @dataclass
@@ -374,3 +247,19 @@ def run_to_end(steps: Iterator[list[RowState]]) -> list[RowState]:
     for state in steps:
         rows = state
     return rows
+
+
+__all__ = [
+    "NonFiniteLogitsError",
+    "RowState",
+    "SamplingParams",
+    "check_max_new_tokens",
+    "context_limits",
+    "generate_steps",
+    "left_pad",
+    "right_pad",
+    "row_generator",
+    "row_seed",
+    "run_to_end",
+    "step_outputs",
+]

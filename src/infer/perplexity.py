@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
-from infer.generate import check_int
+from infer.params import check_int
 
 if TYPE_CHECKING:
     from infer.loader.config import ModelConfig

@@ -154,6 +154,23 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
     return -torch.log(e.clamp_min(torch.finfo(torch.float32).tiny))
 
 
+def stack_noise(rows: Sequence[torch.Tensor | None], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """Gumbel noise ``[B, vocab]`` from each row's ``[1, vocab]`` (zeros for a greedy row, None);
+    None when no row samples. The one place a step's noise is assembled."""
+    if all(r is None for r in rows):
+        return None
+    zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+    return torch.cat([zeros if r is None else r for r in rows])
+
+
+def row_noise(
+    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """Gumbel noise ``[B, vocab]``, row ``b`` from ``generators[b]`` (zeros for a greedy row, None)."""
+    rows = [None if g is None else gumbel_noise(1, vocab, g, device) for g in generators]
+    return stack_noise(rows, vocab, device)
+
+
 def model_step(
     model: DecoderLM, cache: KVCache, feed: StepFeed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,6 +333,8 @@ __all__ = [
     "gumbel_noise",
     "head_and_sample",
     "model_step",
+    "row_noise",
     "sample",
     "sampling_inputs",
+    "stack_noise",
 ]

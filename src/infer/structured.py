@@ -18,7 +18,6 @@ sampled token is then `RowProcessor.accept`-ed (the matcher advances; the counts
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 import torch
 
+from infer.params import check_logit_bias
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -36,8 +37,6 @@ Kind = Literal["json_schema", "regex", "grammar"]
 # JSON is written compactly with a space after ',' and ':' (what models write, as json.dumps does),
 # and no other whitespace: a model cannot spend its tokens on blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
-PENALTY_MAX = 2.0  # OpenAI's bound on presence / frequency penalties
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
 CANDIDATES = 512  # a filtered row is resampled among its best this many tokens when they hold the nucleus
 
@@ -202,38 +201,6 @@ class Grammars:
 def _first_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[0] if lines else "invalid"
-
-
-def check_logit_bias(bias: Any, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
-    """``{token id: bias}`` (ids as ints or decimal strings, as OpenAI sends them) as sorted pairs;
-    each bias finite in [-100, 100]."""
-    if bias is None:
-        return ()
-    if isinstance(bias, tuple):
-        items: Any = bias
-    elif isinstance(bias, Mapping):
-        items = bias.items()
-    else:
-        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
-    out: dict[int, float] = {}
-    for key, value in items:
-        try:
-            if isinstance(key, bool):
-                raise ValueError
-            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
-            if not isinstance(token, int) or isinstance(token, bool):
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise ValueError(f"logit_bias: token id {token} is out of range {bound}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"logit_bias[{token}]: must be a finite number, got {value!r}")
-        if not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
-            raise ValueError(f"logit_bias[{token}]: must be in [-100, 100], got {value}")
-        out[token] = float(value)
-    return tuple(sorted(out.items()))
 
 
 class RowProcessor:

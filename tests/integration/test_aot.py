@@ -38,12 +38,10 @@ def packages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reap_processes: Callable[[], list[int]]
 ) -> Iterator[Path]:
     """Packages on, in a directory of this test's own; no builds unless a test asks (``INFER_AOT=use``;
-    a test sets ``aot.BACKGROUND_BUILDS`` and, for its temporary checkpoints, ``aot.TEMPORARY_BUILDS``)."""
-    monkeypatch.setattr(aot, "ENABLED", True)
-    monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
-    monkeypatch.setattr(aot, "BACKGROUND_BUILDS", False)
-    monkeypatch.setattr(aot, "TEMPORARY_BUILDS", False)
-    monkeypatch.setattr(aot, "_MISSING", {})
+    a test that builds unsets it, or for its temporary checkpoints sets ``INFER_AOT=on``)."""
+    monkeypatch.setenv("INFER_AOT", "use")  # read when used (`infer.aot.settings`)
+    monkeypatch.setattr(aot.settings, "CACHE_DIR", tmp_path / "aot")
+    monkeypatch.setattr(aot.queue, "_MISSING", {})
     monkeypatch.setattr(builder, "RUN_LOCK", tmp_path / "run.lock")
     monkeypatch.setenv("INFER_BUILD_WHEN_BUSY", "1")  # the suite keeps the CPUs busy: build anyway
     yield tmp_path / "aot"
@@ -150,13 +148,13 @@ def test_packaged_decode_steps_give_the_eager_tokens(
 
 @pytest.mark.slow
 def test_a_background_build_serves_the_next_load(
-    tiny_ckpt_factory: Callable[..., Path], packages: Path
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A missing package: the generation runs eagerly and queues the shape at once; the
     directory's builder builds it in another process (one builder, however many ask); this
     process, still running, and the next load (same checkpoint, same arguments: the same
     fingerprint) decode from it, with the same tokens."""
-    aot.BACKGROUND_BUILDS = aot.TEMPORARY_BUILDS = True  # INFER_AOT=on (the checkpoint is temporary)
+    monkeypatch.setenv("INFER_AOT", "on")  # builds (the checkpoint is temporary)
     path = tiny_ckpt_factory("llama")
     prompt = [11, 12, 13]
     first = infer.load(path)
@@ -190,6 +188,7 @@ def test_prepare_queues_shapes_ahead_of_need(
     packages: Path,
     reap_processes: Callable[[], list[int]],
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`PackageCache.prepare` (a server at start) queues every shape asked for that has no
     package, once; it queues nothing where builds are off, or for a temporary checkpoint by
@@ -199,9 +198,9 @@ def test_prepare_queues_shapes_ahead_of_need(
     cache = llm.stepper.packages
     assert isinstance(cache, aot.PackageCache)
     assert cache.prepare([1, 2]) == []  # INFER_AOT=use
-    aot.BACKGROUND_BUILDS = True  # INFER_AOT unset: the default...
+    monkeypatch.delenv("INFER_AOT")  # INFER_AOT unset: the default...
     assert cache.prepare([1, 2]) == [] and not packages.exists()  # ... builds no temporary checkpoint
-    aot.TEMPORARY_BUILDS = True  # INFER_AOT=on
+    monkeypatch.setenv("INFER_AOT", "on")
     fd = os.open(builder.RUN_LOCK or "", os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds the machine: the builder waits its turn
     try:
@@ -231,11 +230,14 @@ def test_prepare_queues_shapes_ahead_of_need(
 
 
 def test_a_running_process_queues_again_what_the_builder_dropped(
-    tiny_ckpt_factory: Callable[..., Path], packages: Path, reap_processes: Callable[[], list[int]]
+    tiny_ckpt_factory: Callable[..., Path],
+    packages: Path,
+    reap_processes: Callable[[], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A server queues a shape once; if the builder drops it unbuilt (the machine stayed busy
     through its tries), the server queues it again `REQUEUE_S` later, as a new process would."""
-    aot.BACKGROUND_BUILDS = aot.TEMPORARY_BUILDS = True
+    monkeypatch.setenv("INFER_AOT", "on")
     fd = os.open(builder.RUN_LOCK or "", os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds the machine: nothing is built here
     try:
@@ -357,11 +359,13 @@ def test_the_fingerprint_names_the_model_not_the_load(tiny_ckpt_factory: Callabl
     assert a != aot.fingerprint(infer.load(llama, dtype=torch.bfloat16, compile=False).model)
 
 
-def test_no_packages_where_they_do_not_apply(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
+def test_no_packages_where_they_do_not_apply(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tiny_ckpt_factory("llama")
     assert infer.load(path, compile=False).stepper.packages is None
     assert infer.load(path, deterministic=True).stepper.packages is None  # bitwise contract: eager kernels
-    aot.ENABLED = False  # INFER_AOT=off
+    monkeypatch.setenv("INFER_AOT", "off")
     llm = infer.load(path)
     llm.generate([1, 2, 3], max_new_tokens=4)
     assert llm.stepper.packaged_steps == 0 and not packages.exists()
@@ -387,7 +391,7 @@ def test_use_builds_nothing(tiny_ckpt_factory: Callable[..., Path], packages: Pa
     power-of-two row window, no shape noted, and nothing to build at exit."""
     llm = infer.load(tiny_ckpt_factory("llama"))
     cache = llm.stepper.packages
-    assert isinstance(cache, aot.PackageCache) and not aot.BACKGROUND_BUILDS
+    assert isinstance(cache, aot.PackageCache) and not aot.settings.background_builds()
     llm.generate([1, 2, 3], max_new_tokens=6)
     assert not llm.stepper.bucketed and llm.stepper.packaged_steps == 0
     assert cache._fingerprint is None and not cache.missing
@@ -397,7 +401,7 @@ def test_use_builds_nothing(tiny_ckpt_factory: Callable[..., Path], packages: Pa
 def test_a_bad_infer_aot_setting_is_named(
     tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aot, "_SETTING", "maybe")
+    monkeypatch.setenv("INFER_AOT", "maybe")
     with pytest.raises(ValueError, match="INFER_AOT must be on, use or off, got 'maybe'"):
         infer.load(tiny_ckpt_factory("llama"))
 

@@ -18,7 +18,16 @@ import pytest
 import torch
 
 import infer
-from infer.engine import IDLE_EXIT_S, Delta, Engine, EngineFull, KVSlots, RequestHandle, SamplingParams
+from infer.engine import (
+    IDLE_EXIT_S,
+    Delta,
+    Engine,
+    EngineFull,
+    KVSlots,
+    RequestHandle,
+    Runner,
+    SamplingParams,
+)
 from infer.step import sampling_inputs
 
 TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
@@ -82,8 +91,9 @@ def test_deterministic_alone_equals_among_15_others_and_generate(det: infer.LLM)
     ]
     engine = Engine(det, max_batch=16)
     try:
-        handles = engine._submit([*prompts(8), PROMPT, *prompts(7, 1)], [*others[:8], params, *others[8:]],
-                                 text=True, wait=True)  # fmt: skip
+        handles = engine.submit_many(
+            [*prompts(8), PROMPT, *prompts(7, 1)], [*others[:8], params, *others[8:]], text=True, wait=True
+        )
         crowd = [drain(h) for h in handles][8]
     finally:
         engine.close(drain=False)
@@ -107,7 +117,7 @@ def test_a_rows_tokens_do_not_depend_on_its_neighbours_settings(det: infer.LLM) 
     ):
         engine = Engine(det)
         try:
-            handles = engine._submit([prompts(1, 3)[0], PROMPT, prompts(2, 4)[1]], [neighbours[0], mine,
+            handles = engine.submit_many([prompts(1, 3)[0], PROMPT, prompts(2, 4)[1]], [neighbours[0], mine,
                                      neighbours[1]], text=False, wait=True)  # fmt: skip
             events = [drain(h) for h in handles]
             results.append(tokens_of(events[1]))
@@ -270,26 +280,26 @@ def test_verify_then_rollback_equals_never_proposing(det: infer.LLM) -> None:
     model = det.model
     mode, values = sampling_inputs([SamplingParams()], model.device, exact_head=True)
 
-    def decode(slots: KVSlots, token: int) -> torch.Tensor:
+    def decode(slots: Runner, token: int) -> torch.Tensor:
         return slots.step(0, 1, {0: [token]}, mode, values, None).logits[0]
 
     with torch.inference_mode():
-        plain = KVSlots(model, 1, 256)
+        plain = Runner(KVSlots(model, 1, 256))
         logits = [plain.step(0, 1, {0: list(PROMPT)}, mode, values, None).logits[0]]
         toks = []
         for _ in range(5):
             toks.append(int(logits[-1].argmax()))
             logits.append(decode(plain, toks[-1]))
-        spec = KVSlots(model, 1, 256)
+        spec = Runner(KVSlots(model, 1, 256))
         first = spec.step(0, 1, {0: list(PROMPT)}, mode, values, None).logits[0]
         proposed = [toks[0], (toks[1] + 1) % 200, 3, 4]  # the second is wrong
         verified = spec.verify(0, proposed)
         assert torch.equal(first, logits[0]) and torch.equal(verified[0], logits[1])
-        spec.rollback(0, len(PROMPT) + 1)  # keep the accepted toks[0]
+        spec.slots.rollback(0, len(PROMPT) + 1)  # keep the accepted toks[0]
         again = [decode(spec, t) for t in toks[1:5]]
     assert all(torch.equal(a, b) for a, b in zip(again, logits[2:], strict=True))
     with pytest.raises(ValueError, match="rollback: length must be in"):
-        spec.rollback(0, 10_000)
+        spec.slots.rollback(0, 10_000)
 
 
 def test_threads_and_interleaved_streams_get_what_they_get_alone(llama: infer.LLM) -> None:
@@ -342,7 +352,9 @@ def test_non_finite_logits_end_only_that_request(llama: infer.LLM, monkeypatch: 
     monkeypatch.setattr(llama.model, "head", spoiled)
     try:
         # Queued together before any loop runs (this thread drives): both join the first step.
-        good, bad = engine._submit([PROMPT, [8, 9, 10]], [params, params], text=True, wait=True, drive=True)
+        good, bad = engine.submit_many(
+            [PROMPT, [8, 9, 10]], [params, params], text=True, wait=True, drive=True
+        )
         got_bad, got_good = drain(bad), drain(good)
     finally:
         engine.close(drain=False)
@@ -574,15 +586,15 @@ def test_growing_the_kv_slots_keeps_what_rows_hold_and_frees_the_old_buffers(det
     model = det.model
     mode, values = sampling_inputs([SamplingParams()], model.device, exact_head=True)
     with torch.inference_mode():
-        grown, big = KVSlots(model, 4, 512), KVSlots(model, 4, 512)
-        big.reserve(4, 400)
+        grown, big = Runner(KVSlots(model, 4, 512)), Runner(KVSlots(model, 4, 512))
+        big.slots.reserve(4, 400)
         for slots in (grown, big):
             slots.step(0, 1, {0: list(PROMPT)}, mode, values, None)
-        old = grown.cache
+        old = grown.slots.cache
         assert old is not None
         before = [[t.clone() for t in layer.tensors()] for layer in old.layers]
-        grown.reserve(3, 300)  # more rows and more slots
-        new = grown.cache
+        grown.slots.reserve(3, 300)  # more rows and more slots
+        new = grown.slots.cache
         assert new is not None and new.batch_size >= 3 and new.max_len >= 300
         for was, layer in zip(before, new.layers, strict=True):
             for src, dst in zip(was, layer.tensors(), strict=True):
@@ -595,8 +607,8 @@ def test_growing_the_kv_slots_keeps_what_rows_hold_and_frees_the_old_buffers(det
             b = big.step(0, 1, {0: [token]}, mode, values, None).logits[0]
             assert torch.equal(a, b)
             token = int(a.argmax())
-        grown.shrink()  # rows hold ~20 tokens of 300+ slots: halved
-        assert grown.cache is not None and grown.cache.capacity < new.capacity
+        grown.slots.shrink()  # rows hold ~20 tokens of 300+ slots: halved
+        assert grown.slots.cache is not None and grown.slots.cache.capacity < new.capacity
         a = grown.step(0, 1, {0: [token]}, mode, values, None).logits[0]
         b = big.step(0, 1, {0: [token]}, mode, values, None).logits[0]
         assert torch.equal(a, b)
@@ -606,7 +618,7 @@ def test_kv_capacity_stops_at_what_a_running_request_may_hold(llama: infer.LLM, 
     """A row's capacity grows a quarter past what it needs, but not past its request's prompt +
     max_tokens (+ a speculative draft): the engine sets each row's bound at admission and clears
     it when the request ends; slots stepped without an engine keep the quarter."""
-    from infer.engine import BOUND_MARGIN
+    from infer.engine.slots import BOUND_MARGIN
     from infer.speculative import MAX_TOKENS
 
     assert BOUND_MARGIN == MAX_TOKENS

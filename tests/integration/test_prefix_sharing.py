@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import infer
-from infer.engine import MIN_SHARED, SamplingParams
+from infer.engine import SamplingParams
+from infer.engine.scheduler import MIN_SHARED
 
 PREFIX = 150
 
@@ -104,7 +105,7 @@ def test_each_row_reads_only_its_own_prefix_and_slots(tiny_ckpt_factory: Callabl
     slots = llm.engine.slots
     assert sorted(s.length for s in slots.store.segments) == [90, PREFIX]
     rows = slots.rows
-    view = slots._bind(0, rows)
+    view = slots.bind(0, rows)
     assert view.shared is not None
     from infer.cache import StepPlan
 

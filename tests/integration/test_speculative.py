@@ -25,12 +25,12 @@ import infer
 from infer.cli import main
 from infer.engine import Engine, SamplingParams
 from infer.serve.metrics import Metrics
+from infer.spec.speculator import Proposal
 from infer.speculative import (
     NgramIndex,
     PassCost,
     Speculative,
     Speculator,
-    _Proposal,
     probabilities,
     rejection_sample,
 )
@@ -82,7 +82,7 @@ def collect(
     engine = Engine(llm)
     out: list[Any] = []
     try:
-        handles = engine._submit(prompts, params, text=True, wait=True)
+        handles = engine.submit_many(prompts, params, text=True, wait=True)
         events: list[list[Any]] = [[] for _ in handles]
 
         def read() -> None:
@@ -239,7 +239,7 @@ def test_speculative_sampling_chi_square_against_the_model(
                                  ignore_eos=True) for s in range(n)]  # fmt: skip
         engine = Engine(spec, max_batch=64)
         try:
-            handles = engine._submit([prompt] * n, params, text=False, wait=True)
+            handles = engine.submit_many([prompt] * n, params, text=False, wait=True)
             seconds: list[int] = []
             for h in handles:
                 list(h)
@@ -351,8 +351,8 @@ def test_passes_back_off_where_they_cost_their_width() -> None:
     spec = Speculator.__new__(Speculator)
     spec.cost, spec.per_forward, spec.drafter, spec._skipped = cost, None, None, 0
 
-    def proposal(alpha: float) -> _Proposal:
-        return _Proposal([1, 2, 3, 4], 2, alpha)
+    def proposal(alpha: float) -> Proposal:
+        return Proposal([1, 2, 3, 4], 2, alpha)
 
     assert spec.plan(1, {0: proposal(0.8)}, {}) == 5
     assert spec.plan(1, {0: proposal(0.02)}, {}) == 1
@@ -410,7 +410,7 @@ def test_speculation_up_to_the_end_of_the_context(
     for llm in (det, spec):
         engine = Engine(llm, context=40)
         try:
-            handles = engine._submit(prompts, params, text=False, wait=True)
+            handles = engine.submit_many(prompts, params, text=False, wait=True)
             reasons = [[d.finish_reason for d in h][-1] for h in handles]
             out.append([(list(h.token_ids), reason) for h, reason in zip(handles, reasons, strict=True)])
             stats = engine.stats()
@@ -435,7 +435,7 @@ def test_a_pass_never_cuts_a_row_still_reading_its_prompt(det: infer.LLM, propos
     for llm in (det, with_spec(det, draft=det)):
         engine = Engine(llm, context=80, prefill_chunk=48, idle_prefill_chunk=48)
         try:
-            handles = engine._submit(prompts, params, text=False, wait=True)
+            handles = engine.submit_many(prompts, params, text=False, wait=True)
             out.append([[(lp.token_id, lp.logprob) for d in h for lp in d.logprobs or []] for h in handles])
             stats = engine.stats()
         finally:
@@ -485,7 +485,7 @@ def test_lookup_over_shared_prefixes_stays_in_each_rows_own_tokens(
     monkeypatch.setattr(KVSlots, "rollback", checked)
     engine = Engine(with_spec(llm, lookup=3))
     try:
-        handles = engine._submit(prompts, params, text=False, wait=True)
+        handles = engine.submit_many(prompts, params, text=False, wait=True)
         got = [(list(h), list(h.token_ids))[1] for h in handles]
         stats = engine.stats()
         segments = [s.length for s in engine.slots.store.segments]

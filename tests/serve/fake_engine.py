@@ -1,18 +1,67 @@
-"""A base for the scripted engines the server tests pass to `create_app` in place of `infer.engine.Engine`."""
+"""Bases for the scripted engines the server tests pass to `create_app` in place of `infer.engine.Engine`.
+
+`FakeEngine` and `FakeHandle` have what `infer.serve.client.EngineClient` / `HandleClient` list (mypy
+checks it below); each test's engine writes its own ``submit`` and each handle its script as
+``__iter__``, which ``aiter`` reads on a worker thread (a script may sleep between events).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from infer.engine import Delta
+from infer.params import SamplingParams
+from infer.structured import Grammars
+
+if TYPE_CHECKING:
+    from infer.serve.client import EngineClient, HandleClient
+
+
+class FakeHandle:
+    """A request whose events are its ``__iter__`` (none here): override it, and ``cancel``."""
+
+    prompt_tokens = 0
+
+    def __iter__(self) -> Iterator[Delta]:
+        return iter(())
+
+    async def aiter(self) -> AsyncIterator[Delta]:
+        events = iter(self)
+        while (delta := await asyncio.to_thread(next, events, None)) is not None:
+            yield delta
+
+    def cancel(self) -> None:
+        pass
 
 
 class FakeEngine:
-    """What the server reads of an engine besides ``submit`` (each test's own): model, stats, close."""
+    """What the server reads of an engine besides ``submit`` (each test's own): the model, its
+    context, the grammars, stats, close."""
+
+    max_batch = 1
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self.context: int = llm.config.max_position_embeddings
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.llm.tokenizer, self.llm.model.vocab_size, sorted(self.llm.eos_ids))
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Any:
+        raise NotImplementedError("each test's engine submits its own way")
 
     def stats(self) -> dict[str, int]:
         return {"running": 0, "waiting": 0}
 
-    def close(self, drain: bool = True) -> None:
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
         pass
+
+
+if TYPE_CHECKING:  # the fakes have what the server uses of an engine and of a handle
+
+    def _conforms(engine: FakeEngine, handle: FakeHandle) -> tuple[EngineClient, HandleClient]:
+        return engine, handle

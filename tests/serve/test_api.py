@@ -14,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from infer.params import ParamError, ParamTypeError
+
 from .fake_engine import FakeEngine
 
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
@@ -386,6 +388,43 @@ def test_full_queue_is_429_with_retry_after(live_server: LiveServer, tiny_llm: A
     assert r.status_code == 429
     assert int(r.headers["Retry-After"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+
+
+REFUSALS: list[tuple[Exception, str | None]] = [
+    (ParamError("logit_bias", "logit_bias: token id 5 is out of range [0, 4)"), "logit_bias"),
+    (ParamTypeError("stop_token_ids", "stop_token_ids must be a list of ints, got str"), "stop_token_ids"),
+    (ValueError("prompt has 300 tokens; the model's context is 256 tokens"), "prompt"),
+    (ValueError("something else went wrong with top_p and seed"), None),  # no field guessed from the text
+]
+
+
+class _RefusingEngine(FakeEngine):
+    """An engine that refuses a prompt ``[i]`` with ``REFUSALS[i]``'s error."""
+
+    def submit(self, prompt: list[int], params: Any) -> Any:
+        raise REFUSALS[prompt[0]][0]
+
+
+def test_engine_refusals_are_400_naming_the_param_the_error_carries(
+    live_server: LiveServer, tiny_llm: Any
+) -> None:
+    base = live_server(_RefusingEngine(tiny_llm))
+    for i, (error, param) in enumerate(REFUSALS):
+        r = httpx.post(base + "/v1/completions", json={"prompt": [i], "max_tokens": 2}, timeout=TIMEOUT)
+        print(f"{error!r}: {r.status_code} {r.text}")
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == str(error)
+
+
+def test_create_app_takes_an_llm_or_an_engine_serving_one(tiny_llm: Any) -> None:
+    from infer.serve import create_app
+
+    with pytest.raises(TypeError, match=r"infer\.LLM or an engine"):
+        create_app(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass the LLM"):
+        create_app(FakeEngine(tiny_llm), max_batch=2)
+    state = create_app(FakeEngine(tiny_llm)).state.serve
+    assert state.llm is tiny_llm and state.context == tiny_llm.config.max_position_embeddings
 
 
 def test_a_burst_past_the_queue_is_refused_and_the_rest_served(

@@ -1,8 +1,8 @@
 """The server steps compiled code of its own (issue 26): what it queues at start, and a package
 built in the background while it runs, picked up by the next request.
 
-A tiny checkpoint (a temporary one: built only under ``INFER_AOT=on``, set here through the
-module's switches), the package cache and the machine-wide build lock under the test's
+A tiny checkpoint (a temporary one: built only under ``INFER_AOT=on``, set here in the
+environment), the package cache and the machine-wide build lock under the test's
 ``tmp_path``; ``INFER_BUILD_WHEN_BUSY=1`` lets the builder run while the rest of the suite keeps
 the CPUs busy; every process the test starts is reaped at teardown.
 """
@@ -36,11 +36,9 @@ def packages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reap_processes: Callable[[], list[int]]
 ) -> Iterator[Path]:
     """Packages on and built (``INFER_AOT=on``), in a directory of this test's own."""
-    monkeypatch.setattr(aot, "ENABLED", True)
-    monkeypatch.setattr(aot, "BACKGROUND_BUILDS", True)
-    monkeypatch.setattr(aot, "TEMPORARY_BUILDS", True)
-    monkeypatch.setattr(aot, "CACHE_DIR", tmp_path / "aot")
-    monkeypatch.setattr(aot, "_MISSING", {})
+    monkeypatch.setenv("INFER_AOT", "on")  # read when used (`infer.aot.settings`)
+    monkeypatch.setattr(aot.settings, "CACHE_DIR", tmp_path / "aot")
+    monkeypatch.setattr(aot.queue, "_MISSING", {})
     monkeypatch.setattr(builder, "RUN_LOCK", tmp_path / "run.lock")
     monkeypatch.setenv("INFER_BUILD_WHEN_BUSY", "1")
     yield tmp_path / "aot"  # (`reap_processes` kills what is left at teardown)

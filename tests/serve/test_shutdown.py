@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .fake_engine import FakeEngine
+from .fake_engine import FakeEngine, FakeHandle
 
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -106,7 +106,7 @@ class _FailingEngine(FakeEngine):
         Delta = self.Delta
         fail = 7 in prompt
 
-        class Handle:
+        class Handle(FakeHandle):
             id = "fake"
             prompt_tokens = len(prompt)
 
@@ -176,7 +176,7 @@ class _SlowEngine(FakeEngine):
         engine = self
         self.submitted.set()
 
-        class Handle:
+        class Handle(FakeHandle):
             id = "slow"
             prompt_tokens = len(prompt)
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from infer.prompts import tool_chat
 
-from .fake_engine import FakeEngine
+from .fake_engine import FakeEngine, FakeHandle
 
 LiveServer = Callable[..., str]
 TIMEOUT = httpx.Timeout(60.0)
@@ -264,7 +264,7 @@ class _Scripted(FakeEngine):
         ids = self.llm.tokenizer.encode(self.script, add_special_tokens=False)
         decode = self.llm.tokenizer.decode
 
-        class Handle:
+        class Handle(FakeHandle):
             id = "scripted"
             prompt_tokens = len(prompt)
 

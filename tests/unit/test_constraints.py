@@ -48,7 +48,7 @@ def test_the_mask_admits_exactly_what_the_grammar_does(tiny_ckpt_factory: Callab
 
     llm = infer.load(tiny_ckpt_factory("llama"))
     V = llm.model.vocab_size
-    grammars = Grammars(llm.tokenizer, V, llm._eos_ids())
+    grammars = Grammars(llm.tokenizer, V, llm.eos_ids)
 
     def tok(ch: str) -> int:  # the tiny tokenizer: one token per byte
         ids = llm.tokenizer.encode(ch, add_special_tokens=False)
@@ -67,7 +67,7 @@ def test_the_mask_admits_exactly_what_the_grammar_does(tiny_ckpt_factory: Callab
     p.accept(tok("d"))
     assert allowed(p) == sorted(tok(str(d)) for d in range(10))
     assert p.accept(tok("7")) is True  # complete: only EOS may follow
-    assert allowed(p) == sorted(llm._eos_ids())
+    assert allowed(p) == sorted(llm.eos_ids)
     # A token the grammar refuses puts the processor in error (the engine ends the request with it).
     q = RowProcessor(V, [], matcher=grammars.matcher(Constraint.regex("a")))
     q.accept(tok("z"))

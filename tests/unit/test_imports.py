@@ -31,6 +31,7 @@ FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
         "infer.rows",
+        "infer.params",
         "infer.pages",
         "infer.threads",
         "infer.idle",
@@ -73,10 +74,11 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.generate",
         "infer.prefix",
         "infer.speculative",
+        "infer.spec",
         "infer.engine",
     ),
     # 6: the public API and what is built on a loaded model
-    ("infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
+    ("infer.llm", "infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
     # 7: front ends and test support
     ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
 ]

@@ -261,14 +261,14 @@ def describe_failure(parallel: Parallel, error: BaseException) -> str:
     return f"one of ranks {others} stopped answering; the collective failed: {cause}"
 
 
-def _is_peer_failure(error: BaseException) -> bool:
+def is_peer_failure(error: BaseException) -> bool:
     """Gloo / NCCL errors of a peer that is gone or silent (``RuntimeError`` or `dist.DistError`)."""
     if isinstance(error, RankFailedError) or not isinstance(error, RuntimeError):
         return False
     if isinstance(error, dist.DistError):
         return True
     text = str(error)
-    signs = ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out")
+    signs = ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "pair closure")
     return any(k in text for k in signs)
 
 
@@ -278,7 +278,7 @@ def peer_failures(parallel: Parallel | None) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if parallel is None or not _is_peer_failure(e):
+        if parallel is None or not is_peer_failure(e):
             raise
         raise RankFailedError(describe_failure(parallel, e)) from e
 
@@ -341,6 +341,7 @@ __all__ = [
     "broadcast_object",
     "describe_failure",
     "group_timeout",
+    "is_peer_failure",
     "lost_ranks",
     "peer_failures",
     "setup",

@@ -57,7 +57,7 @@ def _check_blocks(gguf: GGUFFile, meta: GGUFMetadata, n_layers: int) -> None:
     if len(blocks) != n_layers or (blocks and (min(blocks) != 0 or max(blocks) != n_layers - 1)):
         have = f"{len(blocks)} block(s) ({min(blocks)}..{max(blocks)})" if blocks else "no blocks"
         raise ValueError(
-            f"{gguf.path}: metadata '{meta._key('block_count')}' = {n_layers}, "
+            f"{gguf.path}: metadata '{meta.full_key('block_count')}' = {n_layers}, "
             f"but the tensor table has {have}"
         )
 
@@ -101,7 +101,7 @@ def _rope_scaling(meta: GGUFMetadata) -> dict[str, Any] | None:
     if kind == "linear" and factor is not None:
         return {"rope_type": "linear", "factor": factor}
     raise ValueError(
-        f"{meta.path}: unsupported RoPE scaling '{meta._key('rope.scaling.type')}' = {kind!r} "
+        f"{meta.path}: unsupported RoPE scaling '{meta.full_key('rope.scaling.type')}' = {kind!r} "
         f"(factor {factor}); supported: none, linear"
     )
 
@@ -122,13 +122,13 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     hidden = meta.int("embedding_length")
     if hidden != embd_width:
         raise ValueError(
-            f"{gguf.path}: metadata '{meta._key('embedding_length')}' = {hidden}, but token_embd.weight has "
-            f"{embd_width} columns"
+            f"{gguf.path}: metadata '{meta.full_key('embedding_length')}' = {hidden}, "
+            f"but token_embd.weight has {embd_width} columns"
         )
     declared_vocab = meta.opt_int("vocab_size")
     if declared_vocab is not None and declared_vocab != vocab:
         raise ValueError(
-            f"{gguf.path}: '{meta._key('vocab_size')}' = {declared_vocab} "
+            f"{gguf.path}: '{meta.full_key('vocab_size')}' = {declared_vocab} "
             f"but token_embd.weight has {vocab} rows"
         )
     n_layers = meta.int("block_count")
@@ -138,20 +138,20 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     assert kv_heads is not None
     if heads % kv_heads:
         raise ValueError(
-            f"{gguf.path}: '{meta._key('attention.head_count')}' = {heads} is not a multiple of "
-            f"'{meta._key('attention.head_count_kv')}' = {kv_heads}"
+            f"{gguf.path}: '{meta.full_key('attention.head_count')}' = {heads} is not a multiple of "
+            f"'{meta.full_key('attention.head_count_kv')}' = {kv_heads}"
         )
     key_len = meta.opt_int("attention.key_length")
     value_len = meta.opt_int("attention.value_length")
     if key_len is not None and value_len is not None and key_len != value_len:
         raise ValueError(
-            f"{gguf.path}: '{meta._key('attention.key_length')}' = {key_len} differs from "
-            f"'{meta._key('attention.value_length')}' = {value_len}; only equal lengths are supported"
+            f"{gguf.path}: '{meta.full_key('attention.key_length')}' = {key_len} differs from "
+            f"'{meta.full_key('attention.value_length')}' = {value_len}; only equal lengths are supported"
         )
     if key_len is None and hidden % heads:
         raise ValueError(
-            f"{gguf.path}: '{meta._key('embedding_length')}' = {hidden} is not divisible by "
-            f"'{meta._key('attention.head_count')}' = {heads} (and no key_length is given)"
+            f"{gguf.path}: '{meta.full_key('embedding_length')}' = {hidden} is not divisible by "
+            f"'{meta.full_key('attention.head_count')}' = {heads} (and no key_length is given)"
         )
     head_dim = key_len if key_len is not None else hidden // heads
     raw: dict[str, Any] = {
@@ -174,8 +174,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if rope_dims is not None and rope_dims != head_dim:
         if rope_dims > head_dim or rope_dims % 2:
             raise ValueError(
-                f"{gguf.path}: '{meta._key('rope.dimension_count')}' = {rope_dims}, expected an even number "
-                f"<= the head dimension {head_dim}"
+                f"{gguf.path}: '{meta.full_key('rope.dimension_count')}' = {rope_dims}, "
+                f"expected an even number <= the head dimension {head_dim}"
             )
         raw["partial_rotary_factor"] = rope_dims / head_dim
     if arch.gguf.metadata is not None:

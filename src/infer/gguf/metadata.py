@@ -21,14 +21,14 @@ class GGUFMetadata:
         self.arch = arch
         self.path = gguf.path
 
-    def _key(self, key: str) -> str:
+    def full_key(self, key: str) -> str:
         return f"{self.arch}.{key}"
 
     def get(self, key: str) -> Any:
-        return self.gguf.metadata.get(self._key(key))
+        return self.gguf.metadata.get(self.full_key(key))
 
     def _fail(self, key: str, value: Any, expected: str) -> ValueError:
-        return ValueError(f"{self.path}: metadata '{self._key(key)}' = {value!r}, expected {expected}")
+        return ValueError(f"{self.path}: metadata '{self.full_key(key)}' = {value!r}, expected {expected}")
 
     def opt_int(self, key: str, default: int | None = None) -> int | None:
         value = self.get(key)
@@ -43,7 +43,7 @@ class GGUFMetadata:
     def int(self, key: str) -> int:
         value = self.opt_int(key)
         if value is None:
-            raise ValueError(f"{self.path}: missing metadata key '{self._key(key)}'")
+            raise ValueError(f"{self.path}: missing metadata key '{self.full_key(key)}'")
         return value
 
     def opt_float(self, key: str, default: float | None = None) -> float | None:

@@ -278,19 +278,20 @@ class DecoderLM(nn.Module):
 
     # ---- pieces of the walk -------------------------------------------------
 
-    @property
-    def dtype(self) -> torch.dtype:
+    def _norm_weight(self) -> torch.Tensor:
+        """The final norm's weight, whose dtype and device are the model's."""
         weight = self.norm.weight
         if not isinstance(weight, torch.Tensor):
             raise TypeError("the final norm has no weight tensor")
-        return weight.dtype
+        return weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._norm_weight().dtype
 
     @property
     def device(self) -> torch.device:
-        weight = self.norm.weight
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError("the final norm has no weight tensor")
-        return weight.device
+        return self._norm_weight().device
 
     @property
     def cache_dtype(self) -> torch.dtype:

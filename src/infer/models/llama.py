@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,12 +72,16 @@ GGUF_ATTENTION = {
     "attn_output": "self_attn.o_proj",
 }
 GGUF_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    **GGUF_ATTENTION,
-    "ffn_norm": "post_attention_layernorm",
-    **GGUF_MLP,
-}
+
+
+def gguf_layer(
+    attention: Mapping[str, str] = GGUF_ATTENTION, mlp: Mapping[str, str] = GGUF_MLP
+) -> dict[str, str]:
+    """The GGUF names of Llama's block: its two norms, and the ``attention`` and ``mlp`` given."""
+    return {"attn_norm": "input_layernorm", **attention, "ffn_norm": "post_attention_layernorm", **mlp}
+
+
+GGUF_LAYER = gguf_layer()
 # llama.cpp's converter reorders the rows of Q and K from HF's rotate-half layout to
 # interleaved pairs (for llama and the models it converts as llama: Mistral, SmolLM2, ...).
 GGUF_PERMUTED = {

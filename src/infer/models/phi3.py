@@ -19,7 +19,7 @@ from infer.models.common import (
     activation,
     attention_from_config,
 )
-from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock
+from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock, gguf_layer
 
 if TYPE_CHECKING:
     from infer.gguf.metadata import GGUFMetadata
@@ -103,14 +103,11 @@ ARCH = Architecture(
     normalize=sliding_everywhere,
     gguf=GGUFRules(
         architectures=("phi3",),
-        layer={
-            "attn_norm": "input_layernorm",
-            "attn_qkv": "self_attn.qkv_proj",
-            "attn_output": "self_attn.o_proj",
-            "ffn_norm": "post_attention_layernorm",
-            "ffn_up": "mlp.gate_up_proj",  # gate and up, fused as in the HF checkpoint
-            "ffn_down": "mlp.down_proj",
-        },
+        # Q/K/V and gate/up fused, as in the HF checkpoint.
+        layer=gguf_layer(
+            {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj"},
+            {"ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+        ),
         metadata=gguf_metadata,
         write_metadata=write_gguf_metadata,
     ),

@@ -34,7 +34,7 @@ _CHUNK_VALUES = 1 << 21
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
+def f16(b: torch.Tensor) -> torch.Tensor:
     """``[n, 2]`` bytes holding a little-endian fp16 -> ``[n, 1]`` float32."""
     return b.contiguous().view(torch.float16).to(torch.float32)
 
@@ -43,12 +43,12 @@ def _shifts(values: Sequence[int], shape: tuple[int, ...], device: torch.device)
     return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """``[n, 16]`` packed bytes -> ``[n, 32]`` values: low nibbles first, then high nibbles."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
+def bits32(qh: torch.Tensor) -> torch.Tensor:
     """``[n, 4]`` bytes of a little-endian u32 -> ``[n, 32]`` bits (bit i at index i)."""
     n = qh.shape[0]
     bits = (qh.reshape(n, 4, 1) >> _shifts(range(8), (1, 1, 8), qh.device)) & 1  # [n, 4, 8]
@@ -56,32 +56,32 @@ def _bits32(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, :2])
+    d = f16(b[:, :2])
     x = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
     return x * d
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, :2])
-    q = (_nibbles(b[:, 2:]).to(torch.int8) - 8).to(torch.float32)
+    d = f16(b[:, :2])
+    q = (nibbles(b[:, 2:]).to(torch.int8) - 8).to(torch.float32)
     return d * q
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 4:]).to(torch.float32)
+    d, m = f16(b[:, :2]), f16(b[:, 2:4])
+    q = nibbles(b[:, 4:]).to(torch.float32)
     return (d * q) + m
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, :2])
-    q = _nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4)
+    d = f16(b[:, :2])
+    q = nibbles(b[:, 6:]) | (bits32(b[:, 2:6]) << 4)
     return d * (q.to(torch.int8) - 16).to(torch.float32)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4)
+    d, m = f16(b[:, :2]), f16(b[:, 2:4])
+    q = nibbles(b[:, 8:]) | (bits32(b[:, 4:8]) << 4)
     return (d * q.to(torch.float32)) + m
 
 
@@ -89,7 +89,7 @@ def q2_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """Q2_K blocks -> scale ``d*sc``, offset ``dmin*m`` (``[n, 16, 1]`` float32), q ``[n, 16, 16]`` int16."""
     n = b.shape[0]
     scales, qs = b[:, :16], b[:, 16:80]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    d, dmin = f16(b[:, 80:82]), f16(b[:, 82:84])
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     q = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)) & 3  # [n, 2, 4, 32]
@@ -105,7 +105,7 @@ def q3_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q3_K blocks -> scale ``d * (sc - 32)`` ``[n, 16, 1]`` float32, q in -4..3 ``[n, 16, 16]`` int16."""
     n = b.shape[0]
     hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b[:, 108:110])
+    d = f16(b[:, 108:110])
     # 16 six-bit scales: low 4 bits in bytes 0..7 (two per byte), high 2 bits in bytes 8..11.
     lo = (scales[:, :8].reshape(n, 1, 8) >> _shifts((0, 4), (1, 2, 1), b.device)).reshape(n, 16)
     hi = (scales[:, 8:].reshape(n, 1, 4) >> _shifts((0, 2, 4, 6), (1, 4, 1), b.device)).reshape(n, 16)
@@ -132,17 +132,17 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k_group_params(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_group_params(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: per-group scale ``d * sc`` and offset ``dmin * m``, ``[n, 8, 1]`` float32."""
     n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    d, dmin = f16(b[:, :2]), f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
     scale = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     offset = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
     return scale, offset
 
 
-def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+def k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K ``qs[128]`` -> ``[n, 8, 32]``: each 32 bytes hold two groups (low, high nibbles)."""
     n = qs.shape[0]
     q = qs.reshape(n, 4, 1, 32) >> _shifts((0, 4), (1, 1, 2, 1), qs.device)  # [n, 4, 2, 32]
@@ -151,16 +151,16 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scale, offset = _k_group_params(b)
-    q = _k_low_nibbles(b[:, 16:]).to(torch.float32)
+    scale, offset = k_group_params(b)
+    q = k_low_nibbles(b[:, 16:]).to(torch.float32)
     return (scale * q - offset).reshape(n, 256)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scale, offset = _k_group_params(b)
+    scale, offset = k_group_params(b)
     qh = (b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(range(8), (1, 1, 8, 1), b.device)).reshape(n, 8, 32) & 1
-    q = (_k_low_nibbles(b[:, 48:]) | (qh << 4)).to(torch.float32)
+    q = (k_low_nibbles(b[:, 48:]) | (qh << 4)).to(torch.float32)
     return (scale * q - offset).reshape(n, 256)
 
 
@@ -169,7 +169,7 @@ def q6_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
     sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = (_f16(b[:, 208:210]) * sc).reshape(n, 16, 1)
+    d = (f16(b[:, 208:210]) * sc).reshape(n, 16, 1)
     lo = (ql.reshape(n, 2, 1, 64) >> _shifts((0, 4), (1, 1, 2, 1), b.device)).reshape(n, 8, 32) & 0x0F
     hi = (qh.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 8, 32) & 0x03
     return d, ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.int16)
@@ -191,7 +191,7 @@ def e8m0_to_float_half(e: torch.Tensor) -> torch.Tensor:
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     d = e8m0_to_float_half(b[:, :1])
     values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)
-    q = _nibbles(b[:, 1:]).to(torch.int64)
+    q = nibbles(b[:, 1:]).to(torch.int64)
     return d * values[q]
 
 

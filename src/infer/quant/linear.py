@@ -18,6 +18,8 @@ dtype and multiply with a dense matmul. In the deterministic mode (``tile_rows``
 path (the kernel when it is used at all), so a row's result never depends on the others.
 Scales are held in the compute dtype (bfloat16 by default), so every path computes with
 the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
+How many outputs an output head re-scores exactly is `infer.quant.head`'s; what the int8
+kernel assumes of its operands, `infer.quant.int8`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from infer.pages import drop_mapped_pages
 from infer.quant import int4
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
-from infer.quant.operands import INT32_LIMIT, plain_cpu_operands
+from infer.quant.head import GREEDY_CANDIDATES, GREEDY_MAX_ROWS, RESCORE_TOP_K, top_indices
+from infer.quant.int8 import int8_kernel_accepts
 from infer.quant.planes import (
     GROUP,
     compose_paired,
@@ -44,11 +47,6 @@ from infer.quant.planes import (
 )
 from infer.quant.quantize import quantize_int8_per_channel
 
-# Outputs re-scored exactly per row by an output head that kept float32 scales (see `rescore`).
-RESCORE_TOP_K = 16
-# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`):
-# over 1024 positions of real text the exact winner ranked at worst 51st (SmolLM2), 24th (Gemma 3).
-GREEDY_CANDIDATES = 128
 # Rows up to which a product runs the packed kernel, by format (int4: by planes); beyond,
 # dequantizing tiles + one GEMM wins: the kernel's cost grows with the rows, the
 # dequantization's does not. Measured on an AMD EPYC (AVX-512 with bf16, 2 threads), the fused
@@ -57,30 +55,8 @@ GREEDY_CANDIDATES = 128
 # (Gemma 3's Q5_0 q/k/v and gate/up) 399-1038 vs 541-1548 at 32 rows, 784-2035 vs 613-1732 at
 # 64. int8 (`quantize="int8"`, 576x1536 to 4096x640): equal at 16 rows, 1.7-2.8x slower at 64.
 KERNEL_MAX_ROWS = {"int4": 96, "int4 planes": 48, "int8": 16}
-# Rows up to which an output head's greedy step scans its high plane and re-scores
-# `GREEDY_CANDIDATES` per row (the re-scoring gathers rows x candidates weight rows).
-GREEDY_MAX_ROWS = 16
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
-
-
-def top_indices(y: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices ``[M, k]`` of each row's ``k`` largest entries of ``y [M, N]`` (in no set order).
-
-    ``topk`` over a whole vocabulary is slow on CPU (Gemma 3's 262,144 logits: ~300 µs); the
-    ``k`` largest lie in the ``k`` blocks with the largest maxima, so a row's block maxima are
-    ranked first and only those blocks' entries after (~60 µs). Ties may pick other indices of
-    equal value than ``topk`` would.
-    """
-    M, N = y.shape
-    block = 32 if N <= 1 << 16 else 64
-    if N % block or N // block < 4 * k:
-        return y.topk(k, dim=-1).indices
-    blocks = y.reshape(M, N // block, block)
-    top_blocks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [M, k]
-    entries = blocks.gather(1, top_blocks[..., None].expand(M, k, block)).view(M, k * block)
-    pos = entries.topk(k, dim=-1).indices  # [M, k] within the chosen blocks
-    return top_blocks.gather(1, pos // block) * block + pos % block
 
 
 @functools.cache
@@ -100,33 +76,6 @@ def native_bf16_gemm() -> bool:
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def int8_kernel_accepts(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, pointers_checked: bool = False
-) -> bool:
-    """Whether ``aten._weight_int8pack_mm`` computes ``(x @ qweight.T) * scales`` correctly on CPU.
-
-    torch checks the dtypes of ``x`` and ``qweight``, the shapes, and that ``x``'s last
-    dimension is dense. Its vectorized kernel (AVX-512 and AVX2) also assumes, unchecked:
-    ``K % 16 == 0`` (it reads 16 values per step: with K = 72 the result is NaN or
-    1e33, and the second row's misaligned load segfaults), ``x`` 32-byte and ``qweight``
-    16-byte aligned (aligned vector loads: a fault otherwise), dense rows, ``scales``
-    contiguous in x's dtype, and ``M*K``, ``N*K``, ``M*N`` below 2^31 (32-bit indexing).
-    ``pointers_checked``: the caller vouches for the alignment (inside a compiled graph,
-    where pointers cannot be read).
-    """
-    if not plain_cpu_operands(x, qweight, torch.int8, scales, 1):
-        return False
-    m, k = x.shape
-    n = qweight.shape[0]
-    return (
-        qweight.shape[1] == k
-        and scales.shape[0] == n
-        and k % 16 == 0
-        and (pointers_checked or (x.data_ptr() % 32 == 0 and qweight.data_ptr() % 16 == 0))
-        and max(m * k, n * k, m * n) < INT32_LIMIT
-    )
 
 
 def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -639,4 +588,5 @@ __all__ = [
     "RESCORE_TOP_K",
     "QuantizedLinear",
     "int8_kernel_accepts",
+    "top_indices",
 ]

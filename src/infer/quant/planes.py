@@ -36,12 +36,12 @@ from collections.abc import Callable
 import torch
 
 from infer.quant.dequant import (
-    _bits32,
-    _f16,
-    _k_group_params,
-    _k_low_nibbles,
-    _nibbles,
+    bits32,
     e8m0_to_float_half,
+    f16,
+    k_group_params,
+    k_low_nibbles,
+    nibbles,
     q2_k_parts,
     q3_k_parts,
     q6_k_parts,
@@ -74,45 +74,45 @@ def _two_planes(
 
 
 def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    d = _f16(b[:, :2])
-    return _one_plane(_nibbles(b[:, 2:]), d, torch.zeros_like(d))
+    d = f16(b[:, :2])
+    return _one_plane(nibbles(b[:, 2:]), d, torch.zeros_like(d))
 
 
 def _q4_1(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    return _one_plane(_nibbles(b[:, 4:]), d, m + 8 * d)
+    d, m = f16(b[:, :2]), f16(b[:, 2:4])
+    return _one_plane(nibbles(b[:, 4:]), d, m + 8 * d)
 
 
 def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     n = b.shape[0]
-    scale, offset = _k_group_params(b)  # [n, 8, 1]
-    nib = _k_low_nibbles(b[:, 16:]).reshape(n, 256)
+    scale, offset = k_group_params(b)  # [n, 8, 1]
+    nib = k_low_nibbles(b[:, 16:]).reshape(n, 256)
     return _one_plane(nib, scale[..., 0], (8 * scale - offset)[..., 0])
 
 
 def _q5_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    d = _f16(b[:, :2])
-    q = (_nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4)).to(torch.int16)  # 0..31
+    d = f16(b[:, :2])
+    q = (nibbles(b[:, 6:]) | (bits32(b[:, 2:6]) << 4)).to(torch.int16)  # 0..31
     return _two_planes(q, d, -8 * d)  # (lo - 8) d - 8d + 16 d hi = d (q - 16)
 
 
 def _q5_1(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = (_nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4)).to(torch.int16)
+    d, m = f16(b[:, :2]), f16(b[:, 2:4])
+    q = (nibbles(b[:, 8:]) | (bits32(b[:, 4:8]) << 4)).to(torch.int16)
     return _two_planes(q, d, m + 8 * d)
 
 
 def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     n = b.shape[0]
-    scale, offset = _k_group_params(b)  # [n, 8, 1]
+    scale, offset = k_group_params(b)  # [n, 8, 1]
     bit = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 1, 8, 1)
     qh = (b[:, 16:48].reshape(n, 1, 1, 32) >> bit).reshape(n, 8, 32) & 1
-    q = (_k_low_nibbles(b[:, 48:]) | (qh << 4)).to(torch.int16).reshape(n, 256)
+    q = (k_low_nibbles(b[:, 48:]) | (qh << 4)).to(torch.int16).reshape(n, 256)
     return _two_planes(q, scale[..., 0], (8 * scale - offset)[..., 0])
 
 
 def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    d = _f16(b[:, :2])
+    d = f16(b[:, :2])
     q = b[:, 2:].contiguous().view(torch.int8).to(torch.int16)  # -128..127 = 16*hi + lo
     return _two_planes(q, d, 8 * d)
 
@@ -120,7 +120,7 @@ def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     d = e8m0_to_float_half(b[:, :1])
     values = torch.tensor(_MXFP4_VALUES, dtype=torch.int16, device=b.device)
-    u = values[_nibbles(b[:, 1:]).to(torch.int64)] + 12  # 0..24
+    u = values[nibbles(b[:, 1:]).to(torch.int64)] + 12  # 0..24
     return _two_planes(u, d, -4 * d)  # (lo - 8) d - 4d + 16 d hi = d (u - 12)
 
 

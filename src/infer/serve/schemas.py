@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API as pydantic models.
 
 Types and ranges are checked here, so a wrong one is a 400 naming the field before
-anything reaches the engine. A top-level field infer does not know is kept
+anything reaches the engine; the bounds are `infer.params`' (those `SamplingParams` checks; the
+completions' ``logprobs`` int goes to 20 here, 5 at OpenAI). A top-level field infer does not know is kept
 (``model_extra``) for `infer.serve.fields.check_unhonoured`: a 400 naming it unless it is one
 of the fields that change nothing (``user``, ``store``, ``metadata``, ...) or is null.
 """
@@ -12,40 +13,41 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-SEED_MAX = 2**64 - 1
-TOP_K_MAX = 2**63 - 1
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions' `logprobs` int: 5 there, 20 here
+from infer.params import LOGIT_BIAS_MAX, MAX_LOGPROBS, PENALTY_MAX, SEED_MAX, TOP_K_MAX
+
 MAX_N = 128  # OpenAI's bound on choices per request
 
 
-class StreamOptions(BaseModel):
+class _Part(BaseModel):
+    """A nested object of a request: a field infer does not know is ignored (only the top-level
+    ones are checked)."""
+
     model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Part):
     include_usage: StrictBool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Part):
     type: Literal["text"]
     text: StrictStr
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(_Part):
     name: StrictStr
     arguments: StrictStr  # JSON text, as OpenAI returns it
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(_Part):
     """A call in an earlier assistant message, sent back with the conversation."""
 
-    model_config = ConfigDict(extra="ignore")
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None  # None only for an assistant message with calls
     name: StrictStr | None = None
@@ -84,41 +86,36 @@ class ChatMessage(BaseModel):
         return out
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionDef(_Part):
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None  # calls are always constrained to the parameters when required
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolDef(_Part):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedFunction(_Part):
     name: StrictStr
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedToolChoice(_Part):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class JSONSchemaFormat(_Part):
+    model_config = ConfigDict(populate_by_name=True)
     name: StrictStr = "response"
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None  # the schema is enforced either way
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(_Part):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -132,7 +129,9 @@ class ResponseFormat(BaseModel):
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX, allow_inf_nan=False)]
+
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)]
 
 
 class _Common(BaseModel):
@@ -152,7 +151,7 @@ class _Common(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    logit_bias: dict[str, Bias] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
     return_token_ids: StrictBool = False  # vLLM's extension: each choice also lists its "token_ids"
     user: Any = None
@@ -162,7 +161,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -175,7 +174,7 @@ class CompletionRequest(_Common):
         | Annotated[list[StrictInt], Field(min_length=1)]
         | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
     )
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[StrictBool, Field(description="not supported: must be false")] = False
     suffix: StrictStr | None = None
 

@@ -15,11 +15,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from infer.serve.app import MAX_BODY_BYTES, ServeState, create_app
+from infer.serve.app import create_app
+from infer.serve.body_limit import MAX_BODY_BYTES
+from infer.serve.client import EngineClient
+from infer.serve.state import ServeState
+
+if TYPE_CHECKING:
+    from infer.llm import LLM
 
 
 class _Server(uvicorn.Server):
@@ -63,17 +69,18 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def prepare_packages(llm: Any, max_batch: int) -> list[str]:
+def prepare_packages(llm: LLM, max_batch: int) -> list[str]:
     """Queue, at start, the builds of the compiled decode steps a server will step (`infer.aot`):
     one row and 2-16 rows, greedy, sampled (OpenAI's default temperature is 1) and filtered
     (top-p / top-k), in that order. The background builder takes them in the gaps between
     requests and the engine picks each one up as it lands, so a server steps compiled code
     within minutes of starting, with nothing to wait for. The keys queued ([] where packages
     are off, or every one exists)."""
+    from infer.aot import PackageCache
     from infer.step import Sampling
 
-    packages = getattr(getattr(llm, "stepper", None), "packages", None)
-    if packages is None:
+    packages = llm.stepper.packages
+    if not isinstance(packages, PackageCache):  # None: packages are off
         return []
     rows = [1] + ([2] if max_batch > 1 else [])
     modes = [Sampling(), Sampling(greedy=False), Sampling(greedy=False, filtered=True)]
@@ -84,7 +91,7 @@ def prepare_packages(llm: Any, max_batch: int) -> list[str]:
 
 
 def serve(
-    llm_or_engine: Any,
+    llm_or_engine: LLM | EngineClient,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -99,14 +106,18 @@ def serve(
 ) -> int:
     """Serve ``llm_or_engine`` (as `create_app` takes it) over HTTP until a signal; the exit status (0).
 
-    A `infer.serve.parallel.RankZeroEngine` is closed at the end: that tells the other ranks to stop.
+    Under tensor/pipeline parallelism (rank 0 of a torchrun) the engine is closed at the end and
+    the other ranks told to stop following it (`infer.LLM.follow_engine`).
     """
     app = create_app(
         llm_or_engine, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting,
         max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
     )  # fmt: skip
     state: ServeState = app.state.serve
-    prepare_packages(state.llm, getattr(state.engine, "max_batch", 1))
+    parallel = state.llm.parallel is not None
+    if parallel:  # under torchrun: the other ranks replay this engine's steps (`infer.engine.parallel`)
+        state.llm.keep_followers_alive()
+    prepare_packages(state.llm, state.engine.max_batch)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(
@@ -124,10 +135,9 @@ def serve(
         server.run(sockets=[sock])
     finally:
         sock.close()
-        from infer.serve.parallel import RankZeroEngine
-
-        if isinstance(state.engine, RankZeroEngine):
+        if parallel:
             state.engine.close(drain=False)
+            state.llm.stop_followers()
     return 0
 
 

@@ -13,6 +13,7 @@ layer groups.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,6 +52,25 @@ def _close(pipeline: Pipeline | None, store: WeightStore | None) -> None:
         store.close()
 
 
+@dataclass(frozen=True)
+class _StreamedEmbedding:
+    """An embedding table left in ``store``: a step reads only the rows it looks up."""
+
+    store: WeightStore | None
+    table: TensorRef
+    device: torch.device | None
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``[B, T, D]`` of ``input_ids [B, T]``, on ``device``."""
+        assert self.store is not None and self.device is not None
+        size, dim = self.table.shape[0], self.table.shape[1]
+        flat = input_ids.reshape(-1)  # [B*T]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= size):
+            raise IndexError(f"token id out of range for an embedding of {size} rows")
+        found = self.store.read_rows(self.table, flat)  # [B*T, D]
+        return found.to(self.device).view(*input_ids.shape, dim)  # [B, T, D]
+
+
 class StreamingExecutor(ResidentExecutor):
     """Runs the model through the plan's resident layers and streamed groups.
 
@@ -74,10 +94,7 @@ class StreamingExecutor(ResidentExecutor):
         self.plan = plan
         self.pipeline = pipeline
         self._stats = stats
-        self._limits = plan.limits
-        self._store = store
-        self._embed = embed
-        self._device = device
+        self._embed = _StreamedEmbedding(store, embed, device) if embed is not None else None
         self._head_units = [] if plan.head_resident else plan.head_unit_list
         self._targets: dict[int, list[tuple[Target, Slot]]] = {}
         for unit in plan.layer_units:
@@ -92,7 +109,7 @@ class StreamingExecutor(ResidentExecutor):
     @property
     def limits(self) -> ExecutorLimits:
         """The shapes the memory plan reserved room for (generation stays inside them)."""
-        return self._limits
+        return self.plan.limits
 
     @property
     def stats(self) -> StreamingStats:
@@ -194,13 +211,7 @@ class StreamingExecutor(ResidentExecutor):
         """The token rows, read from the checkpoint when the embedding streams."""
         if self._embed is None:
             return super().lookup(model, input_ids)
-        assert self._store is not None and self._device is not None
-        size, dim = self._embed.shape[0], self._embed.shape[1]
-        flat = input_ids.reshape(-1)  # [B*T]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= size):
-            raise IndexError(f"token id out of range for an embedding of {size} rows")
-        found = self._store.read_rows(self._embed, flat)  # [B*T, D]
-        return found.to(self._device).view(*input_ids.shape, dim)  # [B, T, D]
+        return self._embed.lookup(input_ids)
 
     def project(self, model: DecoderLM, x: torch.Tensor, greedy: bool) -> torch.Tensor:
         """The logits, one chunk of vocabulary rows at a time when the head streams.

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from infer.streaming.config import DEFAULT_READ_TIMEOUT
@@ -37,6 +38,7 @@ from infer.streaming.transport import ComputeRecord, LoadRecord, Transport
 Ready = tuple[int, int, LoadRecord | BaseException]  # (unit, buffer, record or the reader's error)
 
 
+@dataclass(eq=False)
 class Recorder:
     """What a `Pipeline` records of the units it loads and the executor computes.
 
@@ -47,21 +49,14 @@ class Recorder:
     ``clock_origin``'s time, its host time, to align the GPU lanes with the host's).
     """
 
-    def __init__(
-        self,
-        stats: StreamingStats,
-        *,
-        on_progress: Callable[[ProgressEvent], None] | None,
-        trace: bool,
-        clock_origin: float,
-        gpu_origin: tuple[Any, float] | None = None,
-    ) -> None:
-        self.stats = stats
-        self.on_progress = on_progress
-        self.trace = trace
-        self.origin = clock_origin
-        self.gpu_origin = gpu_origin
-        self.pending: list[ComputeRecord] = []  # CUDA records whose events are not resolved yet
+    stats: StreamingStats
+    _: KW_ONLY
+    on_progress: Callable[[ProgressEvent], None] | None
+    trace: bool
+    clock_origin: float
+    gpu_origin: tuple[Any, float] | None = None
+    # CUDA records whose events are not resolved yet
+    pending: list[ComputeRecord] = field(default_factory=list, init=False)
 
     def loaded(self, unit: Unit, record: LoadRecord, waited: float) -> None:
         """``unit`` is in a buffer, as ``record`` says; the consumer waited ``waited`` seconds for it."""
@@ -80,8 +75,8 @@ class Recorder:
                     "read",
                     unit.index,
                     unit.label,
-                    record.read_start - self.origin,
-                    record.read_end - self.origin,
+                    record.read_start - self.clock_origin,
+                    record.read_end - self.clock_origin,
                 )
             )
         if self.on_progress is not None:
@@ -99,7 +94,9 @@ class Recorder:
             self.stats.compute_seconds += end - start
             if self.trace:
                 self.stats.timeline.append(
-                    TimelineEntry("compute", unit.index, unit.label, start - self.origin, end - self.origin)
+                    TimelineEntry(
+                        "compute", unit.index, unit.label, start - self.clock_origin, end - self.clock_origin
+                    )
                 )
         else:
             self.pending.append(compute)
@@ -132,7 +129,7 @@ class Recorder:
             s.wait_seconds += wait_start.elapsed_time(compute_start) / 1e3
             if self.trace and copy is not None and self.gpu_origin is not None:
                 base, host = self.gpu_origin
-                t0 = host - self.origin
+                t0 = host - self.clock_origin
                 for lane, (a, b) in (("copy", copy), ("compute", (compute_start, compute_end))):
                     start, end = t0 + base.elapsed_time(a) / 1e3, t0 + base.elapsed_time(b) / 1e3
                     s.timeline.append(TimelineEntry(lane, rec.unit, rec.label, start, end))

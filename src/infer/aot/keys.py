@@ -1,0 +1,117 @@
+"""Fingerprinting: which package serves a decode step.
+
+A package is named after a hash of everything its code depends on (`fingerprint`): each
+weight's name, shape, dtype and strides and each module's class, the config, torch's version,
+the CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``), the machine,
+`PACKAGE_VERSION` and the source of infer itself; then the step's shape and sampling mode
+(`shape_key`, `package_key`). Another model, another machine or another version of infer finds
+no package, and builds its own. `named_tensors` names every tensor of the model, for the
+fingerprint, the export (`infer.aot.export`) and the loaded package (`infer.aot.runtime`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from infer import builder
+from infer.cache import KVCache
+from infer.models.base import DecoderLM
+from infer.step import Sampling
+
+PACKAGE_VERSION = 3  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state out
+MULTI_ROWS = (
+    2,
+    16,
+)  # the rows one multi-row package serves (inside every packed kernel's and the head's branches)
+
+
+# ---- the model's tensors, by name --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def all_modules_named(model: nn.Module) -> Iterator[None]:
+    """Register, for the duration, every module held in a list attribute outside the module tree
+    (fused projections, a shared head) as a child, so each of its tensors has a name."""
+    added: list[tuple[nn.Module, str]] = []
+    todo = list(model.modules())
+    seen = {id(m) for m in todo}
+    while todo:
+        module = todo.pop()
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, list):
+                continue
+            for i, item in enumerate(value):
+                if isinstance(item, nn.Module) and id(item) not in seen:
+                    name = f"{attr.strip('_')}_{i}"
+                    module.add_module(name, item)
+                    added.append((module, name))
+                    seen.add(id(item))
+                    todo.extend(item.modules())
+    try:
+        yield
+    finally:
+        for module, name in added:
+            del module._modules[name]
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model``, held in its tree or in list attributes, by name."""
+    with all_modules_named(model):
+        out = {n: t.detach() for n, t in model.named_parameters()}
+        out.update((n, t) for n, t in model.named_buffers())
+        return out
+
+
+# ---- the fingerprint and the package keys --------------------------------------------------
+
+
+def fingerprint(model: DecoderLM) -> str:
+    """A hash of what a package of ``model`` depends on besides the step's shape (module docstring)."""
+    h = hashlib.sha256()
+    parts: list[Any] = [
+        PACKAGE_VERSION,
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        platform.machine(),
+        builder.source_digest(),  # a package is code generated from infer's source
+        repr(model.config),
+        str(model.cache_dtype),  # the KV tensors' dtype (`DecoderLM.kv_dtype`)
+        [type(m).__qualname__ for m in model.modules()],
+    ]
+    for name, t in named_tensors(model).items():
+        parts.append((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type))
+    h.update(repr(parts).encode())
+    return h.hexdigest()[:24]
+
+
+def rows_kind(batch: int) -> str | None:
+    """Which package a step of ``batch`` rows runs: ``"1"``, ``"2-16"`` (`MULTI_ROWS`), or None (eager)."""
+    if batch == 1:
+        return "1"
+    lo, hi = MULTI_ROWS
+    return f"{lo}-{hi}" if lo <= batch <= hi else None
+
+
+def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str | None:
+    """The package a decode step of ``batch`` rows on ``cache`` runs, or None (it runs eagerly:
+    more rows than `MULTI_ROWS`, or a cache with ring buffers, which only the engine's never has)."""
+    if cache.ring_slots is not None:
+        return None
+    return shape_key(fp, batch, mode)
+
+
+def shape_key(fp: str, batch: int, mode: Sampling) -> str | None:
+    """The name of the package serving decode steps of ``batch`` rows in ``mode`` (`package_key`):
+    one package per rows kind (`rows_kind`) and sampling mode, for every KV capacity."""
+    kind = rows_kind(batch)
+    if kind is None:
+        return None
+    flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
+    return f"{fp}-b{kind}-{flags}"

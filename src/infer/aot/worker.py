@@ -1,0 +1,90 @@
+"""The worker: ``python -m infer.aot REQUEST``, the process that builds one package.
+
+The directory's builder (`infer.builder`) starts it, once the machine is idle, for one queued
+request (`infer.aot.queue`). At ``SCHED_IDLE`` with one compile thread, it loads the same
+checkpoint the same way (`Recipe`), checks that its model has the fingerprint the request
+names, builds the package (`infer.aot.export.build`), or leaves a ``.failed`` marker saying
+why, and prunes the cache directory (`infer.aot.prune`). Its output is the build's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.aot.export import build
+from infer.aot.keys import fingerprint
+from infer.aot.prune import prune
+from infer.loader.checkpoint import open_checkpoint
+from infer.loading import build_model
+from infer.models.base import DecoderLM
+from infer.step import Sampling
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the building process loads the same model: `infer.load`'s arguments."""
+
+    path: str
+    dtype: str | None = None
+    quantize: str | None = None
+    validate: bool = False
+    kv_dtype: str | None = None  # `DecoderLM.kv_dtype` as set at load (None: the model's dtype)
+
+    def load(self) -> DecoderLM:
+        """The model as `infer.load` builds it (resident, on the CPU, outside the deterministic mode)."""
+        checkpoint = open_checkpoint(self.path)
+        options = checkpoint.options(self.dtype, quantize=self.quantize, validate=self.validate,
+                                     device=torch.device("cpu"), streaming=None, tensor_parallel=1,
+                                     pipeline_parallel=1, deterministic=False, repack_cache=True,
+                                     progress=None)  # fmt: skip
+        model, _ = build_model(checkpoint, options)
+        if self.kv_dtype is not None:
+            model.kv_dtype = getattr(torch, self.kv_dtype)
+        return model
+
+
+def _yield_the_cpu() -> None:
+    """Run (and let the compiler's children run) only when the CPU would otherwise idle.
+
+    nice 19 is not enough: the user's eager steps are OpenMP regions over every core, and a
+    region waits for its slowest thread, so a build that holds a core for a scheduler slice
+    stalls the whole step (measured: SmolLM2 eager decode fell from 57 to 1.5 tok/s on 2 cores
+    while a nice-19 build ran). ``SCHED_IDLE`` yields at once to any waking thread."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        os.nice(19)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.builder` starts)."""
+    parser = argparse.ArgumentParser(prog="python -m infer.aot")
+    parser.add_argument("request", help="JSON {recipe, key, batch, mode, out, files}")
+    request = json.loads(parser.parse_args(argv).request)
+    _yield_the_cpu()
+    torch._inductor.config.compile_threads = 1  # this process only: leave the cores to the user's
+    out = Path(request["out"])
+    t0 = time.perf_counter()
+    try:
+        model = Recipe(**request["recipe"]).load()
+        fp = fingerprint(model)
+        if not request["key"].startswith(fp + "-"):
+            raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
+        mode = Sampling(**request["mode"])
+        build(model, request["batch"], mode, out)
+    except Exception as e:
+        out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+        print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)
+        return 1
+    finally:
+        prune(out.parent)
+    print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0

@@ -1,0 +1,232 @@
+"""What each `infer` command does (`cmd_generate`, `cmd_chat`, `cmd_serve`, `cmd_inspect`,
+`cmd_perplexity`), and what they share: loading the model from the options, and printing from
+one rank only when several run the same generation (torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from infer.chat_history import fit_history, repair_utf8
+
+if TYPE_CHECKING:
+    from infer.api import SamplingOptions
+
+
+def _default_model() -> str:
+    from infer.realmodels import smollm2_path
+
+    return str(smollm2_path())
+
+
+def _progress_bar(enabled: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(
+                total=total, desc="loading weights", unit="tensor", leave=False, file=sys.stderr
+            )
+        bar["bar"].n = done
+        bar["bar"].refresh()
+
+    def close() -> None:
+        if "bar" in bar:
+            bar["bar"].close()
+
+    return update, close
+
+
+def primary() -> bool:
+    """Whether this process prints: always, except on ranks other than 0 of a torchrun launch."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+# `infer.load`'s keywords that are options of the same name (every command that loads has them).
+LOAD_OPTIONS = (
+    "device", "dtype", "quantize", "tensor_parallel", "pipeline_parallel", "compile", "deterministic",
+    "lookup", "draft", "speculative_tokens", "kv_dtype",
+)  # fmt: skip
+# `infer.serve.serve`'s keywords that are `infer serve` options of the same name.
+SERVE_OPTIONS = ("host", "port", "max_batch", "max_waiting", "max_body_bytes", "shutdown_timeout")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    import infer
+
+    model = args.model if args.model is not None else _default_model()
+    streaming = None
+    if getattr(args, "memory_budget", None):
+        streaming = infer.StreamingConfig(layer_group_size=args.group_size, memory_budget=args.memory_budget)
+    progress, close = _progress_bar(sys.stderr.isatty() and not args.quiet and primary())
+    try:
+        options = {name: getattr(args, name) for name in LOAD_OPTIONS}
+        return infer.load(model, streaming=streaming, progress=progress, **options)
+    finally:
+        close()
+
+
+def _write(text: str) -> None:
+    """Model output to stdout, from one rank only when several run the same generation."""
+    if primary():
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _read_line(llm: Any, prompt: str) -> str:
+    """A line of stdin ("" at its end); under torchrun rank 0 reads it and sends it to the others."""
+    line = ""
+    if primary():
+        if prompt:
+            _write(prompt)
+        line, replaced = repair_utf8(sys.stdin.readline())
+        if replaced:
+            print("infer: input was not valid UTF-8: undecodable bytes replaced with U+FFFD", file=sys.stderr)
+    if llm.parallel is not None:
+        from infer.distributed.runtime import broadcast_object
+
+        line = broadcast_object(llm.parallel, line)
+    return line
+
+
+def _sampling(args: argparse.Namespace) -> SamplingOptions:
+    options: SamplingOptions = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop or None,
+    }
+    if args.json_schema is not None:
+        options["json_schema"] = args.json_schema
+    if args.grammar is not None:
+        options["grammar"] = args.grammar
+    if args.regex is not None:
+        options["regex"] = args.regex
+    return options
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt is None:  # `infer generate "prompt"`: the one positional is the prompt
+        args.model, args.prompt = None, args.model
+    if args.prompt is None:
+        raise ValueError("no prompt given: infer generate [MODEL] PROMPT")
+    from infer.prompts import prompt_ids
+
+    llm = _load(args)
+    prompt = prompt_ids(llm, args.prompt, raw=args.raw, system=args.system)
+    for piece in llm.stream(prompt, args.max_new_tokens, **_sampling(args)):
+        _write(piece)
+    _write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from infer.prompts import chat_ids
+
+    if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
+        sys.stdin.reconfigure(errors="surrogateescape")
+    llm = _load(args)
+    context = llm.config.max_position_embeddings
+    room = context - min(args.max_new_tokens, context // 2)  # prompt tokens that leave room to reply
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    prompt = "> " if sys.stdin.isatty() else ""
+    while True:
+        line = _read_line(llm, prompt)
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        kept, dropped = fit_history(messages, lambda m: chat_ids(llm, m), room)
+        if not kept or dropped:
+            what = "this message was not sent" if not kept else f"dropped its {dropped} oldest message(s)"
+            _notice(f"the conversation outgrew the model's {context}-token context: {what}")
+        if not kept:
+            messages.pop()
+            continue
+        messages = kept
+        ids = chat_ids(llm, messages)
+        reply = []
+        for piece in llm.stream(ids, args.max_new_tokens, **_sampling(args)):
+            reply.append(piece)
+            _write(piece)
+        _write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key if args.api_key is not None else os.environ.get("INFER_API_KEY") or None
+    llm = _load(args)
+    if not llm.primary:  # under torchrun: rank 0 serves; this rank runs its engine's steps
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        llm.follow_engine()
+        return 0
+    from infer.serve import serve
+
+    options = {name: getattr(args, name) for name in SERVE_OPTIONS}
+    log_level = "info" if args.verbose else "warning"
+    return serve(llm, api_key=api_key, model_name=args.served_model_name, log_level=log_level, **options)
+
+
+def _notice(text: str) -> None:
+    if primary():
+        print(f"infer: {text}", file=sys.stderr)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from infer.inspect import inspect_checkpoint
+
+    model = args.model if args.model is not None else _default_model()
+    print(inspect_checkpoint(model, context=args.context, batch_size=args.batch_size, dtype=args.dtype))
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from infer.perplexity import perplexity, read_text
+
+    if args.file is None:  # `infer perplexity FILE`: the one positional is the file
+        args.model, args.file = None, args.model
+    if args.file is None:
+        raise ValueError("no text file given: infer perplexity [MODEL] FILE")
+    text = read_text(args.file, args.bytes)
+    llm = _load(args)
+    bar: Any = None
+    if sys.stderr.isatty() and not args.quiet and primary():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="perplexity", unit="chunk", leave=False, file=sys.stderr)
+
+    def progress(done: int, total: int, ppl: float) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.n = done
+            bar.set_postfix_str(f"ppl {ppl:.4f}")
+
+    try:
+        result = perplexity(
+            llm, text, args.context, batch=args.batch, max_chunks=args.max_chunks, progress=progress
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    _write(f"{result}\n")
+    return 0

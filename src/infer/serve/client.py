@@ -1,0 +1,71 @@
+"""What the server uses of an engine and of a submitted request: `EngineClient`, `HandleClient`.
+
+`infer.engine.Engine` and its `infer.engine.RequestHandle` have all of it; so do the scripted
+engines of the server's tests (tests/serve/fake_engine.py). Nothing else of an engine is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from infer.engine import Delta, Model
+from infer.params import SamplingParams
+from infer.structured import Grammars
+
+
+class HandleClient(Protocol):
+    """A submitted request as the server reads it."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens (the response's ``usage``)."""
+        ...
+
+    def aiter(self) -> AsyncIterator[Delta]:
+        """The request's events in the event loop, the last with a ``finish_reason``."""
+        ...
+
+    def cancel(self) -> None:
+        """End the request (its stream ends with "cancelled"); a no-op once it has ended."""
+        ...
+
+
+class EngineClient(Protocol):
+    """An engine as the server drives it (`infer.engine.Engine`)."""
+
+    @property
+    def llm(self) -> Model:
+        """The model it serves (an `infer.LLM`: `create_app` checks)."""
+        ...
+
+    @property
+    def context(self) -> int:
+        """Prompt + generated tokens of one request at most (``/v1/models``' ``max_model_len``)."""
+        ...
+
+    @property
+    def max_batch(self) -> int:
+        """Requests generated together at most (the compiled steps queued at start)."""
+        ...
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled constraints (a schema it cannot enforce is a 400 before submitting)."""
+        ...
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> HandleClient:
+        """Queue a request: `infer.engine.EngineFull` when the queue is full, `infer.engine.EngineClosed`
+        after `close`, `ValueError` (`infer.params.ParamError` naming the argument) for a bad one."""
+        ...
+
+    def stats(self) -> Mapping[str, float | int]:
+        """Counters for ``/metrics`` (running, waiting, batch_size, ...)."""
+        ...
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting and end the loop (a parallel server's end)."""
+        ...
+
+
+__all__ = ["EngineClient", "HandleClient"]

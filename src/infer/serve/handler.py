@@ -1,0 +1,107 @@
+"""`generate`: one request to ``/v1/chat/completions`` or ``/v1/completions``, from its body to its
+response. It is checked (model name, shutdown, fields infer cannot honour, the constraint, the
+prompt and the sampling values) before the engine sees it, so a bad one is a 400 naming the
+field; then its ``n`` choices are submitted (`EngineFull` is a 429 with ``Retry-After``) and
+the response is streamed or written whole (`infer.serve.writers`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from infer.engine import EngineClosed, EngineFull
+from infer.generate import row_seed
+from infer.params import ParamTypeError
+from infer.serve.client import HandleClient
+from infer.serve.errors import RETRY_AFTER_S, APIError, bad
+from infer.serve.fields import FieldError, check_unhonoured, constraint_of
+from infer.serve.job import Job
+from infer.serve.state import ServeState
+from infer.serve.translate import compile_constraint, prompt_ids, refusal, sampling_params
+from infer.serve.writers import EventStream, sse, whole_response
+
+
+def _reject(state: ServeState, endpoint: str) -> None:
+    state.metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+
+
+async def generate(state: ServeState, kind: str, body: Any, request: Request) -> Response:
+    """Answer a generation request (``kind``: "chat" or "text")."""
+    arrived = time.perf_counter()
+    endpoint = kind
+    if body.model is not None and body.model != state.model_name:
+        _reject(state, endpoint)
+        raise APIError(
+            400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    if state.draining:
+        _reject(state, endpoint)
+        raise APIError(
+            503, "the server is shutting down", type="server_error", code="shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    handles: list[HandleClient] = []
+    prompt_field = "prompt"
+    try:
+        try:
+            check_unhonoured(kind, body)
+            constraint = constraint_of(body) if kind == "chat" else None
+        except FieldError as e:
+            raise bad(
+                str(e), e.param, "unsupported_parameter" if e.param != "response_format" else None
+            ) from None
+        compile_constraint(state, constraint, "response_format")
+        ids, prompt_field, chat = prompt_ids(state, kind, body, constraint)
+        if chat is not None and chat.constraint is not constraint:
+            compile_constraint(state, chat.constraint, "tools")
+            constraint = chat.constraint
+        params = sampling_params(state, kind, body, len(ids), prompt_field, constraint)
+        for i in range(body.n):
+            p = params
+            if i and params.seed is not None and not params.greedy:
+                p = dataclasses.replace(params, seed=row_seed(params.seed, i))  # each choice draws its own
+            handles.append(await run_in_threadpool(state.engine.submit, ids, p))
+    except BaseException as e:
+        for h in handles:  # choices already queued go with the request
+            h.cancel()
+        _reject(state, endpoint)
+        if isinstance(e, EngineFull):
+            raise APIError(
+                429, f"the server is busy ({e}); retry later", type="rate_limit_error", code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
+        if isinstance(e, EngineClosed):
+            raise APIError(
+                503, "the model's engine is closed", type="server_error", code="engine_closed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
+        if isinstance(e, ValueError | ParamTypeError):  # the engine refused a value
+            raise refusal(e, kind, prompt_field) from None
+        raise
+    state.metrics.prompt_tokens.inc(handles[0].prompt_tokens)
+    job = Job(state, kind, body, handles, arrived, chat)
+    state.admit(handles)
+    if body.stream:
+        return EventStream(sse(job), on_close=lambda: release(state, job))
+    try:
+        return await whole_response(job, request)
+    finally:
+        release(state, job)
+
+
+def release(state: ServeState, job: Job) -> None:
+    """The request is over for the client: cancel it if still running (a no-op when it ended)."""
+    if not state.release(job.handles):
+        return
+    job.cancel()
+    if job.outcome == "cancelled":
+        job.finish("cancelled")
+
+
+__all__ = ["generate", "release"]

@@ -1,0 +1,181 @@
+"""A request body as the engine takes it: the prompt's token ids (`prompt_ids`; chat: rendered
+with its tools), the constraint compiled (`compile_constraint`) and its `infer.SamplingParams`
+(`sampling_params`). What the engine or `SamplingParams` refuses becomes a 400 naming the
+request's field (`refusal`): `infer.params.ParamError` carries the argument's name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infer.chat_template import check_unicode
+from infer.params import ParamError, ParamTypeError, SamplingParams, check_logit_bias
+from infer.prompts import ToolChat, has_chat_template
+from infer.serve.errors import APIError, bad
+from infer.serve.fields import FieldError, tool_chat_of
+from infer.serve.state import ServeState
+from infer.structured import Constraint
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_STOPS = 16  # OpenAI's bound on stop strings
+
+
+def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    """``stop`` as `SamplingParams` takes it: at most 16 non-empty strings."""
+    items = [stop] if isinstance(stop, str) else (stop or [])
+    for i, s in enumerate(items):
+        param = "stop" if isinstance(stop, str) else f"stop[{i}]"
+        if not s:
+            raise bad("stop strings must be non-empty", param)
+        try:
+            check_unicode(param, s)
+        except ValueError as e:
+            raise bad(str(e), param) from None
+    if len(items) > MAX_STOPS:
+        raise bad(f"at most {MAX_STOPS} stop strings, got {len(items)}", "stop")
+    return tuple(items)
+
+
+def prompt_ids(
+    state: ServeState, kind: str, body: Any, constraint: Constraint | None
+) -> tuple[list[int], str, ToolChat | None]:
+    """The prompt's token ids, the name of the field that holds it, and (chat) the rendered chat
+    with its tools and the constraint to generate under."""
+    llm = state.llm
+    if kind == "chat":
+        if not has_chat_template(llm):
+            raise bad(
+                f"model {state.model_name!r} has no chat template: use /v1/completions", "messages",
+                "no_chat_template",
+            )  # fmt: skip
+        try:
+            chat = tool_chat_of(llm, body, constraint)
+        except FieldError as e:
+            raise bad(str(e), e.param) from None
+        return chat.ids, "messages", chat
+    if body.echo:
+        raise bad("echo is not supported", "echo", "unsupported")
+    if body.suffix:
+        raise bad("suffix is not supported", "suffix", "unsupported")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt is empty", "prompt")
+        try:
+            check_unicode("prompt", prompt)
+        except ValueError as e:
+            raise bad(str(e), "prompt") from None
+        ids: list[int] = llm.tokenizer.encode(prompt)
+        if not ids:
+            raise bad("prompt encodes to no tokens", "prompt")
+        return ids, "prompt", None
+    vocab = llm.config.vocab_size
+    for i, t in enumerate(prompt):
+        if not 0 <= t < vocab:
+            raise bad(f"prompt[{i}]: token id {t} is out of range [0, {vocab})", "prompt")
+    return list(prompt), "prompt", None
+
+
+def compile_constraint(state: ServeState, constraint: Constraint | None, param: str) -> None:
+    """Compile ``constraint`` now (cached for the engine), so a schema llguidance cannot enforce is a
+    400 naming ``param``."""
+    if constraint is None:
+        return
+    try:
+        state.engine.grammars.matcher(constraint)
+    except ValueError as e:
+        text = str(e).split(": ", 1)[-1] if str(e).startswith(f"{constraint.what}:") else str(e)
+        raise bad(f"{param}: {text.splitlines()[0]}", param, "invalid_schema") from None
+
+
+def request_field(kind: str, param: str, max_tokens_field: str = "max_tokens") -> str:
+    """The request's field for `SamplingParams`' argument ``param`` (chat: ``top_logprobs`` is the
+    count of alternatives, ``max_completion_tokens`` may stand for ``max_tokens``)."""
+    if param == "max_tokens":
+        return max_tokens_field
+    if param == "logprobs" and kind == "chat":
+        return "top_logprobs"
+    return param
+
+
+def refusal(
+    e: ValueError | TypeError, kind: str, prompt_field: str, max_tokens_field: str = "max_tokens"
+) -> APIError:
+    """A 400 for what the engine or `SamplingParams` refused: ``param`` the field `ParamError` /
+    `ParamTypeError` names, the prompt's field for an error about the prompt, else None."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, ParamError | ParamTypeError):
+        return bad(text, request_field(kind, e.param, max_tokens_field))
+    return bad(text, prompt_field if text.startswith("prompt") else None)
+
+
+def sampling_params(
+    state: ServeState,
+    kind: str,
+    body: Any,
+    prompt_len: int,
+    prompt_field: str,
+    constraint: Constraint | None = None,
+) -> SamplingParams:
+    """The request's `SamplingParams` (a 400 naming the field for a value it refuses); ``max_tokens``
+    defaults to the rest of the context (chat) or 16 (completions), and must fit the context."""
+    context = state.context
+    if prompt_len >= context:
+        raise bad(
+            f"{prompt_field}: the prompt has {prompt_len} tokens; the model's context is {context} tokens "
+            "(room is needed for at least one new token)",
+            prompt_field,
+            "context_length_exceeded",
+        )
+    room = context - prompt_len
+    field_name = "max_tokens"
+    max_tokens = body.max_tokens
+    if kind == "chat" and body.max_completion_tokens is not None:
+        field_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = room if kind == "chat" else min(DEFAULT_COMPLETION_TOKENS, room)
+    elif max_tokens > room:
+        raise bad(
+            f"{field_name} is {max_tokens}, but the prompt has {prompt_len} tokens and the model's "
+            f"context is {context}: at most {room} new tokens fit",
+            field_name,
+            "context_length_exceeded",
+        )
+    if kind == "chat":
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=stops(body.stop),
+            logprobs=logprobs,
+            ignore_eos=body.ignore_eos,
+            constraint=constraint,
+            logit_bias=check_logit_bias(body.logit_bias, state.llm.config.vocab_size),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        )
+    except (ParamError, ParamTypeError) as e:
+        raise refusal(e, kind, prompt_field, field_name) from None
+
+
+__all__ = [
+    "DEFAULT_COMPLETION_TOKENS",
+    "MAX_STOPS",
+    "compile_constraint",
+    "prompt_ids",
+    "refusal",
+    "request_field",
+    "sampling_params",
+    "stops",
+]

@@ -1,0 +1,160 @@
+"""Which proposed tokens a verify pass keeps (`keep_matching`, `rejection_sample`), how many a pass
+is expected to give (`expected_tokens`), and what a pass costs (`PassCost`)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    pass
+
+from infer.spec.settings import KNEE_TOKENS
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a pass of ``k`` proposals gives (the kept ones and the target's own): ``sum_{i<=k} alpha^i``."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class PassCost:
+    """What a pass of the model costs here, measured.
+
+    ``observe(rows, width, seconds)`` records one decode step (``width`` 1) or verify pass
+    (``width`` tokens per row) of ``rows`` decoding rows: the median of the last 8 of each
+    shape is its cost. Verify passes of one row count are a curve in the width: made
+    non-decreasing (a wider pass never costs less than a narrower one measured), interpolated
+    between measured widths and extended past them along the last two measured (else by the
+    prior). With no verify pass of that row count measured, the prior: ``decode(rows) *
+    f(rows * width) / f(rows) * g`` with ``f(N) = 1 + N / KNEE_TOKENS`` and ``g`` the median
+    ratio of measured verify passes to that model (how much more an eager verify pass costs
+    than a packaged decode step on this machine; 1 until measured).
+    """
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int], deque[float]] = {}
+        self._ratio: deque[float] = deque(maxlen=16)
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        seen = self._seconds.setdefault(key, deque(maxlen=8))
+        seen.append(seconds)
+        if width > 1:
+            decode = self._measured(rows, 1)
+            if decode is not None:
+                self._ratio.append(seconds / (decode * _shape(rows * width) / _shape(rows)))
+
+    def _measured(self, rows: int, width: int) -> float | None:
+        seen = self._seconds.get((rows, width))
+        return statistics.median(seen) if seen else None
+
+    def measured(self, rows: int, width: int) -> bool:
+        return (rows, width) in self._seconds
+
+    @property
+    def empty(self) -> bool:
+        return not self._seconds
+
+    def cost(self, rows: int, width: int) -> float:
+        """Seconds (or, before any measurement, relative units) of a pass of ``rows x width``."""
+        known = self._measured(rows, width)
+        if known is not None:
+            return known
+        decode = self._measured(rows, 1)
+        if decode is None:  # the nearest measured decode step, scaled; else units
+            near = [r for r, w in self._seconds if w == 1]
+            if near:
+                r0 = min(near, key=lambda r: abs(r - rows))
+                decode = self._measured(r0, 1)
+                assert decode is not None
+                decode *= _shape(rows) / _shape(r0)
+            else:
+                decode = _shape(rows)
+        if width == 1:
+            return decode
+        points = sorted((w, self._measured(r, w)) for r, w in self._seconds if r == rows and w > 1)
+        if not points:
+            g = statistics.median(self._ratio) if self._ratio else 1.0
+            return decode * _shape(rows * width) / _shape(rows) * g
+        ws = [w for w, _ in points]
+        cs = [c for _, c in points if c is not None]
+        for i in range(len(cs) - 2, -1, -1):  # non-decreasing in the width
+            cs[i] = min(cs[i], cs[i + 1])
+        if width <= ws[0]:  # never priced below a decode step: it does the same and more
+            return max(decode, cs[0] * _shape(rows * width) / _shape(rows * ws[0]))
+        if width >= ws[-1]:
+            if len(ws) >= 2:
+                slope = max(0.0, (cs[-1] - cs[-2]) / (ws[-1] - ws[-2]))
+                return cs[-1] + slope * (width - ws[-1])
+            return cs[-1] * _shape(rows * width) / _shape(rows * ws[-1])
+        i = next(i for i, w in enumerate(ws) if w > width)
+        return cs[i - 1] + (cs[i] - cs[i - 1]) * (width - ws[i - 1]) / (ws[i] - ws[i - 1])
+
+
+def _shape(tokens: int) -> float:
+    return 1.0 + tokens / KNEE_TOKENS
+
+
+def keep_matching(targets: Sequence[int], proposals: Sequence[int]) -> list[int]:
+    """The tokens a pass gives: ``targets[i]`` (the target's token after proposal ``i - 1``) as
+    long as the proposal before it equals it; ends with the first target that differs from its
+    proposal, or the one after the last proposal."""
+    out: list[int] = []
+    for target, proposal in zip(targets, proposals, strict=False):
+        out.append(target)
+        if target != proposal:
+            return out
+    out.append(targets[len(proposals)])
+    return out
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution `infer.step.sample` draws from for one row's settings: ``softmax(logits /
+    temperature)`` restricted to the ``top_k`` highest and to the smallest set reaching ``top_p``
+    (the first always kept), renormalized. ``logits [n, V]`` -> ``[n, V]`` float32."""
+    scores = logits.float() / temperature
+    V = scores.shape[-1]
+    if top_k <= 0 and top_p >= 1.0:
+        return torch.softmax(scores, dim=-1)
+    ordered, order = torch.sort(scores, dim=-1, descending=True)
+    keep = torch.arange(V, device=scores.device) < (top_k if top_k > 0 else V)
+    ordered = ordered.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    keep = (probs.cumsum(dim=-1) - probs) < top_p
+    ordered = ordered.masked_fill(~keep, float("-inf"))
+    out = torch.zeros_like(scores)
+    return out.scatter(-1, order, torch.softmax(ordered, dim=-1))
+
+
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], generator: torch.Generator
+) -> list[int]:
+    """Leviathan et al. (2023) speculative sampling: the tokens one pass gives.
+
+    ``p [k+1, V]``: the target's distributions after each fed token; ``q [k, V]``: the draft's
+    distributions its ``drafts`` (k tokens) were drawn from. Draft ``i`` is kept with
+    probability ``min(1, p_i(x) / q_i(x))``; the first one rejected is replaced by a draw from
+    ``max(0, p_i - q_i)`` (normalized) and the pass ends; if all are kept, a last token is drawn
+    from ``p_k``. Each token so drawn is distributed as ``p`` given the tokens before it.
+    """
+    k = len(drafts)
+    u = torch.rand(k, generator=generator, device=p.device).tolist() if k else []
+    out: list[int] = []
+    for i, x in enumerate(drafts):
+        px, qx = float(p[i, x]), float(q[i, x])
+        if u[i] * qx < px:  # u < p/q without dividing by a q of 0 (then px > 0 keeps it)
+            out.append(x)
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0.0 else p[i]
+        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    return out

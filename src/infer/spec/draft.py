@@ -1,0 +1,117 @@
+"""Proposals of a draft model (`Drafter`): its own KV slots, caught up with each row's text, then
+one-token steps for every drafting row together."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from infer.params import SamplingParams
+from infer.spec.acceptance import PassCost, probabilities
+from infer.spec.state import common_prefix
+from infer.step import (
+    Sampling,
+    gumbel_noise,
+    sampling_inputs,
+    stack_noise,
+)
+
+if TYPE_CHECKING:
+    from infer.engine.request import Request
+    from infer.engine.runner import Runner
+
+GREEDY = SamplingParams()  # an idle row of a draft step
+
+
+class Drafter:
+    """A draft model's side of the engine: its own KV slots (row ``i`` drafts for the engine's row
+    ``i``), fed the text each row holds, then ``k`` one-token steps for all drafting rows together.
+
+    A row's draft KV is kept between passes and cut back to what it shares with the row's text
+    (`KVSlots.rollback`), so a pass feeds the draft only the tokens it has not seen: the target's
+    token of the last pass (and the last proposal, when every one was kept).
+    """
+
+    CATCH_UP = 512  # tokens per row per forward when the draft reads a prompt
+
+    def __init__(self, llm: Any, runner: Runner) -> None:
+        self.llm = llm
+        self.runner = runner
+        self.slots = runner.slots
+        self.cost = PassCost()  # its one-token steps
+
+    def room(self, r: Request) -> int:
+        """Tokens the draft's context leaves for ``r``'s proposals."""
+        return self.slots.context - (len(r.prompt) + len(r.generated)) - 1
+
+    def draft(
+        self, requests: list[Request], limits: dict[int, int], vocab: int
+    ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
+        drawn as each request samples (greedy: the draft's argmax), and for a sampled request the
+        distributions they were drawn from ``[k, vocab]``."""
+        slots = self.slots
+        rows = [r.row for r in requests]
+        if rows[-1] + 1 > slots.rows:
+            slots.reserve(rows[-1] + 1, 1)
+        feeds: dict[int, list[int]] = {}
+        for r in requests:
+            text = [*r.prompt, *r.generated]
+            n = min(common_prefix(slots.tokens(r.row), text), len(text) - 1)
+            slots.rollback(r.row, n)
+            feeds[r.row] = text[n:]
+        while any(len(f) > 1 for f in feeds.values()):  # catch up (a new prompt): all but the last token
+            chunk = {i: f[: min(len(f) - 1, self.CATCH_UP)] for i, f in feeds.items() if len(f) > 1}
+            ahead = sorted(chunk)
+            self.runner.step(ahead[0], ahead[-1] + 1, chunk, Sampling(), None, None)
+            for i, c in chunk.items():
+                del feeds[i][: len(c)]
+        tokens: dict[int, list[int]] = {i: [] for i in rows}
+        dists: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests if not r.params.greedy}
+        V = self.llm.model.vocab_size
+        device = self.llm.model.device
+        for i in range(max(limits.values())):
+            t0 = time.perf_counter()
+            active = [r for r in requests if limits[r.row] > i]  # (a row near the end of its context stops)
+            # One step over rows [lo, hi); rows between the drafting ones take part fed nothing, greedy.
+            lo, hi = active[0].row, active[-1].row + 1
+            by_row = {r.row: r for r in active}
+            span = [by_row.get(row) for row in range(lo, hi)]
+            mode, values = sampling_inputs([GREEDY if r is None else r.params for r in span], device)
+            noise = None
+            if not mode.greedy:
+                drawn_rows = [
+                    None if r is None or r.noise is None else gumbel_noise(1, V, r.noise.generator, device)
+                    for r in span
+                ]
+                noise = stack_noise(drawn_rows, V, device)
+            out = self.runner.step(lo, hi, {r.row: feeds[r.row] for r in active}, mode, values, noise)
+            drawn: list[int] = out.tokens.tolist()
+            for r in active:
+                b = r.row - lo
+                t = drawn[b]
+                tokens[r.row].append(t)
+                feeds[r.row] = [t]
+                if r.row in dists:
+                    p = r.params
+                    q = probabilities(out.logits[b : b + 1], p.temperature, p.top_k, p.top_p)[0]
+                    dists[r.row].append(_fit_vocab(q, vocab))
+            self.cost.observe(len(active), 1, time.perf_counter() - t0)
+        out_rows: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        for r in requests:
+            toks = tokens[r.row]
+            cut = next((i for i, t in enumerate(toks) if t >= vocab), len(toks))  # past the target's ids
+            drawn_from = torch.stack(dists[r.row][:cut]) if r.row in dists and cut else None
+            out_rows[r.row] = (toks[:cut], drawn_from)
+        return out_rows
+
+
+def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft distribution over the target's ``vocab`` ids (the draft's logits may be wider or narrower)."""
+    if q.shape[-1] == vocab:
+        return q
+    if q.shape[-1] > vocab:
+        return q[..., :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
