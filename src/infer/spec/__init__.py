@@ -43,7 +43,7 @@ from infer.spec.acceptance import PassCost, expected_tokens, keep_matching, prob
 from infer.spec.draft import Drafter
 from infer.spec.settings import DEFAULT_TOKENS, MAX_TOKENS, Speculative, check_draft
 from infer.spec.speculator import Speculator, Verified
-from infer.spec.state import Acceptance, NgramIndex, NoiseQueue, RowState, common_prefix
+from infer.spec.state import Acceptance, NgramIndex, NoiseQueue, SpecState, common_prefix
 
 __all__ = [
     "DEFAULT_TOKENS",
@@ -53,7 +53,7 @@ __all__ = [
     "NgramIndex",
     "NoiseQueue",
     "PassCost",
-    "RowState",
+    "SpecState",
     "Speculative",
     "Speculator",
     "Verified",

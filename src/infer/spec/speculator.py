@@ -12,7 +12,7 @@ import torch
 from infer.spec.acceptance import PassCost, expected_tokens, keep_matching, probabilities, rejection_sample
 from infer.spec.draft import Drafter
 from infer.spec.settings import MARGIN, PROBE_EVERY, Speculative
-from infer.spec.state import DRAFTED, NgramIndex, RowState
+from infer.spec.state import DRAFTED, NgramIndex, SpecState
 from infer.step import (
     sample,
     sampling_inputs,
@@ -80,14 +80,14 @@ class Speculator:
 
     # ---- per request ----------------------------------------------------------------------
 
-    def row_state(self, r: Request) -> RowState | None:
+    def row_state(self, r: Request) -> SpecState | None:
         """``r``'s state (made on first use), None when ``r`` does not speculate."""
         if r.spec is None:
             limit = self.config.max_tokens
             if r.params.speculative is not None:
                 limit = min(limit, r.params.speculative)
             index = NgramIndex(self.config.lookup) if self.config.lookup else None
-            r.spec = RowState(limit, index)
+            r.spec = SpecState(limit, index)
         return r.spec if r.spec.limit > 0 and r.processor is None else None
 
     def _room(self, r: Request) -> int:

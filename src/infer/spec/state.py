@@ -110,7 +110,7 @@ DRAFTED = 0  # `Acceptance` kind of a draft model's proposals (n-gram kinds are 
 
 
 @dataclass
-class RowState:
+class SpecState:
     """One request's speculation state: its n-gram index and acceptance estimates."""
 
     limit: int  # tokens proposed per pass at most for this request
