@@ -487,7 +487,7 @@ def main() -> None:
             if side in skip or side in sides:
                 continue
             print(f"running {MODELS[model]} / {side} ...", flush=True)
-            if side.startswith("infer default"):
+            if side in ("infer default", "infer first run"):  # one run makes both (the first fills the cache)
                 first, second = run_default(model, args)
                 for name, r in (("infer default", second), ("infer first run", first)):
                     if name not in skip:
@@ -499,7 +499,7 @@ def main() -> None:
                         sides[name] = r
             elif side == "transformers":
                 sides[side] = spawn(model, "transformers", args)
-            elif bin_dir is not None:
+            elif side == "llama.cpp" and bin_dir is not None:
                 sides[side] = llama_bench(bin_dir, model_path(model), args)
         results[model] = sides
     print(f"\nmachine: {before} (before); load after: {os.getloadavg()[0]:.1f}")

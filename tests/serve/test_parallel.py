@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +20,35 @@ import pytest
 from rank_env import SRC, torchrun
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flag", ["--tensor-parallel"])  # --pipeline-parallel passes too (kept out: time)
-def test_parallel_server_answers_as_one_process(
-    tiny_path: Path, tiny_llm: Any, flag: str, tmp_path: Path
-) -> None:
+@dataclass
+class Served:
+    """A ``torchrun --nproc-per-node 2 -m infer serve`` run: its base URL, and `stop`."""
+
+    base: str
+    proc: subprocess.Popen[str]
+    err_lines: list[str]
+    drain: threading.Thread
+
+    def stop(self) -> None:
+        """SIGTERM to rank 0: it drains and tells rank 1 to stop; torchrun sees both exit 0, with
+        no traceback on stderr."""
+        workers = psutil.Process(self.proc.pid).children()
+        rank0 = next(w for w in workers if w.environ().get("RANK") == "0")
+        rank0.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=90)
+        self.drain.join(timeout=10)
+        err = "".join(self.err_lines)
+        print(f"torchrun exit {code}; stderr tail {err[-1500:]!r}")
+        assert "Traceback" not in err and "RankFailedError" not in err, err[-2000:]
+        assert code == 0
+
+
+@contextlib.contextmanager
+def torchrun_server(tiny_path: Path, tmp_path: Path, *flags: str) -> Iterator[Served]:
+    """The server on the tiny checkpoint, 2 ranks of one thread, on a free port; killed on the way
+    out if the test did not stop it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", flag, "2"]
+    serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", *flags]
     argv = [sys.executable, *torchrun(2, tmp_path), "-m", "infer", *serve]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     err_lines: list[str] = []
@@ -38,7 +63,20 @@ def test_parallel_server_answers_as_one_process(
         assert match, f"no address announced: {''.join(err_lines)[-2000:]}"
         drain = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
         drain.start()
-        base = f"http://127.0.0.1:{match.group(1)}"
+        yield Served(f"http://127.0.0.1:{match.group(1)}", proc, err_lines, drain)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--tensor-parallel"])  # --pipeline-parallel passes too (kept out: time)
+def test_parallel_server_answers_as_one_process(
+    tiny_path: Path, tiny_llm: Any, flag: str, tmp_path: Path
+) -> None:
+    with torchrun_server(tiny_path, tmp_path, flag, "2") as server:
+        base = server.base
         import infer
 
         one = infer.load(tiny_path, dtype="float32")
@@ -71,19 +109,7 @@ def test_parallel_server_answers_as_one_process(
         )
         assert again.json()["choices"][0]["text"] == expected.text
         # SIGTERM to the server (rank 0): it drains and tells rank 1 to stop; torchrun sees both exit 0
-        workers = psutil.Process(proc.pid).children()
-        rank0 = next(w for w in workers if w.environ().get("RANK") == "0")
-        rank0.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=90)
-        drain.join(timeout=10)
-        err = "".join(err_lines)
-        print(f"torchrun exit {code}; stderr tail {err[-1500:]!r}")
-        assert "Traceback" not in err and "RankFailedError" not in err
-        assert code == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def _metric(base: str, name: str) -> float:
@@ -103,24 +129,8 @@ def test_parallel_server_batches_streams_each_as_alone(tiny_path: Path, flag: st
 
     from openai import OpenAI
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    serve = ["serve", str(tiny_path), "--port", "0", "--quiet", "--dtype", "float32", "--deterministic",
-             flag, "2"]  # fmt: skip
-    argv = [sys.executable, *torchrun(2, tmp_path), "-m", "infer", *serve]
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    err_lines: list[str] = []
-    try:
-        assert proc.stderr is not None
-        match = None
-        for line in proc.stderr:
-            err_lines.append(line)
-            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
-            if match:
-                break
-        assert match, f"no address announced: {''.join(err_lines)[-2000:]}"
-        drain = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
-        drain.start()
-        base = f"http://127.0.0.1:{match.group(1)}"
+    with torchrun_server(tiny_path, tmp_path, "--deterministic", flag, "2") as server:
+        base = server.base
         client = OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
         model = client.models.list().data[0].id
         words = ["Once", "Hello there", "The tiny model", "A", "In a hole", "Numbers:", "Why", "It was"]
@@ -170,15 +180,4 @@ def test_parallel_server_batches_streams_each_as_alone(tiny_path: Path, flag: st
         for i, ((a, _), (b, _)) in enumerate(zip(together, alone, strict=True)):
             assert a == b, f"request {i}: together {a!r}, alone {b!r}"
         assert together_steps < alone_steps / 2  # batched: not one request at a time
-        workers = psutil.Process(proc.pid).children()
-        rank0 = next(w for w in workers if w.environ().get("RANK") == "0")
-        rank0.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=90)
-        drain.join(timeout=10)
-        err = "".join(err_lines)
-        assert "Traceback" not in err and "RankFailedError" not in err, err[-2000:]
-        assert code == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
