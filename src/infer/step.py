@@ -48,6 +48,7 @@ class Sampling:
     greedy: bool = True  # every row is greedy: argmax only
     filtered: bool = False  # some row uses top-k and/or top-p
     exact_head: bool = False  # every logit must be exact (logprobs), not only each row's argmax
+    every_token: bool = False  # a verify pass: every fed token goes through the head, not each row's last
 
 
 @dataclass
@@ -74,9 +75,11 @@ class StepFeed(NamedTuple):
     """What one step is fed beside the model and its cache: the tokens, and how to sample.
 
     ``ids [B, T]`` int64, right-padded; ``n_new [B]`` the real tokens of each row; ``last [B]``
-    the position (in ``T``) of each row's token that goes through the head; ``mode`` the
-    static part of sampling (with the shapes, it selects the compiled graph); ``values`` the
-    per-row sampling values and ``noise [B, V]`` the Gumbel noise (both None when greedy).
+    the position (in ``T``) of each row's token that goes through the head, or, in a verify
+    pass (``mode.every_token``), ``[N]`` the flat positions ``b * T + j`` of every fed token;
+    ``mode`` the static part of sampling (with the shapes, it selects the compiled graph);
+    ``values`` the sampling values and ``noise`` the Gumbel noise, one row per position through
+    the head (``[B]`` / ``[B, V]``, or ``[N]`` / ``[N, V]`` in a verify pass; both None when greedy).
     A tuple of tensors and constants: `torch.compile` takes it as it takes them one by one.
     """
 
@@ -90,6 +93,9 @@ class StepFeed(NamedTuple):
 
 @dataclass
 class StepOutput:
+    """One entry per position through the head: each row's last fed token (``[B]``), or every fed
+    token of a verify pass (``[N]``, in the order of ``StepFeed.last``)."""
+
     tokens: torch.Tensor  # [B] int64
     logits: torch.Tensor  # [B, V] float32 (a greedy step's: exact at each row's argmax only)
     nonfinite: torch.Tensor  # [B] bool: a row's logits held NaN or +inf, or were all -inf
@@ -175,16 +181,20 @@ def model_step(
     model: DecoderLM, cache: KVCache, feed: StepFeed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``feed.ids [B, T]`` through the model on ``cache`` (``feed.n_new [B]`` real tokens per
-    row, right-padded), then the head on each row's token ``feed.last [B]`` and sampling.
+    row, right-padded), then the head on each row's token ``feed.last [B]`` (a verify pass: on
+    every fed token, ``feed.last [N]``) and sampling.
 
-    Returns ``(tokens [B], logits [B, V] float32, nonfinite [B], hidden [B, D])`` (see
+    Returns ``(tokens [B], logits [B, V] float32, nonfinite [B], hidden [B, D])`` (a verify pass:
+    ``[N]``, ``[N, V]``, ``[N]``, ``[N, D]``; see
     `StepOutput`: the hidden state lets a caller compute exact logits of some tokens after a
     greedy step, `DecoderLM.exact_logits`). Tensors only: no host synchronization, no
     data-dependent branches.
     """
     ids, last = feed.ids, feed.last
     h = model.hidden(ids, cache, None, feed.n_new)  # [B, T, D]
-    if ids.shape[1] > 1:
+    if feed.mode.every_token:  # a verify pass: the fed tokens of every row, one position per row of h
+        h = h.reshape(-1, h.shape[-1]).index_select(0, last)[:, None]  # [N, 1, D]
+    elif ids.shape[1] > 1:
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))  # [B, 1, D]: one token per row
     tokens, logits, nonfinite = head_and_sample(model, h, feed.mode, feed.values, feed.noise)
     return tokens, logits, nonfinite, h[:, 0]
@@ -209,12 +219,13 @@ StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 class Packages(Protocol):
-    """Ahead-of-time compiled decode steps (`infer.aot.PackageCache`): the one of a shape, or None."""
+    """Ahead-of-time compiled decode steps and verify passes (`infer.aot.PackageCache`): the one
+    of a shape (``batch`` rows of ``width`` tokens), or None."""
 
     @property
     def enabled(self) -> bool: ...
 
-    def get(self, cache: KVCache, batch: int, mode: Sampling) -> PackagedStep | None: ...
+    def get(self, cache: KVCache, batch: int, mode: Sampling, width: int = 1) -> PackagedStep | None: ...
 
 
 class PackagedStep(Protocol):
@@ -292,11 +303,14 @@ class Stepper:
         return self.model.make_cache(batch, capacity)
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
-        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
-        decode = feed.ids.shape[1] == 1
-        if not self.compiled:
-            if self.packages is not None and decode and cache.shared is None:
-                package = self.packages.get(cache, feed.ids.shape[0], feed.mode)
+        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function. A decode
+        step or a verify pass (``feed.mode.every_token``) runs its package when there is one; a
+        verify pass never compiles in-process (its shapes vary with every proposal)."""
+        verify = feed.mode.every_token
+        if not self.compiled or verify:
+            if self.packages is not None and (verify or feed.ids.shape[1] == 1) and cache.shared is None:
+                batch, width = feed.ids.shape
+                package = self.packages.get(cache, batch, feed.mode, width)
                 if package is not None:
                     self.packaged_steps += 1
                     with torch.inference_mode():

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,13 +76,14 @@ def _rss_bytes(pids: list[int]) -> int:
     return sum(int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024 for p in pids)
 
 
-def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling, rows: int = 1) -> Path:
+def _build_for(llm: infer.LLM, prompt: list[int], mode: Sampling, rows: int = 1, width: int = 1) -> Path:
     """Build, in this process, the package the engine will ask for: steps of ``rows`` rows (one,
-    or any of `aot.MULTI_ROWS`), every KV capacity."""
-    key = aot.shape_key(aot.fingerprint(llm.model), rows, mode)
+    or any of `aot.MULTI_ROWS`) of ``width`` tokens (a verify pass: any of `aot.VERIFY_WIDTHS`),
+    every KV capacity."""
+    key = aot.shape_key(aot.fingerprint(llm.model), rows, mode, width)
     assert key is not None
     path = aot.cache_dir() / f"{key}.pt2"
-    aot.build(llm.model, rows, mode, path)
+    aot.build(llm.model, rows, mode, path, width)
     return path
 
 
@@ -122,7 +124,8 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         assert len(names) < len(aot.named_tensors(llm.model))
         two_rows = StepFeed(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
                             torch.zeros(2, dtype=torch.long), mode, None, None)  # fmt: skip
-        with pytest.raises(ValueError, match=r"a decode step of 2 rows .* the package serves 1-1 rows"):
+        serves = r"a step of 2 rows x 1 tokens.* the package serves 1-1 rows x 1-1"
+        with pytest.raises(ValueError, match=serves):
             package(KVCache(llm.config, 2, 256, dtype=llm.model.cache_dtype, rings=False), two_rows)
         one_row = StepFeed(two_rows.ids[:1], two_rows.n_new[:1], two_rows.last[:1], mode, None, None)
         f16 = KVCache(llm.config, 1, 256, dtype=torch.float16, rings=False)
@@ -144,6 +147,49 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         steps = llm.stepper.packaged_steps - before
         print(f"{steps} packaged steps for 3 streams; KV capacity {llm.engine.slots.capacity}")
         assert together == alone and steps >= 29
+
+
+@pytest.mark.slow
+def test_packaged_verify_passes_give_the_eager_passes_tokens(
+    tiny_ckpt_factory: Callable[..., Path], packages: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative verify pass (one row, every fed token through the head) runs the package of
+    its shape, one for every width of `aot.VERIFY_WIDTHS`: n-gram lookup gives the tokens it gives
+    with eager passes (and those are plain decoding's here), and the package refuses a step it
+    does not serve with a clear error."""
+    from infer.spec import Speculative, Speculator
+
+    def propose_all(self: Speculator, rows: int, proposals: dict[int, Any], *_: Any) -> int:
+        return 1 + max([len(p.tokens) for p in proposals.values()], default=0)
+
+    monkeypatch.setattr(Speculator, "plan", propose_all)
+    path = tiny_ckpt_factory("llama")
+    llm = infer.load(path, lookup=3, speculative_tokens=12)
+    eager = infer.load(path, lookup=3, speculative_tokens=12, compile=False)
+    plain = infer.load(path, compile=False)
+    t0 = time.perf_counter()
+    built = _build_for(llm, [], Sampling(every_token=True), width=aot.VERIFY_WIDTHS[0])
+    seconds = time.perf_counter() - t0
+    prompts = [[5, 9, 200, 31, 7, 44, 3] * 3, [70, 71, 72, 73] * 4]
+    for prompt in prompts:
+        want = eager.generate(prompt, 40).token_ids
+        before = llm.stepper.packaged_steps
+        got = llm.generate(prompt, 40).token_ids
+        passes = llm.engine.stats()["spec_passes"]
+        print(
+            f"\nverify package built in {seconds:.1f} s; {llm.stepper.packaged_steps - before} packaged "
+            f"passes; {passes:.0f} passes in all"
+        )
+        assert got == want == plain.generate(prompt, 40).token_ids
+        assert llm.stepper.packaged_steps - before > 0
+    package = aot.Package(built, llm.model)
+    assert package.widths == aot.VERIFY_WIDTHS
+    two = StepFeed(torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 2), torch.zeros(1, dtype=torch.long),
+                   Sampling(every_token=True), None, None)  # fmt: skip
+    refused = r"1 rows x 2 tokens, 1 through the head .* 2-16 tokens \(every token"
+    with pytest.raises(ValueError, match=refused):
+        package(KVCache(llm.config, 1, 256, dtype=llm.model.cache_dtype, rings=False), two)
+    assert isinstance(llm.speculative, Speculative)
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ One job a file:
 ============== ==================================================================================
 
 * **A package** (`build`) is `torch.export` of `infer.step.model_step` for one decode shape
-  (rows, KV capacity, sampling mode), compiled by AOTInductor into a shared library. The
+  (rows, KV capacity, sampling mode), or one speculative verify pass (one row of any of
+  `VERIFY_WIDTHS` tokens, every one through the head), compiled by AOTInductor into a shared library. The
   model's weights are *inputs* of the exported program, not constants, so a package holds
   code only (~10 MB) and runs on the tensors already loaded: no second copy of the weights,
   in memory or on disk.
@@ -65,8 +66,9 @@ One job a file:
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
   and that shape stays eager; a package that cannot be loaded is removed and stays eager.
 
-Not covered: prefill (eager), streamed and parallel models and the deterministic mode (eager:
-its bitwise guarantees are stated for the eager kernels), CUDA (``compile=True`` there).
+Not covered: prefill (eager), verify passes of several rows (eager), streamed and parallel models
+and the deterministic mode (eager: its bitwise guarantees are stated for the eager kernels), CUDA
+(``compile=True`` there).
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ from infer.aot.export import build
 from infer.aot.keys import (
     MULTI_ROWS,
     PACKAGE_VERSION,
+    VERIFY_WIDTHS,
     fingerprint,
     named_tensors,
     package_key,
     rows_kind,
     shape_key,
+    width_kind,
 )
 from infer.aot.prune import MAX_PACKAGES
 from infer.aot.queue import BuildQueue, building
@@ -91,8 +95,8 @@ from infer.aot.worker import Recipe
 _prune = prune.prune  # the cache directory's bounds, by its former name
 
 __all__ = [
-    "MAX_LOADED", "MAX_PACKAGES", "MULTI_ROWS", "PACKAGE_VERSION", "SETTINGS", "BuildQueue", "Package",
-    "PackageCache", "Recipe", "build", "building", "cache_dir", "export", "fingerprint", "keys",
-    "named_tensors", "package_key", "pays", "prune", "queue", "rows_kind", "runtime", "settings",
-    "shape_key", "worker",
+    "MAX_LOADED", "MAX_PACKAGES", "MULTI_ROWS", "PACKAGE_VERSION", "SETTINGS", "VERIFY_WIDTHS",
+    "BuildQueue", "Package", "PackageCache", "Recipe", "build", "building", "cache_dir", "export",
+    "fingerprint", "keys", "named_tensors", "package_key", "pays", "prune", "queue", "rows_kind",
+    "runtime", "settings", "shape_key", "width_kind", "worker",
 ]  # fmt: skip

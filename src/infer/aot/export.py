@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from infer.aot.keys import MULTI_ROWS, all_modules_named, named_tensors, rows_kind
+from infer.aot.keys import MULTI_ROWS, VERIFY_WIDTHS, all_modules_named, named_tensors, rows_kind, width_kind
 from infer.cache import KVCache, round_up
 from infer.models.base import DecoderLM, layer_regions
 from infer.step import Sampling, SamplingValues, StepFeed, model_step
@@ -91,17 +91,21 @@ def sampling_inputs_of(values: SamplingValues | None, noise: torch.Tensor | None
     return [values.temperature, values.top_k, values.top_p, noise]
 
 
-def build(model: DecoderLM, batch: int, mode: Sampling, path: Path) -> None:
-    """Export and compile the decode step for steps of ``batch`` rows into ``path``: one row, or
-    any count in `MULTI_ROWS` (a dynamic dimension), on any KV capacity (dynamic too: the engine's
-    rows grow as they need), in the engine's layout (slot order, no rings)."""
-    kind = rows_kind(batch)
-    if kind is None:
+def build(model: DecoderLM, batch: int, mode: Sampling, path: Path, width: int = 1) -> None:
+    """Export and compile the step for ``batch`` rows of ``width`` tokens into ``path``: a decode
+    step of one row, or of any count in `MULTI_ROWS` (a dynamic dimension); or (``mode.every_token``)
+    the verify pass of one row of any of `VERIFY_WIDTHS` tokens (dynamic too); on any KV capacity
+    (dynamic: the engine's rows grow as they need), in the engine's layout (slot order, no rings)."""
+    kind, wide = rows_kind(batch), width_kind(batch, width, mode)
+    if kind is None or wide is None:
         raise ValueError(
-            f"build: no package serves steps of {batch} rows (1, or {MULTI_ROWS[0]}-{MULTI_ROWS[1]})"
+            f"build: no package serves steps of {batch} rows x {width} tokens (decode steps: 1, or "
+            f"{MULTI_ROWS[0]}-{MULTI_ROWS[1]} rows of 1 token; verify passes: 1 row of "
+            f"{VERIFY_WIDTHS[0]}-{VERIFY_WIDTHS[1]} tokens)"
         )
-    multi = kind != "1"
+    multi, verify = kind != "1", bool(wide)
     example_rows, example_capacity = (4 if multi else 1), 256
+    example_width = 4 if verify else 1
     cache = KVCache(model.config, example_rows, example_capacity, dtype=model.cache_dtype,
                     device=model.device, layers=model.kv_layers, rings=False)  # fmt: skip
     step = _DecodeStep(model, cache, mode)
@@ -112,34 +116,45 @@ def build(model: DecoderLM, batch: int, mode: Sampling, path: Path) -> None:
             return torch.func.functional_call(step, w, (ids, n_new, last, state, kv, sampling), strict=False)
 
     device = model.device
-    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    ones = torch.ones(batch, dtype=torch.long, device=device)
+    # A decode step feeds each row one token and samples it; a verify pass (one row) feeds W and
+    # samples every one: ``last`` then holds the W flat positions, and the sampling inputs a row each.
+    ids = torch.zeros(batch, example_width, dtype=torch.long, device=device)
+    n_new = torch.full((batch,), example_width, dtype=torch.long, device=device)
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    last = torch.arange(example_width, device=device) if verify else zeros
+    heads = last.shape[0]  # positions through the head
     sampling: list[torch.Tensor] = []
     if not mode.greedy:
         V = model.config.vocab_size
         sampling = [
-            torch.ones(batch, device=device),
-            torch.zeros(batch, dtype=torch.long, device=device),
-            torch.ones(batch, device=device),
-            torch.zeros(batch, V, device=device),
+            torch.ones(heads, device=device),
+            torch.zeros(heads, dtype=torch.long, device=device),
+            torch.ones(heads, device=device),
+            torch.zeros(heads, V, device=device),
         ]
-    inputs = (ids, ones, zeros, state_inputs(cache), kv_inputs(cache), sampling)
-    # Dynamic dimensions: the rows (a multi-row package) and every KV buffer's slots.
+    inputs = (ids, n_new, last, state_inputs(cache), kv_inputs(cache), sampling)
+    # Dynamic dimensions: the rows (a multi-row package), the tokens per row (a verify pass) and
+    # every KV buffer's slots.
     rows = Dim("rows", min=MULTI_ROWS[0], max=MULTI_ROWS[1]) if multi else None
+    tokens = Dim("width", min=VERIFY_WIDTHS[0], max=VERIFY_WIDTHS[1]) if verify else None
     slots = Dim("slots", min=2, max=max(example_capacity, round_up(model.config.max_position_embeddings, 64)))
 
-    def dims(t: torch.Tensor, kv: bool = False) -> dict[int, Any] | None:
+    def dims(t: torch.Tensor, kv: bool = False, head: bool = False) -> dict[int, Any] | None:
         d: dict[int, Any] = {}
-        if rows is not None:
+        if head and tokens is not None:  # one entry per position through the head
+            d[0] = tokens
+        elif rows is not None:
             d[0] = rows
         if kv and t.shape[2]:
             d[2] = slots
         return d or None
 
     def shapes(weights: dict[str, torch.Tensor]) -> tuple[Any, ...]:
-        return (dims(ids), dims(ones), dims(zeros), [dims(t) for t in state_inputs(cache)],
-                [dims(t, kv=True) for t in kv_inputs(cache)], [dims(t) for t in sampling],
+        ids_dims = dims(ids) or {}
+        if tokens is not None:
+            ids_dims[1] = tokens
+        return (ids_dims or None, dims(n_new), dims(last, head=True), [dims(t) for t in state_inputs(cache)],
+                [dims(t, kv=True) for t in kv_inputs(cache)], [dims(t, head=True) for t in sampling],
                 dict.fromkeys(weights))  # fmt: skip
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
@@ -174,9 +189,12 @@ def build(model: DecoderLM, batch: int, mode: Sampling, path: Path) -> None:
                 "aot_inductor.metadata": {
                     "names": json.dumps(names),
                     "inputs": json.dumps(
-                        _input_specs([ids, ones, zeros, *state_inputs(cache)], kv_inputs(cache), sampling)
+                        _input_specs(
+                            [ids, n_new, last, *state_inputs(cache)], kv_inputs(cache), sampling, verify
+                        )
                     ),
                     "rows": json.dumps([1, 1] if not multi else list(MULTI_ROWS)),
+                    "widths": json.dumps(list(VERIFY_WIDTHS) if verify else [1, 1]),
                     "weights": json.dumps(tensor_specs(list(weights.values()))),
                 }
             },
@@ -205,12 +223,14 @@ def tensor_specs(tensors: list[torch.Tensor]) -> list[list[Any]]:
 
 
 def _input_specs(
-    state: list[torch.Tensor], kv: list[torch.Tensor], sampling: list[torch.Tensor]
+    state: list[torch.Tensor], kv: list[torch.Tensor], sampling: list[torch.Tensor], verify: bool = False
 ) -> list[Any]:
     """What a package assumes of a step's inputs: each one's dtype and contiguity, its shape with
-    -1 for the dynamic dimensions (the rows; a KV buffer's slots)."""
+    -1 for the dynamic dimensions (the rows; a verify pass's tokens, in ``ids``; a KV buffer's slots)."""
     out = []
-    for group, dynamic in ((state, (0,)), (kv, (0, 2)), (sampling, (0,))):
+    ids_dynamic = (0, 1) if verify else (0,)
+    groups = ((state[:1], ids_dynamic), (state[1:], (0,)), (kv, (0, 2)), (sampling, (0,)))
+    for group, dynamic in groups:
         for t in group:
             shape = [-1 if i in dynamic else n for i, n in enumerate(t.shape)]
             out.append([shape, str(t.dtype).removeprefix("torch.")])

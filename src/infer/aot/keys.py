@@ -25,11 +25,15 @@ from infer.cache import KVCache
 from infer.models.base import DecoderLM
 from infer.step import Sampling
 
-PACKAGE_VERSION = 3  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state out
+PACKAGE_VERSION = 4  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state
+# out; 4: verify passes (every fed token through the head)
 MULTI_ROWS = (
     2,
     16,
 )  # the rows one multi-row package serves (inside every packed kernel's and the head's branches)
+# Tokens per row one verify package serves (a dynamic dimension): a pass of one row's last token and
+# up to 15 proposals. Its products have at most 16 rows, inside every packed kernel's branches.
+VERIFY_WIDTHS = (2, 16)
 
 
 # ---- the model's tensors, by name --------------------------------------------------------
@@ -99,19 +103,31 @@ def rows_kind(batch: int) -> str | None:
     return f"{lo}-{hi}" if lo <= batch <= hi else None
 
 
-def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling) -> str | None:
-    """The package a decode step of ``batch`` rows on ``cache`` runs, or None (it runs eagerly:
-    more rows than `MULTI_ROWS`, or a cache with ring buffers, which only the engine's never has)."""
+def width_kind(batch: int, width: int, mode: Sampling) -> str | None:
+    """Which tokens-per-row a package of this step serves: ``""`` (a decode step: one token per
+    row), ``"w2-16"`` (a verify pass of one row, `VERIFY_WIDTHS`), or None (it runs eagerly: a
+    verify pass of several rows, or wider than `VERIFY_WIDTHS`)."""
+    if not mode.every_token:
+        return "" if width == 1 else None
+    lo, hi = VERIFY_WIDTHS
+    return f"w{lo}-{hi}" if batch == 1 and lo <= width <= hi else None
+
+
+def package_key(fp: str, cache: KVCache, batch: int, mode: Sampling, width: int = 1) -> str | None:
+    """The package a step of ``batch`` rows of ``width`` tokens on ``cache`` runs, or None (it runs
+    eagerly: more rows than `MULTI_ROWS`, a verify pass no package serves, or a cache with ring
+    buffers, which only the engine's never has)."""
     if cache.ring_slots is not None:
         return None
-    return shape_key(fp, batch, mode)
+    return shape_key(fp, batch, mode, width)
 
 
-def shape_key(fp: str, batch: int, mode: Sampling) -> str | None:
-    """The name of the package serving decode steps of ``batch`` rows in ``mode`` (`package_key`):
-    one package per rows kind (`rows_kind`) and sampling mode, for every KV capacity."""
-    kind = rows_kind(batch)
-    if kind is None:
+def shape_key(fp: str, batch: int, mode: Sampling, width: int = 1) -> str | None:
+    """The name of the package serving steps of ``batch`` rows of ``width`` tokens in ``mode``
+    (`package_key`): one package per rows kind (`rows_kind`), width kind (`width_kind`) and
+    sampling mode, for every KV capacity."""
+    kind, wide = rows_kind(batch), width_kind(batch, width, mode)
+    if kind is None or wide is None:
         return None
     flags = "".join(str(int(f)) for f in (mode.greedy, mode.filtered, mode.exact_head))
-    return f"{fp}-b{kind}-{flags}"
+    return f"{fp}-b{kind}{'-' + wide if wide else ''}-{flags}"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from infer import builder
 from infer.aot import settings
-from infer.aot.keys import fingerprint, shape_key
+from infer.aot.keys import VERIFY_WIDTHS, fingerprint, shape_key
 from infer.aot.settings import cache_dir
 from infer.models.base import DecoderLM
 from infer.step import Sampling
@@ -77,12 +77,12 @@ class BuildQueue:
         return (settings.background_builds() and self.recipe is not None  # (on: packages are enabled)
                 and (not self._temporary or settings.temporary_builds()))  # fmt: skip
 
-    def _missed(self, key: str, batch: int, mode: Sampling, now: float) -> None:
+    def _missed(self, key: str, batch: int, mode: Sampling, now: float, width: int = 1) -> None:
         """A step of ``key``'s shape found no package: note its request, and queue it when due."""
         if not self.builds_allowed:
             return
         if key not in self.missing:
-            self.missing[key] = self._request(key, batch, mode)
+            self.missing[key] = self._request(key, batch, mode, width)
         if self.queue_missing and self._due(key, now):
             self._queue([self.missing[key]], stacklevel=4)  # the warning names the step's caller
 
@@ -94,9 +94,10 @@ class BuildQueue:
     def prepare(self, rows: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)) -> list[str]:
         """Queue the builds of the packages serving decode steps of ``rows`` rows in ``modes`` that
         do not exist yet, ahead of need: a server calls it at start for the batch sizes its engine
-        will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity). The
-        builder takes them in the machine's idle time, and this process picks each package up as
-        it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity; a mode
+        with ``every_token`` asks for the verify pass of one row, any of `VERIFY_WIDTHS` tokens).
+        The builder takes them in the machine's idle time, and this process picks each package up
+        as it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
         rows, modes = list(rows), list(modes)
         bad = [v for v in rows if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
@@ -109,11 +110,12 @@ class BuildQueue:
         requests = []
         for batch in sorted(set(rows)):
             for mode in modes:
-                key = shape_key(self.fingerprint, batch, mode)
+                width = VERIFY_WIDTHS[0] if mode.every_token else 1
+                key = shape_key(self.fingerprint, batch, mode, width)
                 if key is None or key in self.missing or key in self.loaded:
                     continue
                 if not _done(cache_dir() / f"{key}.pt2"):
-                    self.missing[key] = self._request(key, batch, mode)
+                    self.missing[key] = self._request(key, batch, mode, width)
                     requests.append(self.missing[key])
         self._queue(requests)
         return [r["key"] for r in requests if r["key"] in self.queued]
@@ -147,10 +149,11 @@ class BuildQueue:
             return False
         return True
 
-    def _request(self, key: str, batch: int, mode: Sampling) -> dict[str, Any]:
+    def _request(self, key: str, batch: int, mode: Sampling, width: int = 1) -> dict[str, Any]:
         assert self.recipe is not None
         return {
-            "key": key, "batch": batch, "mode": asdict(mode), "out": str(cache_dir() / f"{key}.pt2"),
+            "key": key, "batch": batch, "width": width, "mode": asdict(mode),
+            "out": str(cache_dir() / f"{key}.pt2"),
             "recipe": asdict(self.recipe), "files": self._files, "source": builder.source_digest(),
         }  # fmt: skip
 

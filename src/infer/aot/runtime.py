@@ -112,6 +112,7 @@ class Package:
                 )
         self.inputs = json.loads(meta["inputs"])
         self.rows = tuple(json.loads(meta["rows"]))
+        self.widths = tuple(json.loads(meta.get("widths", "[1, 1]")))
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         step = [
@@ -122,12 +123,15 @@ class Package:
             *kv_inputs(cache),
             *sampling_inputs_of(feed.values, feed.noise),
         ]
-        rows = feed.ids.shape[0]
-        lo, hi = self.rows
-        if not lo <= rows <= hi or feed.ids.shape[1] != 1 or len(step) != len(self.inputs):
+        rows, width = feed.ids.shape
+        (lo, hi), (w_lo, w_hi) = self.rows, self.widths
+        fits = lo <= rows <= hi and w_lo <= width <= w_hi and len(step) == len(self.inputs)
+        heads = rows if w_hi == 1 else width  # positions through the head
+        if not fits or feed.mode.every_token != (w_hi > 1) or feed.last.shape[0] != heads:
             raise ValueError(
-                f"{self.path}: a decode step of {rows} rows x {feed.ids.shape[1]} tokens and {len(step)} "
-                f"inputs; the package serves {lo}-{hi} rows x 1 token, {len(self.inputs)} inputs"
+                f"{self.path}: a step of {rows} rows x {width} tokens, {feed.last.shape[0]} through the head "
+                f"and {len(step)} inputs; the package serves {lo}-{hi} rows x {w_lo}-{w_hi} tokens "
+                f"({'every token' if w_hi > 1 else 'the last'} through the head), {len(self.inputs)} inputs"
             )
         bad = next((i for i, (t, w) in enumerate(zip(step, self.inputs, strict=True)) if not _fits(t, w)), -1)
         if bad >= 0:
@@ -175,11 +179,12 @@ class PackageCache(BuildQueue):
             self._present = cache_dir().is_dir() and any(cache_dir().glob("*.pt2"))
         return self._present
 
-    def get(self, cache: KVCache, batch: int, mode: Sampling) -> Package | None:
-        """The package of this step's shape, or None (the step runs eagerly; the shape is queued)."""
+    def get(self, cache: KVCache, batch: int, mode: Sampling, width: int = 1) -> Package | None:
+        """The package of this step's shape (``batch`` rows of ``width`` tokens), or None (the step
+        runs eagerly; the shape is queued)."""
         if not self.enabled:
             return None  # nothing to load, nothing to note: no fingerprint, no per-step cost
-        key = package_key(self.fingerprint, cache, batch, mode)
+        key = package_key(self.fingerprint, cache, batch, mode, width)
         if key is None:
             return None
         package = self.loaded.get(key)
@@ -194,7 +199,7 @@ class PackageCache(BuildQueue):
         self._looked[key] = now
         path = cache_dir() / f"{key}.pt2"
         if not path.exists():
-            self._missed(key, batch, mode, now)  # noted, and queued when due
+            self._missed(key, batch, mode, now, width)  # noted, and queued when due
             return None
         self._found(key)
         try:

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         if not request["key"].startswith(fp + "-"):
             raise RuntimeError(f"the model loaded here has fingerprint {fp}, not the one asked for")
         mode = Sampling(**request["mode"])
-        build(model, request["batch"], mode, out)
+        build(model, request["batch"], mode, out, request.get("width", 1))
     except Exception as e:
         out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
         print(f"failed {out.name}: {type(e).__name__}: {e}", flush=True)

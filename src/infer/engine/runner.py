@@ -109,9 +109,10 @@ class Runner:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]`` (>= 1
         token), the others nothing; the logits after every fed token, ``{r: [len(feeds[r]), V]}``
         float32 (logit ``i`` predicts the token after ``feeds[r][i]``). ``greedy``: only each
-        row's argmax must be exact (a packed head then scans less). Eager, like a prefill chunk
-        (rows read their shared prefixes as a step does): in the deterministic mode each row's
-        logits are bitwise its one-token steps'."""
+        row's argmax must be exact (a packed head then scans less). A step with every fed token
+        through the head (``Sampling.every_token``): from its package where one serves its shape
+        (`infer.aot`), else eagerly like a prefill chunk (rows read their shared prefixes as a
+        step does); in the deterministic mode each row's logits are bitwise its one-token steps'."""
         slots = self.slots
         T = max(len(t) for t in feeds.values())
         slots.fit(lo, hi, T, feeds)
@@ -120,10 +121,11 @@ class Runner:
         ids = torch.tensor([t + [0] * (T - len(t)) for t in rows], dtype=torch.long).to(device)  # [B, T]
         n_new = torch.tensor([len(t) for t in rows], dtype=torch.long).to(device)
         fed = torch.tensor([b * T + j for b, t in enumerate(rows) for j in range(len(t))], dtype=torch.long)
+        mode = Sampling(greedy=True, exact_head=not greedy, every_token=True)
+        feed = StepFeed(ids, n_new, fed.to(device), mode, None, None)
+        self.before_step(lo, hi, feeds, mode, 0)
         with self.forward(), self._bound(lo, hi, feeds) as view:
-            h = self.model.hidden(ids, view, None, n_new)  # [B, T, D]
-            h = h.reshape(-1, h.shape[-1])[fed.to(device)][None]  # [1, N, D]: the fed tokens only
-            logits = self.model.head(h, greedy=greedy)[0].float()  # [N, V]
+            logits = self.stepper(view, feed).logits  # [N, V]: the fed tokens, row by row
         out: dict[int, torch.Tensor] = {}
         start = 0
         for r in range(lo, hi):

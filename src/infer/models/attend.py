@@ -55,7 +55,7 @@ def attend(
             return _attend_sdpa_cuda(qb, kb, vb, mb, scale)
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale, enable_gqa=gqa)
 
-    return _blocks(q, k, v, mask, key_limit, block, key_start)
+    return _blocks(q, k, v, mask, key_limit, block, key_start, softcap)
 
 
 BlockFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -69,10 +69,15 @@ def _blocks(
     key_limit: int | None,
     fn: BlockFn,
     key_start: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``fn`` over blocks of `QUERY_BLOCK` queries, each on the keys it can see (``key_limit``,
-    ``key_start``)."""
+    ``key_start``). ``softcap``: ``fn`` materializes a block's scores (blocks bound them)."""
     T, S = q.shape[2], k.shape[2]
+    if torch.compiler.is_compiling() and key_limit is None and key_start is None and softcap is None:
+        # Compiled, keys are never trimmed: one call (an exported verify pass has a dynamic query
+        # count, which a loop over blocks would fix); the fused kernel never materializes scores.
+        return fn(q, k, v, mask)
     outs = []
     for start in range(0, T, QUERY_BLOCK):
         stop = min(T, start + QUERY_BLOCK)
