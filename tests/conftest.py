@@ -27,10 +27,13 @@ transformers models saved with ``save_pretrained``, with a byte-level tokenizer 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,11 @@ ARCHS = ("llama", "qwen3", "gemma3")
 # No test uses or builds ahead-of-time compiled packages of its tiny models unless it asks to
 # (tests/integration/test_aot.py): not this process, not the `infer` processes tests start.
 os.environ["INFER_AOT"] = "off"
+# Product routes measured by the suite's processes go to a directory of the run's own, never the
+# user's table (`infer.quant.routes`): either route is exact, so no test depends on which is picked.
+if "INFER_ROUTES_DIR" not in os.environ:
+    os.environ["INFER_ROUTES_DIR"] = tempfile.mkdtemp(prefix="infer-test-routes-")
+    atexit.register(shutil.rmtree, os.environ["INFER_ROUTES_DIR"], True)
 
 # Values of the hub config.json files of the dev models (as published on the Hub).
 LLAMA_3_2_1B_INSTRUCT: dict[str, Any] = {

@@ -29,6 +29,7 @@ FOREIGN = frozenset(
         "_weight_int4pack_mm",
         "_weight_int4pack_mm_for_cpu",
         "_weight_int8pack_mm",
+        "_linear_pointwise",  # oneDNN's linear (torch.ops.mkldnn), inductor's CPU linear
         "_convert_weight_to_int4pack",
         "_convert_weight_to_int4pack_for_cpu",
         "_dynamo",

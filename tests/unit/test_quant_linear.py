@@ -19,7 +19,15 @@ from torch import nn
 
 from infer import rows
 from infer.models.common import set_deterministic
-from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize, int4, quantize_linear, quantize_q4_0
+from infer.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize,
+    int4,
+    quantize_linear,
+    quantize_q4_0,
+    routes,
+)
 from infer.quant.quantize import quantize_int8_per_channel
 
 T = GGMLQuantizationType
@@ -456,7 +464,15 @@ def test_tiles_multiply_in_float32_without_bfloat16_arithmetic(
         seen.append(w_t.dtype)
         return matmul(a, w_t, tile)
 
+    gemm = routes.gemm
+
+    def recording_gemm(a: torch.Tensor, w_t: torch.Tensor, how: str) -> torch.Tensor:
+        seen.append(w_t.dtype)
+        return gemm(a, w_t, how)
+
     monkeypatch.setattr(rows, "matmul", recording)
+    monkeypatch.setattr(routes, "gemm", recording_gemm)
+    monkeypatch.setenv("INFER_ROUTES", "off")  # the fixed bounds: 120 rows take the tiles
     for native, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(linear, "native_bf16_gemm", lambda native=native: native)
         seen.clear()

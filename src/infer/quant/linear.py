@@ -25,13 +25,15 @@ kernel assumes of its operands, `infer.quant.int8`'s.
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from infer import rows as row_rules
 from infer.pages import drop_mapped_pages
-from infer.quant import int4
+from infer.quant import int4, routes
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
 from infer.quant.head import GREEDY_CANDIDATES, GREEDY_MAX_ROWS, RESCORE_TOP_K, top_indices
@@ -46,6 +48,7 @@ from infer.quant.planes import (
     to_planes,
 )
 from infer.quant.quantize import quantize_int8_per_channel
+from infer.quant.routes import ROUTE_FLOOR, Route
 
 # Rows up to which a product runs the packed kernel, by format (int4: by planes); beyond,
 # dequantizing tiles + one GEMM wins: the kernel's cost grows with the rows, the
@@ -54,8 +57,12 @@ from infer.quant.quantize import quantize_int8_per_channel
 # Gemma 3's Q4_K) 226-701 vs 330-944 at 64 rows, 435-1419 vs 414-1236 at 128; two planes
 # (Gemma 3's Q5_0 q/k/v and gate/up) 399-1038 vs 541-1548 at 32 rows, 784-2035 vs 613-1732 at
 # 64. int8 (`quantize="int8"`, 576x1536 to 4096x640): equal at 16 rows, 1.7-2.8x slower at 64.
+# These are the bounds compiled steps and ``INFER_ROUTES=off`` use; an eager product of more than
+# `routes.ROUTE_FLOOR` rows takes the route measured on the running CPU (`infer.quant.routes`).
 KERNEL_MAX_ROWS = {"int4": 96, "int4 planes": 48, "int8": 16}
-_TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2)
+_TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2) ...
+_MIN_TILE_COLUMNS = 256  # ... but never fewer columns than this (a narrow GEMM wastes its blocking)
+_CALIBRATION_COLUMNS = 1024  # the columns of a weight its route is measured on (time scales with them)
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
 
@@ -310,12 +317,86 @@ class QuantizedLinear(nn.Module):
             return KERNEL_MAX_ROWS["int4 planes" if self.planes > 1 else "int4"]
         return KERNEL_MAX_ROWS.get(self.fmt, 0)
 
+    def route_form(self) -> str:
+        """What a product's route depends on besides the CPU: the format, planes, pairing, ``K`` and
+        the compute and tile dtypes (the key of `infer.quant.routes.RouteTable`)."""
+        tile = self._tile_dtype(torch.empty(0, dtype=self.compute_dtype))
+        pairing = "paired" if self.paired else ("split" if self.split else "plain")
+        dtypes = "-".join(str(d).removeprefix("torch.") for d in (self.compute_dtype, tile))
+        return f"{self.fmt}-p{self.planes}-{pairing}-k{self.in_features}-{dtypes}"
+
+    def route(self) -> Route | None:
+        """The route of this module's products of many rows, measured on this CPU (`infer.quant.routes`;
+        measured now, on a slice of this weight, if this CPU has not measured its form yet); None
+        where nothing is measured (``INFER_ROUTES=off``, a dense weight, another device)."""
+        if self.fmt == "dense" or self.packed_device_type() != "cpu" or not routes.enabled():
+            return None
+        cached: Route | None = self.__dict__.get("_route")
+        if cached is not None:
+            return cached
+        form = self.route_form()
+        found = routes.table().get(form)
+        if found is None:
+            print(f"infer: measuring the matrix-product routes of {form} on this CPU (once; "
+                  f"{routes.routes_dir()})", file=sys.stderr, flush=True)  # fmt: skip
+            found = self._measure_route()
+            routes.table().put(form, found)
+        self.__dict__["_route"] = found
+        return found
+
+    def packed_device_type(self) -> str:
+        return next(self.buffers()).device.type
+
+    def _measure_route(self) -> Route:
+        """Time both routes on this weight's first `_CALIBRATION_COLUMNS` outputs (`routes.measure`)."""
+        part = self._calibration_part()
+        gemms = routes.GEMMS if routes.onednn_available() else ("matmul",)
+
+        def rows(m: int) -> torch.Tensor:
+            return torch.randn(m, self.in_features, generator=torch.Generator().manual_seed(m)).to(
+                self.compute_dtype
+            )
+
+        def kernel(m: int) -> Callable[[], object]:
+            x = rows(m)
+            return lambda: part._product(x, True, 0)
+
+        def tiles(m: int, how: str) -> Callable[[], object]:
+            x = rows(m)
+            return lambda: part._product(x, False, 0, how)
+
+        with torch.inference_mode():
+            return routes.measure(kernel if self.use_kernel else None, tiles, gemms)
+
+    def _calibration_part(self) -> QuantizedLinear:
+        """A module computing this one's first outputs (at most `_CALIBRATION_COLUMNS`, whole row
+        blocks), on views of its weight (scales copied: small)."""
+        n_rows = self.qweight.shape[0] if self.fmt == "int8" else self.packed.shape[0]
+        n = min(n_rows, _CALIBRATION_COLUMNS)
+        if self.fmt == "int8":
+            tensors = {"qweight": self.qweight[:n], "scales": self.scales[:n].contiguous()}
+        else:
+            tensors = {"packed": self.packed[:n], "scale_zero": self.scale_zero[:, :n].contiguous()}
+            if self.split:
+                tensors["packed_hi"] = self.packed_hi[:n]
+        return QuantizedLinear(
+            self.in_features, n, self.fmt, tensors, planes=self.planes, paired=self.paired,
+            source=self.source, compute_dtype=self.compute_dtype,
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
         kernel = self.use_kernel and x2.is_cpu
         if not self.tile_rows:
-            y = self._product(x2, kernel and x2.shape[0] <= self.kernel_max_rows, 0)
+            m = x2.shape[0]
+            measured = None
+            if m > ROUTE_FLOOR and x2.is_cpu and not torch.compiler.is_compiling():
+                measured = self.route()
+            if measured is None:
+                y = self._product(x2, kernel and m <= self.kernel_max_rows, 0)
+            else:
+                y = self._product(x2, kernel and m <= measured.kernel_max_rows, 0, measured.gemm)
         elif kernel:  # the deterministic mode: every tile on the kernel
             y = row_rules.tiled(x2, lambda t: self._product(t, True, 0), self.tile_rows)
         else:
@@ -327,14 +408,18 @@ class QuantizedLinear(nn.Module):
             y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
 
-    def _product(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
+    def _product(self, x2: torch.Tensor, kernel: bool, tile: int, gemm: str = "matmul") -> torch.Tensor:
         """``x2 [M, K] @ W.T`` in the compute dtype: the packed kernel, or dense products
-        (in tiles of ``tile`` rows when ``tile``)."""
+        (in tiles of ``tile`` rows when ``tile``; else through ``gemm``, `routes.gemm`)."""
         if self.fmt == "int4":
-            return self._int4(x2, kernel, tile)
+            return self._int4(x2, kernel, tile, gemm)
         if self.fmt == "int8":
-            return self._int8(x2, kernel, tile)
+            return self._int8(x2, kernel, tile, gemm)
         return row_rules.matmul(x2, self.weight.t(), tile)
+
+    @staticmethod
+    def _tile_product(x: torch.Tensor, w_t: torch.Tensor, tile: int, gemm: str) -> torch.Tensor:
+        return row_rules.matmul(x, w_t, tile) if tile else routes.gemm(x, w_t, gemm)
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
         """Outputs whose per-row argmax is exact arithmetic's: for a greedy step.
@@ -427,7 +512,7 @@ class QuantizedLinear(nn.Module):
         w = ((nib.to(torch.float32).view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
-    def _int4(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
+    def _int4(self, x2: torch.Tensor, kernel: bool, tile: int, gemm: str = "matmul") -> torch.Tensor:
         y: torch.Tensor | None = None
         if kernel and self.split:  # one call per plane: [M, N] each, summed in float32
             g = self.in_features // GROUP
@@ -448,13 +533,12 @@ class QuantizedLinear(nn.Module):
         if y is None:  # prefill, another device, or operands the kernel does not take
             n_pad = self.packed.shape[0]
             kp = self.planes * self.in_features
-            cols = max(int4.BLOCK_N, _TILE_VALUES // kp // int4.BLOCK_N * int4.BLOCK_N)
+            cols = max(_MIN_TILE_COLUMNS, _TILE_VALUES // kp) // int4.BLOCK_N * int4.BLOCK_N
             dtype = self._tile_dtype(x2)
             xt = x2.to(dtype)
-            parts = [
-                row_rules.matmul(xt, self._dequant_tile_t(start, min(n_pad, start + cols), dtype), tile)
-                for start in range(0, n_pad, cols)
-            ]
+            spans = [(start, min(n_pad, start + cols)) for start in range(0, n_pad, cols)]
+            tiles = (self._dequant_tile_t(a, b, dtype) for a, b in spans)
+            parts = [self._tile_product(xt, w_t, tile, gemm) for w_t in tiles]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x2.dtype)
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
@@ -535,7 +619,7 @@ class QuantizedLinear(nn.Module):
         f.mul_(scale[:, None]).add_(zero[:, None])
         return f.view(k, r).to(dtype)
 
-    def _int8(self, x2: torch.Tensor, kernel: bool, tile: int) -> torch.Tensor:
+    def _int8(self, x2: torch.Tensor, kernel: bool, tile: int, gemm: str = "matmul") -> torch.Tensor:
         if kernel:
             xk = x2.contiguous()
             compiling = torch.compiler.is_compiling()
@@ -546,10 +630,10 @@ class QuantizedLinear(nn.Module):
             if int8_kernel_accepts(xk, self.qweight, self.scales, pointers_checked=compiling):
                 return torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales)  # type: ignore[no-any-return]
         n = self.out_features
-        cols = max(64, _TILE_VALUES // self.in_features // 64 * 64)
+        cols = max(_MIN_TILE_COLUMNS, _TILE_VALUES // self.in_features // 64 * 64)
         xt = x2.to(self._tile_dtype(x2))
         parts = [
-            row_rules.matmul(xt, self.qweight[start : min(n, start + cols)].to(xt.dtype).T, tile)
+            self._tile_product(xt, self.qweight[start : min(n, start + cols)].to(xt.dtype).T, tile, gemm)
             for start in range(0, n, cols)
         ]  # int8 -> compute dtype is exact: |q| <= 127 fits bfloat16's mantissa
         y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x2.dtype)
