@@ -292,10 +292,16 @@ class Stepper:
         return self.model.make_cache(batch, capacity)
 
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
-        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function."""
+        """One step of ``feed`` on ``cache``: eagerly, or through the compiled function. While a
+        forward hook sits on any module of the model (`infer.models.hooks`: a user's, or an
+        intervention's) every step runs eagerly, where hooks run: packages and compiled graphs
+        run no Python."""
         decode = feed.ids.shape[1] == 1
-        if not self.compiled:
-            if self.packages is not None and decode and cache.shared is None:
+        hooked = self.model.hooks.active()
+        if hooked:
+            self.model.hooks.check_generation()
+        if not self.compiled or hooked:
+            if self.packages is not None and decode and cache.shared is None and not hooked:
                 package = self.packages.get(cache, feed.ids.shape[0], feed.mode)
                 if package is not None:
                     self.packaged_steps += 1

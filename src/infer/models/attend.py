@@ -2,13 +2,16 @@
 
 `attend` (PyTorch's fused SDPA in query blocks), `attend_tiled` (the deterministic mode's fixed
 tiles), `attend_any` (the one of the two a layer asks for) and `attend_shared` (private keys
-plus a prefix stored once, `infer.prefix`). Masks are boolean (True = attend) or additive,
+plus a prefix stored once, `infer.prefix`); `recording_attention` (inspection: probabilities
+materialized, on the calling thread only). Masks are boolean (True = attend) or additive,
 broadcastable to ``[B, 1, T, S]``; None: every key is visible.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +89,57 @@ def _blocks(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+class AttentionProbe:
+    """Attention probabilities recorded by `recording_attention`: each call of `attend_any` on the
+    thread that opened it appends ``[B, H, T, S]`` (the queries' dtype; a query that sees no key:
+    zeros), in call order (a forward's layers in order)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.probs: list[torch.Tensor] = []
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Attention with its probabilities materialized (eager math, float32 scores and softmax as
+        transformers' eager attention): ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
+        B, H, T, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask == 0
+        qf, mf = _fold_gqa(q, mask, Hkv)  # [B, Hkv, G*T, hd], query head h = kv * G + g
+        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mf is not None:
+            scores = scores.masked_fill(~mf, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a query that sees no key: zeros
+        out = torch.matmul(p, v.float()).to(q.dtype).reshape(B, H, T, D)
+        self.probs.append(p.to(q.dtype).reshape(B, H, T, S))  # [B, Hkv, G*T, S] -> [B, H, T, S]
+        return out
+
+
+_PROBE: list[AttentionProbe | None] = [None]
+
+
+@contextlib.contextmanager
+def recording_attention() -> Iterator[AttentionProbe]:
+    """Within, attention on this thread runs `AttentionProbe.attend` (probabilities materialized and
+    kept); other threads (an engine's steps) and the default path are untouched."""
+    before = _PROBE[0]
+    probe = _PROBE[0] = AttentionProbe()
+    try:
+        yield probe
+    finally:
+        _PROBE[0] = before
+
+
 def attend_any(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -109,6 +163,9 @@ def attend_any(
         mask = mask[..., : k.shape[2]]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
+    probe = _PROBE[0]
+    if probe is not None and probe.thread == threading.get_ident():  # `recording_attention`
+        return probe.attend(q, k, v, mask, scale, softcap)
     if deterministic:
         return attend_tiled(q, k, v, mask, scale, softcap, key_limit)
     return attend(q, k, v, mask, scale, softcap, key_limit, key_start)
