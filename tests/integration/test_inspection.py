@@ -41,7 +41,9 @@ def _max_err(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_hidden_states_attentions_and_logits_match_transformers(pair: tuple[infer.LLM, Any], arch: str) -> None:
+def test_hidden_states_attentions_and_logits_match_transformers(
+    pair: tuple[infer.LLM, Any], arch: str
+) -> None:
     llm, hf = pair
     with torch.no_grad():
         want = hf(IDS, output_hidden_states=True, output_attentions=True)
@@ -53,7 +55,9 @@ def test_hidden_states_attentions_and_logits_match_transformers(pair: tuple[infe
     hs = _max_err(got.hidden_states, want.hidden_states)
     att = _max_err(got.attentions, want.attentions)
     logits = float((got.logits - want.logits).abs().max())
-    print(f"\n{arch}: max abs error vs transformers: hidden states {hs:.2e}, attentions {att:.2e}, logits {logits:.2e}")
+    print(
+        f"\n{arch}: max abs error vs transformers: hidden states {hs:.2e}, attentions {att:.2e}, logits {logits:.2e}"
+    )
     assert hs <= TOL and att <= TOL and logits <= TOL
     assert got["logits"] is got.logits and got[0] is got.logits and len(got.to_tuple()) == 3
 
@@ -113,7 +117,9 @@ def test_scores_and_logit_lens_match_transformers(pair: tuple[infer.LLM, Any], a
             [_hf_head(hf, arch, states[i][0, [0, 7, 22]], normed=i == L) for i in range(L + 1)]
         )
     err_lens = float((lens.logits - want_lens).abs().max())
-    print(f"\n{arch}: scores vs transformers: logprobs {err_lp:.2e}, top-4 {err_top:.2e}; logit lens {err_lens:.2e}")
+    print(
+        f"\n{arch}: scores vs transformers: logprobs {err_lp:.2e}, top-4 {err_top:.2e}; logit lens {err_lens:.2e}"
+    )
     assert lens.positions == [0, 7, 22] and lens.logits.shape == (L + 1, 3, llm.model.vocab_size)
     assert err_lp <= TOL and err_top <= TOL and err_lens <= TOL
     single = llm.score(texts[1], top_k=4)

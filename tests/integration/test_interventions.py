@@ -138,7 +138,9 @@ def test_a_hook_on_a_fused_projection_runs(llm: infer.LLM) -> None:
 def test_a_hook_on_the_model_itself_is_refused_by_generation(llm: infer.LLM) -> None:
     handle = llm.model.register_forward_hook(lambda m, a, out: out)
     try:
-        with pytest.raises(RuntimeError, match=r"hook is registered on the model itself \(LlamaForCausalLM\)"):
+        with pytest.raises(
+            RuntimeError, match=r"hook is registered on the model itself \(LlamaForCausalLM\)"
+        ):
             llm.generate(PROMPT, 4)
     finally:
         handle.remove()
@@ -186,7 +188,10 @@ def test_patching_a_cached_run(llm: infer.LLM) -> None:
         own = llm.model(b)
     assert torch.equal(patched, src.logits)
     assert torch.equal(one[:, :4], own[:, :4]) and not torch.allclose(one[:, 4:], own[:, 4:])
-    with llm.intervene(layer=1, add=_steering(llm), positions=[0]), pytest.raises(ValueError, match="positions="):
+    with (
+        llm.intervene(layer=1, add=_steering(llm), positions=[0]),
+        pytest.raises(ValueError, match="positions="),
+    ):
         llm.generate(PROMPT, 2)
 
 
@@ -200,8 +205,9 @@ def test_bad_interventions_are_refused_naming_what(llm: infer.LLM) -> None:
         llm.intervene(layer=0, add=torch.zeros(D + 1))
     with pytest.raises(ValueError, match=r"head must be in \[0, 4\)"):
         llm.intervene(layer=0, head=4, zero=True)
-    with pytest.raises(ValueError, match=r"does not fit the edited activations"), llm.intervene(
-        layer=0, replace=torch.zeros(3, D)
+    with (
+        pytest.raises(ValueError, match=r"does not fit the edited activations"),
+        llm.intervene(layer=0, replace=torch.zeros(3, D)),
     ):
         llm.model(torch.tensor([PROMPT]))
     assert not llm.model.hooks.active()  # the failed ones left nothing behind
