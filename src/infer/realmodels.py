@@ -221,7 +221,8 @@ def resolve_name(path_or_name: str | os.PathLike[str]) -> str | os.PathLike[str]
     if path_or_name in known_names():
         return by_name(path_or_name)
     raise FileNotFoundError(
-        f"no such file or directory: {path_or_name} (nor a model name infer knows: {', '.join(known_names())})"
+        f"no such file or directory: {path_or_name} "
+        f"(nor a model name infer knows: {', '.join(known_names())})"
     )
 
 

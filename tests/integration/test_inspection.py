@@ -48,7 +48,7 @@ def test_hidden_states_attentions_and_logits_match_transformers(
     with torch.no_grad():
         want = hf(IDS, output_hidden_states=True, output_attentions=True)
         got = llm.model(IDS, output_hidden_states=True, output_attentions=True)
-    assert isinstance(got, CausalLMOutput)
+    assert isinstance(got, CausalLMOutput) and got.hidden_states is not None and got.attentions is not None
     L, H = llm.config.num_hidden_layers, llm.config.num_attention_heads
     assert len(got.hidden_states) == L + 1 and len(got.attentions) == L
     assert got.attentions[0].shape == (2, H, 40, 40)
@@ -56,7 +56,8 @@ def test_hidden_states_attentions_and_logits_match_transformers(
     att = _max_err(got.attentions, want.attentions)
     logits = float((got.logits - want.logits).abs().max())
     print(
-        f"\n{arch}: max abs error vs transformers: hidden states {hs:.2e}, attentions {att:.2e}, logits {logits:.2e}"
+        f"\n{arch}: max abs error vs transformers: hidden states {hs:.2e}, "
+        f"attentions {att:.2e}, logits {logits:.2e}"
     )
     assert hs <= TOL and att <= TOL and logits <= TOL
     assert got["logits"] is got.logits and got[0] is got.logits and len(got.to_tuple()) == 3
@@ -118,7 +119,8 @@ def test_scores_and_logit_lens_match_transformers(pair: tuple[infer.LLM, Any], a
         )
     err_lens = float((lens.logits - want_lens).abs().max())
     print(
-        f"\n{arch}: scores vs transformers: logprobs {err_lp:.2e}, top-4 {err_top:.2e}; logit lens {err_lens:.2e}"
+        f"\n{arch}: scores vs transformers: logprobs {err_lp:.2e}, top-4 {err_top:.2e}; "
+        f"logit lens {err_lens:.2e}"
     )
     assert lens.positions == [0, 7, 22] and lens.logits.shape == (L + 1, 3, llm.model.vocab_size)
     assert err_lp <= TOL and err_top <= TOL and err_lens <= TOL

@@ -21,6 +21,7 @@ import infer
 from infer.cache import KVCache
 from infer.interventions import Intervention
 from infer.models.base import DecoderLM
+from infer.models.projections import Fusable
 from infer.step import Sampling, StepFeed, StepOutput, Stepper, model_step
 
 PROMPT = [5, 9, 200, 31, 7, 64, 12]
@@ -123,9 +124,14 @@ def test_a_hook_on_a_fused_projection_runs(llm: infer.LLM) -> None:
     """q/k/v run as one fused product: a hook on ``q_proj`` unfuses its block (it runs, the block's
     values stay within rounding of the fused product's)."""
     attn = llm.model.layers[0].self_attn
-    assert attn.fused
+    assert isinstance(attn, Fusable) and attn.fused
     calls = []
-    handle = attn.q_proj.register_forward_hook(lambda m, a, out: calls.append(1) or out * 1.5)
+
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return out * 1.5
+
+    handle = getattr(attn, "q_proj").register_forward_hook(hook)  # noqa: B009
     try:
         want = eager_greedy(llm, PROMPT, N)
         got = llm.generate(PROMPT, N).token_ids

