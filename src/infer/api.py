@@ -58,8 +58,9 @@ def load(
     ``"gemma3-270m"``, ``"qwen-coder-1.5b"``, ``"qwen-coder-0.5b"``: `infer.realmodels`,
     fetched and cached once, with a progress bar; an unknown name lists them).
     ``dtype`` defaults to the checkpoint's; a GGUF file's default is float32 activations
-    with its packed matrix products in bfloat16 (``dtype=torch.float32`` computes everything in float32: exact, slower). ``quantize`` ("q4_0"
-    or "int8") quantizes the weight matrices of a safetensors checkpoint at load time.
+    with its packed matrix products in bfloat16 (``dtype=torch.float32`` computes everything in
+    float32: exact, slower). ``quantize`` ("q4_0" or "int8") quantizes the weight matrices of a
+    safetensors checkpoint at load time.
     ``streaming`` runs the layers through the device under a memory budget instead of
     keeping them resident. ``validate`` refuses weights holding NaN or inf (a pass over
     every weight; streamed weights are checked the first time they are read).
