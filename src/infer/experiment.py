@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -123,9 +123,24 @@ class Experimenting:
 
     # ---- scores --------------------------------------------------------------------------
 
+    @overload
+    def score(
+        self, texts: str | list[int], *, top_k: int = ..., batch_size: int = ..., progress: bool = ...
+    ) -> TokenScores: ...
+
+    @overload
     def score(
         self,
-        texts: str | list[int] | Sequence[str | list[int]],
+        texts: list[str] | list[list[int]] | list[str | list[int]],
+        *,
+        top_k: int = ...,
+        batch_size: int = ...,
+        progress: bool = ...,
+    ) -> list[TokenScores]: ...
+
+    def score(
+        self,
+        texts: str | list[int] | list[str] | list[list[int]] | list[str | list[int]],
         *,
         top_k: int = 5,
         batch_size: int = 8,

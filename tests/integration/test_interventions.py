@@ -217,3 +217,26 @@ def test_bad_interventions_are_refused_naming_what(llm: infer.LLM) -> None:
     ):
         llm.model(torch.tensor([PROMPT]))
     assert not llm.model.hooks.active()  # the failed ones left nothing behind
+
+
+@pytest.mark.realmodel
+def test_a_hook_on_a_packed_head_runs_in_greedy_generation() -> None:
+    """SmolLM2's Q8_0 head: a greedy step scans its packed rows directly (`QuantizedLinear.greedy`),
+    bypassing the module; a hooked head is called as a module instead, so its hook decides."""
+    from infer.quant.linear import QuantizedLinear
+    from infer.realmodels import smollm2_path
+
+    llm = infer.load(smollm2_path(), compile=False)
+    assert isinstance(llm.model.lm_head, QuantizedLinear)
+
+    def boost(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[..., 42] += 1e4
+        return out
+
+    handle = llm.model.lm_head.register_forward_hook(boost)
+    try:
+        assert llm.generate("Hello", 4).token_ids == [42] * 4
+    finally:
+        handle.remove()
+    assert llm.generate("Hello", 4).token_ids != [42] * 4
