@@ -127,3 +127,30 @@ def test_scores_and_logit_lens_match_transformers(pair: tuple[infer.LLM, Any], a
     single = llm.score(texts[1], top_k=4)
     assert not isinstance(single, list)
     assert torch.allclose(single.logprobs, got[1].logprobs, atol=TOL)  # alone = in a padded batch
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_left_padding_is_inspected_as_the_rows_alone(pair: tuple[infer.LLM, Any], arch: str) -> None:
+    """A left-padded row's attentions and hidden states are its own (unpadded) ones, shifted; a pad
+    position's query sees no real token (the model's mask lets it see itself only)."""
+    llm, _ = pair
+    pad = 5
+    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), IDS[:1]], dim=1)
+    mask = torch.cat([torch.zeros(1, pad), torch.ones(1, IDS.shape[1])], dim=1)
+    with torch.no_grad():
+        alone = llm.model(IDS[:1], output_hidden_states=True, output_attentions=True)
+        padded = llm.model(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    att = max(
+        float((p[..., pad:, pad:] - a).abs().max())
+        for p, a in zip(padded.attentions, alone.attentions, strict=True)
+    )
+    hs = max(
+        float((p[:, pad:] - a).abs().max())
+        for p, a in zip(padded.hidden_states, alone.hidden_states, strict=True)
+    )
+    print(f"\nleft padding {pad}: attentions {att:.2e}, hidden states {hs:.2e} from the row alone")
+    assert att <= TOL and hs <= TOL
+    assert all(
+        torch.equal(p[..., :pad, pad:], torch.zeros_like(p[..., :pad, pad:])) for p in padded.attentions
+    )
+    assert all(bool(p.isfinite().all()) for p in padded.attentions)

@@ -97,6 +97,19 @@ class AttentionProbe:
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.probs: list[torch.Tensor] = []
+        # The layers of a type share one mask tensor: its folded, inverted form once per call.
+        self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, bool]] = {}
+
+    def hidden(self, mask: torch.Tensor, G: int) -> tuple[torch.Tensor, bool]:
+        """``~mask`` repeated as `_fold_gqa` folds ``G`` query heads into the query axis (True:
+        masked), and whether some query sees no key at all (its probabilities are NaN until zeroed)."""
+        key = (id(mask), G)
+        hit = self.masks.get(key)
+        if hit is None or hit[0] is not mask:
+            boolean = mask if mask.dtype == torch.bool else mask == 0
+            folded = boolean.repeat(1, 1, G, 1) if G > 1 and boolean.shape[-2] != 1 else boolean
+            hit = self.masks[key] = (mask, ~folded, bool((~boolean.any(dim=-1)).any()))
+        return hit[1], hit[2]
 
     def attend(
         self,
@@ -111,15 +124,18 @@ class AttentionProbe:
         transformers' eager attention): ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask == 0
-        qf, mf = _fold_gqa(q, mask, Hkv)  # [B, Hkv, G*T, hd], query head h = kv * G + g
-        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+        qf, _ = _fold_gqa(q, None, Hkv)  # [B, Hkv, G*T, hd], query head h = kv * G + g
+        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, S]
         if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if mf is not None:
-            scores = scores.masked_fill(~mf, float("-inf"))
-        p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a query that sees no key: zeros
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        blind = False
+        if mask is not None:
+            hidden, blind = self.hidden(mask, H // Hkv)
+            scores.masked_fill_(hidden, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        del scores
+        if blind:
+            p.nan_to_num_(0.0)  # a query that sees no key (left padding): zeros
         out = torch.matmul(p, v.float()).to(q.dtype).reshape(B, H, T, D)
         self.probs.append(p.to(q.dtype).reshape(B, H, T, S))  # [B, Hkv, G*T, S] -> [B, H, T, S]
         return out
