@@ -1,14 +1,17 @@
 """Inspection of a 512-token prompt on SmolLM2: infer against transformers, same weights, same machine.
 
-    uv run python benchmarks/inspection.py         # --tokens 512 --repeats 5 --threads 1
+    uv run python benchmarks/inspection.py     # --tokens 512 --rounds 3 --repeats 3 --threads 1
 
-Each side runs in a fresh subprocess on ``--threads`` threads: the model is loaded, one inspection
+Each side runs in a fresh subprocess on ``--threads`` threads, ``--rounds`` times (the sides
+interleaved), and the least of all its rounds is reported: the model is loaded, one inspection
 call warms it up, then ``--repeats`` calls of ``model(ids, output_hidden_states=True,
-output_attentions=True)`` are timed (the fastest is reported: the machine may be shared) while a
-thread samples the process's anonymous memory (``RssAnon``); freed heap pages are handed back before
-each call (``infer.pages.release_freed_memory``), so the extra memory is the peak during a call above
-what the process held before it. "asked" is the size of what the call returns (logits, hidden
-states, attentions: all float32).
+output_attentions=True)`` are timed in the process's CPU seconds (at one thread, steady on a shared
+machine where wall-clock time is not: benchmarks/cpu_time.py), and two more run while a thread
+samples the process's anonymous memory (``RssAnon``); freed heap pages are handed back before each
+(``infer.pages.release_freed_memory``), so the extra memory is the peak during a call above what the
+process held before it. "asked" is the size of what the call returns (logits, hidden
+states, attentions: all float32). The plain forward (logits only) is measured the same way: the
+inspection's own cost is the difference.
 
 Sides, on the same weights (the shipped SmolLM2 Q4_1 GGUF):
 
@@ -61,12 +64,16 @@ def asked(out):
     ts = [out.logits, *out.hidden_states, *out.attentions]
     return sum(t.numel() * t.element_size() for t in ts)
 
-with torch.inference_mode():
-    out = call(ids)
-    size = asked(out)
-    del out
-    times, extra = [], []
+def measure(fn, repeats):
+    # (least CPU seconds of `repeats` calls, least extra RssAnon bytes during a call of 2 more)
+    seconds = []
     for _ in range(repeats):
+        t0 = time.process_time()
+        out = fn()
+        seconds.append(time.process_time() - t0)
+        del out
+    extra = []
+    for _ in range(2):  # the memory runs apart: the sampler's reads cost CPU time
         release_freed_memory()
         base = anon()
         peak = [base]
@@ -77,14 +84,25 @@ with torch.inference_mode():
                 time.sleep(0.001)
         t = threading.Thread(target=sample, daemon=True)
         t.start()
-        t0 = time.perf_counter()
-        out = call(ids)
-        times.append(time.perf_counter() - t0)
+        out = fn()
         stop[0] = True
         t.join()
         extra.append(max(peak[0], anon()) - base)
         del out
-print(json.dumps({"seconds": min(times), "extra": min(extra), "asked": size}))
+    return min(seconds), min(extra)
+
+with torch.inference_mode():
+    out = call(ids)
+    size = asked(out)
+    del out
+    seconds, extra = measure(lambda: call(ids), repeats)
+    if side == "transformers":
+        plain = lambda: model(ids, use_cache=False).logits
+    else:
+        plain = lambda: llm.model(ids)
+    plain_seconds, plain_extra = measure(plain, repeats)
+print(json.dumps({"seconds": seconds, "extra": extra, "asked": size, "plain_seconds": plain_seconds,
+                  "plain_extra": plain_extra}))
 """
 
 
@@ -122,41 +140,45 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     gguf = smollm2_path()
     print(
-        f"SmolLM2-135M Q4_1, a {args.tokens}-token prompt, fastest of {args.repeats}, "
+        f"SmolLM2-135M Q4_1, a {args.tokens}-token prompt, fastest of {args.rounds} x {args.repeats}, "
         f"{args.threads} thread(s); {cpu_name()}"
     )
-    rows = {}
+    rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="infer-inspect-bench-") as tmp:
         ckpt = str(float32_checkpoint(gguf, Path(tmp) / "smollm2-f32"))
         sides = {"transformers": ckpt, "infer float32 ckpt": ckpt, "infer GGUF": str(gguf)}
-        for side, path in sides.items():
-            kind = "transformers" if side == "transformers" else "infer"
-            cmd = [
-                sys.executable,
-                "-c",
-                CHILD,
-                kind,
-                path,
-                str(args.tokens),
-                str(args.repeats),
-                str(args.threads),
-            ]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
-            rows[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        for _ in range(args.rounds):  # sides interleaved: a busy spell of the machine hits them all
+            for side, path in sides.items():
+                kind = "transformers" if side == "transformers" else "infer"
+                cmd = [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    kind,
+                    path,
+                    *map(str, (args.tokens, args.repeats, args.threads)),
+                ]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
+                got = json.loads(done.stdout.strip().splitlines()[-1])
+                rows[side] = {k: min(v, rows.get(side, got)[k]) for k, v in got.items()}
     base = rows["transformers"]["seconds"]
-    print("| side | seconds | vs transformers | extra memory (MiB) | asked (MiB) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| side | inspection CPU s | vs transformers | extra memory MiB | asked MiB | plain forward CPU s "
+        "| plain forward extra MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for side, r in rows.items():
         print(
             f"| {side} | {r['seconds']:.3f} | {r['seconds'] / base:.2f}x | {r['extra'] / 2**20:.1f} | "
-            f"{r['asked'] / 2**20:.1f} |"
+            f"{r['asked'] / 2**20:.1f} | {r['plain_seconds']:.3f} | {r['plain_extra'] / 2**20:.1f} |"
         )
 
 
