@@ -97,18 +97,16 @@ class AttentionProbe:
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.probs: list[torch.Tensor] = []
-        # The layers of a type share one mask tensor: its folded, inverted form once per call.
-        self.masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        # The layers of a type share one mask tensor: inverted once per call.
+        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
-    def hidden(self, mask: torch.Tensor, G: int) -> tuple[torch.Tensor, bool]:
-        """``~mask`` repeated as `_fold_gqa` folds ``G`` query heads into the query axis (True:
-        masked), and whether some query sees no key at all (its probabilities are NaN until zeroed)."""
-        key = (id(mask), G)
-        hit = self.masks.get(key)
+    def hidden(self, mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``~mask`` (True: masked), and whether some query sees no key at all (its probabilities
+        are NaN until zeroed)."""
+        hit = self.masks.get(id(mask))
         if hit is None or hit[0] is not mask:
             boolean = mask if mask.dtype == torch.bool else mask == 0
-            folded = boolean.repeat(1, 1, G, 1) if G > 1 and boolean.shape[-2] != 1 else boolean
-            hit = self.masks[key] = (mask, ~folded, bool((~boolean.any(dim=-1)).any()))
+            hit = self.masks[id(mask)] = (mask, ~boolean, bool((~boolean.any(dim=-1)).any()))
         return hit[1], hit[2]
 
     def attend(
@@ -120,24 +118,29 @@ class AttentionProbe:
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        """Attention with its probabilities materialized (eager math, float32 scores and softmax as
-        transformers' eager attention): ``q [B, H, T, hd]`` over ``k, v [B, Hkv, S, hd]``."""
-        B, H, T, D = q.shape
+        """Attention with its probabilities materialized, as transformers' eager attention computes
+        it (K/V repeated per query head, float32 scores and softmax): ``q [B, H, T, hd]`` over
+        ``k, v [B, Hkv, S, hd]``. Per head, not folded as `_fold_gqa` folds: the scores' product
+        took 379 ms instead of 425 ms over SmolLM2's 30 layers at 512 tokens (one thread, AMD EPYC
+        Zen 3)."""
+        B, H, _, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        qf, _ = _fold_gqa(q, None, Hkv)  # [B, Hkv, G*T, hd], query head h = kv * G + g
-        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, S]
+        if H != Hkv:  # query head h reads KV head h // G
+            k = k[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+            v = v[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, T, S]
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         blind = False
         if mask is not None:
-            hidden, blind = self.hidden(mask, H // Hkv)
+            hidden, blind = self.hidden(mask)
             scores.masked_fill_(hidden, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         del scores
         if blind:
-            p.nan_to_num_(0.0)  # a query that sees no key (left padding): zeros
-        out = torch.matmul(p, v.float()).to(q.dtype).reshape(B, H, T, D)
-        self.probs.append(p.to(q.dtype).reshape(B, H, T, S))  # [B, Hkv, G*T, S] -> [B, H, T, S]
+            p.nan_to_num_(0.0)  # a query that sees no key: zeros
+        out = torch.matmul(p, v.float()).to(q.dtype)  # [B, H, T, hd]
+        self.probs.append(p.to(q.dtype))
         return out
 
 
