@@ -125,7 +125,7 @@ class AttentionProbe:
         Zen 3)."""
         B, H, _, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        if H != Hkv:  # query head h reads KV head h // G
+        if Hkv != H:  # query head h reads KV head h // G
             k = k[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
             v = v[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, T, S]
