@@ -15,6 +15,7 @@ from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # 
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.loading import build_model
 from infer.models.base import DecoderLM
+from infer.realmodels import resolve_name
 from infer.step import Stepper
 
 if TYPE_CHECKING:
@@ -52,11 +53,14 @@ def load(
     """Load a checkpoint and its tokenizer into an `LLM`.
 
     ``path_or_hub_id``: a directory with ``config.json`` + safetensors (+ tokenizer
-    files), a ``.gguf`` file, or a hub id already in the local HF cache (or
-    downloadable). ``dtype`` defaults to the checkpoint's; a GGUF file's default is
-    float32 activations with its packed matrix products in bfloat16 (``dtype=
-    torch.float32`` computes everything in float32: exact, slower). ``quantize`` ("q4_0"
-    or "int8") quantizes the weight matrices of a safetensors checkpoint at load time.
+    files), a ``.gguf`` file, a hub id already in the local HF cache (or
+    downloadable), or the name of a real model infer knows (``"smollm2"``,
+    ``"gemma3-270m"``, ``"qwen-coder-1.5b"``, ``"qwen-coder-0.5b"``: `infer.realmodels`,
+    fetched and cached once, with a progress bar; an unknown name lists them).
+    ``dtype`` defaults to the checkpoint's; a GGUF file's default is float32 activations
+    with its packed matrix products in bfloat16 (``dtype=torch.float32`` computes everything in
+    float32: exact, slower). ``quantize`` ("q4_0" or "int8") quantizes the weight matrices of a
+    safetensors checkpoint at load time.
     ``streaming`` runs the layers through the device under a memory budget instead of
     keeping them resident. ``validate`` refuses weights holding NaN or inf (a pass over
     every weight; streamed weights are checked the first time they are read).
@@ -122,7 +126,7 @@ def load(
     use_compile = compile_by_default(device) if compile is None else compile
     if streaming is not None or parallel:
         use_compile = False
-    checkpoint = open_checkpoint(path_or_hub_id)
+    checkpoint = open_checkpoint(resolve_name(path_or_hub_id))
     options = checkpoint.options(
         dtype, quantize=quantize, validate=validate, device=device, streaming=streaming,
         tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,

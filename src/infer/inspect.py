@@ -13,6 +13,7 @@ import torch
 from infer.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.source import StoredTensor
+from infer.realmodels import resolve_name
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def inspect_checkpoint(
     model: str | Path, *, context: int | None = None, batch_size: int = 1, dtype: str | None = None
 ) -> str:
     """A human-readable report: architecture, parameters, per-layer tensors, memory estimates."""
-    checkpoint = open_checkpoint(model)
+    checkpoint = open_checkpoint(resolve_name(model))
     path, config = checkpoint.path, checkpoint.config
     rows = [_row(t) for t in checkpoint.stored_tensors()]
     run_dtype = checkpoint.options(dtype).dtype

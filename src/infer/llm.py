@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from infer.chat_template import check_unicode
+from infer.experiment import Experimenting
 from infer.generate import NonFiniteLogitsError, row_seed
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
@@ -144,8 +145,10 @@ def _generation_args(method: str, max_new_tokens: int, sampling: SamplingOptions
 
 
 @dataclass(eq=False, repr=False)
-class LLM:
-    """A loaded model with its tokenizer: `generate`, `stream`, `chat` (`load` makes one).
+class LLM(Experimenting):
+    """A loaded model with its tokenizer: `generate`, `stream`, `chat` (`load` makes one); for
+    notebooks (`infer.experiment.Experimenting`): `intervene`, `score`, `logit_lens`, a summary
+    as its ``repr``; ``llm.model(ids, output_hidden_states=True, output_attentions=True)``.
 
     ``stepper`` runs its steps (`infer.step.Stepper`: eager, compiled or from packages);
     ``parallel`` is this rank's place in a parallel run (`infer.distributed`), else None.
@@ -260,10 +263,6 @@ class LLM:
     def deterministic(self) -> bool:
         """Whether the model runs in the deterministic mode (docs/numerics.md)."""
         return is_deterministic(self.model)
-
-    def __repr__(self) -> str:
-        m = self.model
-        return f"LLM({self.config.model_type}, {self.source}, dtype={m.dtype}, device={m.device})"
 
     @property
     def streaming_stats(self) -> Any:  # StreamingStats | None (Any: callers read its fields)

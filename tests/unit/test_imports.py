@@ -60,8 +60,8 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.gguf.source",
         "infer.gguf.tokenizer",
     ),
-    # 2: the models and the architecture records
-    ("infer.models",),
+    # 2: the models and the architecture records; interventions on their modules
+    ("infer.models", "infer.interventions"),
     # 3: loading: names, placement, the builder, the GGUF config reader and writer, TP shards
     ("infer.loader", "infer.gguf", "infer.distributed.shard"),
     # 4: execution modes beyond resident
@@ -78,7 +78,15 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.engine",
     ),
     # 6: the public API and what is built on a loaded model
-    ("infer.llm", "infer.api", "infer.inspect", "infer.perplexity", "infer.realmodels"),
+    (
+        "infer.llm",
+        "infer.api",
+        "infer.inspect",
+        "infer.perplexity",
+        "infer.realmodels",
+        "infer.experiment",
+        "infer.scores",
+    ),
     # 7: front ends and test support
     ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
 ]

@@ -90,6 +90,11 @@ FOREIGN = frozenset(
         "_timeout",
         "_is_amx_tile_supported",
         "_is_avx512_bf16_supported",
+        # torch.nn.Module's forward hooks (per module and global): `infer.models.hooks` finds them
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
     }
 )
 

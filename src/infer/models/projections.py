@@ -73,6 +73,15 @@ class Fusable(nn.Module):
     def fusable(self) -> list[nn.Module]:
         raise NotImplementedError
 
+    @property
+    def fused(self) -> bool:
+        """Whether the parts run as one product (their own modules, and their hooks, are not called)."""
+        return bool(self._fused)
+
+    def unfuse(self) -> None:
+        """Run the parts as their own modules again (the fused product is dropped)."""
+        self._fused = []
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self._fused = []
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
