@@ -38,7 +38,9 @@ class StandInPackages:
         self.copy = copy.deepcopy(model)
         self.calls = 0
 
-    def get(self, cache: KVCache, batch: int, mode: Sampling) -> Callable[[KVCache, StepFeed], StepOutput]:
+    def get(
+        self, cache: KVCache, batch: int, mode: Sampling, width: int = 1
+    ) -> Callable[[KVCache, StepFeed], StepOutput]:
         def run(cache: KVCache, feed: StepFeed) -> StepOutput:
             self.calls += 1
             return StepOutput(*model_step(self.copy, cache, feed))
