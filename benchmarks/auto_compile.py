@@ -8,9 +8,9 @@ them; packages go to a temporary directory (empty at the start, so the first pro
 none). Four processes, one after the other:
 
 1. **cold**: the default load (no flags, no environment); the generation runs eagerly; at its
-   exit the process starts the package's build (`infer.idle` running ``python -m infer.aot``).
+   exit the process starts the package's build (`infer.aot.idle` running ``python -m infer.aot``).
 2. **beside the build**: at once, an eager process (``compile=False``) while that build is
-   under way: `infer.idle` must stop the build while this process works, so its speed must
+   under way: `infer.aot.idle` must stop the build while this process works, so its speed must
    be that of row 4. The benchmark then waits for the build.
 3. **warm**: the default load again: the package is there.
 4. **eager**: ``compile=False``, nothing else running.

@@ -26,7 +26,7 @@ import torch
 
 import infer
 import infer.aot as aot
-from infer import builder
+from infer.aot import builder
 from infer.cache import KVCache
 from infer.engine import SamplingParams
 from infer.step import Sampling, StepFeed
@@ -313,7 +313,7 @@ def test_a_process_queues_what_it_missed_and_the_builder_builds_it(
 ) -> None:
     """A fresh process (``INFER_AOT=on``: the checkpoint is temporary), the model loaded and
     dropped inside a function as a script or the CLI does: it queues the decode step it ran
-    eagerly, the builder (under `infer.idle`) builds it, and the package lands in the user's cache."""
+    eagerly, the builder (under `infer.aot.idle`) builds it, and the package lands in the user's cache."""
     script = (
         "import sys, infer\n"
         "def main():\n"
@@ -374,7 +374,7 @@ def test_two_cli_runs_leave_one_small_builder(
     while len(reap_processes()) > 1 and time.monotonic() < deadline:
         time.sleep(0.2)  # a builder started in a race leaves within 1 s
     (pid,) = reap_processes()  # the builder, and nothing else: no worker while it waits
-    assert b"infer.builder" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"infer.aot.builder" in Path(f"/proc/{pid}/cmdline").read_bytes()
     rss = _rss_bytes([pid])
     print(f"\nthe waiting builder: {rss / 2**20:.1f} MiB resident")
     assert rss < 50 * 2**20 and "libtorch" not in Path(f"/proc/{pid}/maps").read_text()

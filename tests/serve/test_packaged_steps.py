@@ -21,7 +21,7 @@ from openai import OpenAI
 
 import infer
 import infer.aot as aot
-from infer import builder
+from infer.aot import builder
 from infer.serve.server import prepare_packages
 
 from .conftest import LiveServer

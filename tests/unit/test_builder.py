@@ -1,4 +1,4 @@
-"""`infer.builder`: one builder per cache directory, fed by a queue, holding nothing while it waits.
+"""`infer.aot.builder`: one builder per cache directory, fed by a queue, holding nothing while it waits.
 
 The requests here name fake checkpoints (files of bytes): no test here builds a package, so
 nothing imports torch but this process. A request the builder would really build waits for
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from infer import builder, idle
+from infer.aot import builder, idle
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and flock")
 
@@ -61,7 +61,7 @@ def _builders(ours: Callable[[], list[int]]) -> list[int]:
     found = []
     for pid in ours():
         with contextlib.suppress(OSError):  # ended meanwhile
-            if b"infer.builder" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"infer.aot.builder" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 
@@ -76,7 +76,8 @@ def _rss_bytes(pid: int) -> int:
 
 
 def test_the_builder_and_the_watcher_import_no_torch() -> None:
-    code = "import sys, infer.builder, infer.idle; print(sorted(m for m in sys.modules if 'torch' in m))"
+    imports = "import sys, infer.aot.builder, infer.aot.idle"
+    code = imports + "; print(sorted(m for m in sys.modules if 'torch' in m))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
 
@@ -136,7 +137,7 @@ def test_two_processes_queueing_share_one_builder_that_waits_without_a_model(
     cache = tmp_path / "aot"
     ckpt = _checkpoint(tmp_path / "ckpt")
     code = (
-        "import json, sys\nfrom pathlib import Path\nfrom infer import builder\n"
+        "import json, sys\nfrom pathlib import Path\nfrom infer.aot import builder\n"
         "builder.RUN_LOCK = Path(sys.argv[2])\nbuilder.submit(Path(sys.argv[1]), [json.loads(sys.argv[3])])\n"
     )
     argv = [sys.executable, "-c", code, str(cache), str(turn_held)]

@@ -1,4 +1,4 @@
-"""`infer.idle`: a command runs only while the rest of the machine leaves the CPUs idle."""
+"""`infer.aot.idle`: a command runs only while the rest of the machine leaves the CPUs idle."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infer import idle
+from infer.aot import idle
 
 
 def test_the_watch_stops_on_load_elsewhere_and_waits_for_quiet() -> None:
@@ -64,7 +64,7 @@ def test_a_command_stops_while_other_processes_keep_the_cpus_busy(tmp_path: Path
     )
     spin = "import time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass\n"
     command = [sys.executable, "-c", ticker, str(log)]
-    watcher = subprocess.Popen([sys.executable, "-m", "infer.idle", "--", *command])
+    watcher = subprocess.Popen([sys.executable, "-m", "infer.aot.idle", "--", *command])
     try:
         time.sleep(1.0)
         spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in os.sched_getaffinity(0)]

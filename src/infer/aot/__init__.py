@@ -37,10 +37,10 @@ One job a file:
 * **Building**: a step whose package is missing runs eagerly, and its shape is queued for a
   build at once, on the step that found it missing (a JSON file in the cache directory's
   ``queue/``; `PackageCache.prepare` queues shapes ahead of need). The directory's one builder
-  (`infer.builder`: started by the process that queues when none lives, in a new session, so
+  (`infer.aot.builder`: started by the process that queues when none lives, in a new session, so
   it outlives it) takes the queue: one build at a time on the machine, each in a worker,
   ``python -m infer.aot REQUEST``, started only once the machine is idle and stopped
-  (``SIGSTOP``, `infer.idle`) whenever other processes keep the CPUs busy: a build beside
+  (``SIGSTOP``, `infer.aot.idle`) whenever other processes keep the CPUs busy: a build beside
   running steps slows them ~4x even at ``SCHED_IDLE`` (docs/performance.md), so it runs only
   in the gaps the user leaves. The worker (``SCHED_IDLE``, one compile thread) loads the same
   checkpoint the same way (`Recipe`), checks that its model has the same fingerprint,
@@ -51,8 +51,8 @@ One job a file:
   builder's ``builder.log``.
 * **Bounds**: per cache directory at most one builder, ~14 MB (an interpreter without torch)
   while it waits for its turn or for quiet; a worker holds a second copy of the model and the
-  compiler while it builds, and is killed when stopped for more than `infer.builder.STOP_LIMIT_S`
-  (25 s), its request tried again later (at most `infer.builder.MAX_TRIES` times; a running
+  compiler while it builds, and is killed when stopped for more than `infer.aot.builder.STOP_LIMIT_S`
+  (25 s), its request tried again later (at most `infer.aot.builder.MAX_TRIES` times; a running
   process queues a shape dropped unbuilt again after `PackageCache.REQUEUE_S`). A request
   whose checkpoint is gone or changed is dropped before any worker starts. A build does not
   start without the memory for a second copy of the model and the compiler. A process holds
@@ -60,7 +60,7 @@ One job a file:
   newest `MAX_PACKAGES` packages and as many failure markers, with their logs (`prune`).
 * **Settings** (`infer.aot.settings`, read each time they are used): ``INFER_AOT`` unset uses
   packages and builds the missing ones, except for a temporary or test checkpoint
-  (`infer.builder.temporary`: under the temporary directory, a pytest directory, or loaded
+  (`infer.aot.builder.temporary`: under the temporary directory, a pytest directory, or loaded
   under pytest), whose shapes are not queued; ``INFER_AOT=on`` builds those too; ``use`` uses
   packages and builds none; ``off`` (or ``compile=False``) uses and builds nothing.
 * **Failures** cost speed only: a build that fails leaves a ``.failed`` marker (saying why)
@@ -73,30 +73,90 @@ and the deterministic mode (eager: its bitwise guarantees are stated for the eag
 
 from __future__ import annotations
 
-from infer.aot import export, keys, prune, queue, runtime, settings, worker
-from infer.aot.export import build
-from infer.aot.keys import (
-    MULTI_ROWS,
-    PACKAGE_VERSION,
-    VERIFY_WIDTHS,
-    fingerprint,
-    named_tensors,
-    package_key,
-    rows_kind,
-    shape_key,
-    width_kind,
-)
-from infer.aot.prune import MAX_PACKAGES
-from infer.aot.queue import BuildQueue, building
-from infer.aot.runtime import MAX_LOADED, Package, PackageCache, pays
-from infer.aot.settings import SETTINGS, cache_dir
-from infer.aot.worker import Recipe
+import importlib
+from typing import TYPE_CHECKING, Any
 
-_prune = prune.prune  # the cache directory's bounds, by its former name
+if TYPE_CHECKING:
+    from infer.aot import builder, export, idle, keys, prune, queue, runtime, settings, worker
+    from infer.aot.export import build
+    from infer.aot.keys import (
+        MULTI_ROWS,
+        PACKAGE_VERSION,
+        VERIFY_WIDTHS,
+        fingerprint,
+        named_tensors,
+        package_key,
+        rows_kind,
+        shape_key,
+        width_kind,
+    )
+    from infer.aot.prune import MAX_PACKAGES
+    from infer.aot.queue import BuildQueue, building
+    from infer.aot.runtime import MAX_LOADED, Package, PackageCache, pays
+    from infer.aot.settings import SETTINGS, cache_dir
+    from infer.aot.worker import Recipe
+
+# Imported on first use: the builder and its idle watch (`infer.aot.builder`, `infer.aot.idle`)
+# run this ``__init__`` too, and must not import torch (they wait in ~14 MB).
+_MODULES = ("builder", "export", "idle", "keys", "prune", "queue", "runtime", "settings", "worker")
+_NAMES = {
+    "build": "export",
+    "MULTI_ROWS": "keys", "PACKAGE_VERSION": "keys", "VERIFY_WIDTHS": "keys", "fingerprint": "keys",
+    "named_tensors": "keys", "package_key": "keys", "rows_kind": "keys", "shape_key": "keys",
+    "width_kind": "keys",
+    "MAX_PACKAGES": "prune",
+    "BuildQueue": "queue", "building": "queue",
+    "MAX_LOADED": "runtime", "Package": "runtime", "PackageCache": "runtime", "pays": "runtime",
+    "SETTINGS": "settings", "cache_dir": "settings",
+    "Recipe": "worker",
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"infer.aot.{name}")
+    if name == "_prune":  # the cache directory's bounds, by its former name
+        return importlib.import_module("infer.aot.prune").prune
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'infer.aot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"infer.aot.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULES, *_NAMES])
+
 
 __all__ = [
-    "MAX_LOADED", "MAX_PACKAGES", "MULTI_ROWS", "PACKAGE_VERSION", "SETTINGS", "VERIFY_WIDTHS",
-    "BuildQueue", "Package", "PackageCache", "Recipe", "build", "building", "cache_dir", "export",
-    "fingerprint", "keys", "named_tensors", "package_key", "pays", "prune", "queue", "rows_kind",
-    "runtime", "settings", "shape_key", "width_kind", "worker",
+    "MAX_LOADED",
+    "MAX_PACKAGES",
+    "MULTI_ROWS",
+    "PACKAGE_VERSION",
+    "SETTINGS",
+    "VERIFY_WIDTHS",
+    "BuildQueue",
+    "Package",
+    "PackageCache",
+    "Recipe",
+    "build",
+    "builder",
+    "building",
+    "cache_dir",
+    "export",
+    "fingerprint",
+    "idle",
+    "keys",
+    "named_tensors",
+    "package_key",
+    "pays",
+    "prune",
+    "queue",
+    "rows_kind",
+    "runtime",
+    "settings",
+    "shape_key",
+    "width_kind",
+    "worker",
 ]  # fmt: skip

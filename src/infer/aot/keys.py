@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer import builder
+from infer.aot import builder
 from infer.cache import KVCache
 from infer.models.base import DecoderLM
 from infer.step import Sampling

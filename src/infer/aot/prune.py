@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from infer import builder
+from infer.aot import builder
 
 MAX_PACKAGES = 32  # packages the cache directory keeps (newest first)
 

@@ -26,8 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infer import builder
-from infer.aot import settings
+from infer.aot import builder, settings
 from infer.aot.keys import VERIFY_WIDTHS, fingerprint, shape_key
 from infer.aot.settings import cache_dir
 from infer.models.base import DecoderLM

@@ -2,7 +2,7 @@
 
 ``INFER_AOT`` in the environment: unset (the default) uses the packages there are and builds
 the missing ones in idle time, except for a temporary or test checkpoint
-(`infer.builder.temporary`), whose shapes are not queued; ``on`` builds those too; ``use``
+(`infer.aot.builder.temporary`), whose shapes are not queued; ``on`` builds those too; ``use``
 uses packages and builds none; ``off`` uses and builds nothing (as ``compile=False``). Each
 function below reads the variable afresh: what a process sets before it asks is what counts.
 """
@@ -39,7 +39,7 @@ def background_builds() -> bool:
 
 
 def temporary_builds() -> bool:
-    """Whether temporary and test checkpoints (`infer.builder.temporary`) are built too: only when
+    """Whether temporary and test checkpoints (`infer.aot.builder.temporary`) are built too: only when
     asked, ``INFER_AOT=on``."""
     return background_builds() and "INFER_AOT" in os.environ
 

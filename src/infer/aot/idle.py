@@ -6,13 +6,13 @@ waiting for its slowest thread, so a build that holds one core for a moment stal
 step (measured on 2 CPUs: SmolLM2's eager decode fell from 57 to 1.5 tok/s beside a nice-19
 build, and to 14 tok/s beside a ``SCHED_IDLE`` one; docs/performance.md).
 
-``python -m infer.idle -- COMMAND...`` (`run_when_idle`) starts the command in a process group
+``python -m infer.aot.idle -- COMMAND...`` (`run_when_idle`) starts the command in a process group
 of its own and watches the CPUs this process may run on (``/proc/stat``, the CPUs of its
 affinity mask): while other processes keep more than `busy_limit` of them busy, the group is
 stopped (``SIGSTOP``); after `QUIET_S` seconds below it, continued. So the command runs in the
 gaps the user leaves (between runs, while a chat waits for typing) and is stopped within one
 `POLL_S` of the user's work starting. `wait_until_idle` waits for such a gap before anything
-is started (`infer.builder` starts its torch process only then), and ``max_stopped_s`` kills a
+is started (`infer.aot.builder` starts its torch process only then), and ``max_stopped_s`` kills a
 command stopped for longer than that, so that a long busy spell holds none of its memory.
 The watcher itself is a sleeping Python process without torch (~14 MB). It exits with the
 command's status; if it dies, the command is killed with it (``PR_SET_PDEATHSIG``); a command
@@ -200,7 +200,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m infer.idle -- COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m infer.aot.idle -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     status = run_when_idle(argv)
     return 124 if status is None else status

@@ -11,7 +11,7 @@ the machine to be idle costs an interpreter and nothing more.
   process may be long gone (a new process's model waited ~13 minutes behind another model's
   queued packages). Each request's modification time is set to its submission's time less
   its index (nanoseconds), so the order is read off a ``stat``.
-* **One builder per directory.** ``python -m infer.builder DIR`` holds an exclusive ``flock``
+* **One builder per directory.** ``python -m infer.aot.builder DIR`` holds an exclusive ``flock``
   on ``DIR/builder.lock`` while it lives and takes requests from the queue, newest first, until
   none is left; a process that queues a request starts a builder only when nobody holds that
   lock, and takes the lock itself first: the builder inherits the locked descriptor, so the
@@ -25,9 +25,9 @@ the machine to be idle costs an interpreter and nothing more.
   open it), so builders of two directories never compile at once and never see each other's
   compiler as the user's work. A builder waiting for its turn sleeps (one ``flock`` try a second).
 * **Nothing held while waiting.** With its turn, the builder waits for the machine to be idle
-  (`infer.idle.wait_until_idle`) and only then starts the worker, ``python -m infer.aot
+  (`infer.aot.idle.wait_until_idle`) and only then starts the worker, ``python -m infer.aot
   REQUEST``, which imports torch, loads the model, compiles and exits; one worker per request.
-  The worker runs under `infer.idle.run_when_idle`: stopped while other processes keep the
+  The worker runs under `infer.aot.idle.run_when_idle`: stopped while other processes keep the
   CPUs busy, and killed if stopped for more than `STOP_LIMIT_S` at a stretch; its request is
   tried again after a longer quiet spell each time (`RETRY_QUIET_S`: 5 s, 15 s, ... 60 s), at
   most `MAX_TRIES` times, then dropped (a later process, or a running one after
@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from infer import idle
+from infer.aot import idle
 
 QUEUE = "queue"  # the requests, one JSON file per package key
 LOCK = "builder.lock"  # held by the directory's builder while it lives
@@ -129,7 +129,7 @@ def temporary(path: str | Path) -> bool:
 
 def source_digest() -> str:
     """The hash of infer's source as it is on disk now (every ``*.py`` of the package)."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # the infer package (this file is infer/aot/builder.py)
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
@@ -307,7 +307,7 @@ def start(directory: Path) -> subprocess.Popen[bytes] | None:
     if fd is None:
         return None
     run_lock = RUN_LOCK if RUN_LOCK is not None else default_run_lock()
-    argv = [sys.executable, "-m", "infer.builder", str(directory), "--run-lock", str(run_lock)]
+    argv = [sys.executable, "-m", "infer.aot.builder", str(directory), "--run-lock", str(run_lock)]
     argv += ["--lock-fd", str(fd)]
     try:  # the builder inherits the locked descriptor: the lock is held from here on, no gap in
         # which a second producer (the builder still importing) would start a second builder
@@ -337,7 +337,7 @@ def submit(directory: Path, requests: list[dict[str, Any]]) -> subprocess.Popen[
 
 
 class Builder:
-    """The builder of one directory (``python -m infer.builder DIR``): `run` takes the queue."""
+    """The builder of one directory (``python -m infer.aot.builder DIR``): `run` takes the queue."""
 
     def __init__(self, directory: Path, run_lock: Path) -> None:
         self.directory = directory
@@ -443,7 +443,7 @@ class Builder:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infer.builder", description="Build a package queue.")
+    parser = argparse.ArgumentParser(prog="python -m infer.aot.builder", description="Build a package queue.")
     parser.add_argument("directory", type=Path, help="the package cache directory whose queue to build")
     parser.add_argument("--run-lock", type=Path, default=None, help="the machine-wide build lock")
     parser.add_argument("--lock-fd", type=int, default=None, help="the directory's lock, held (from `start`)")
