@@ -4,7 +4,7 @@
     uv run python benchmarks/compiled_parity.py --models smollm2 --dtypes float32 --steps 24
     uv run python benchmarks/compiled_parity.py --against package   # the default's packages (infer.aot)
 
-`infer.step.model_step` run eagerly is the reference; the same code compiled with
+`infer.runtime.step.model_step` run eagerly is the reference; the same code compiled with
 ``torch.compile(fullgraph=True)`` must give identical greedy tokens and logits within
 ``1e-5 * max |logit|`` (docs/numerics.md; the tests check this on tiny models; compiling
 the real ones takes minutes, so it is measured here). ``--against package``: the
@@ -52,8 +52,8 @@ def main() -> None:
 
     import infer
     import infer.realmodels as rm
-    from infer.generate import SamplingParams, step_outputs
-    from infer.step import Stepper
+    from infer.runtime.generate import SamplingParams, step_outputs
+    from infer.runtime.step import Stepper
 
     paths = {"smollm2": rm.smollm2_path, "gemma3": rm.gemma3_270m_path}
     for name in args.models.split(","):
@@ -116,7 +116,7 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     """A default (``compile="auto"``) stepper whose packages exist: a first run notes the decode
     shapes it misses, they are built here (`infer.aot.build`), and the stepper is returned."""
     import infer.aot as aot
-    from infer.step import Sampling, Stepper
+    from infer.runtime.step import Sampling, Stepper
 
     aot.settings.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
     if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built below, not queued

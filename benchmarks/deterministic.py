@@ -35,7 +35,7 @@ def cpu_name() -> str:
 def step_times(llm: object, batch: int, steps: int, reps: int) -> tuple[float, float]:
     """Median (wall, cpu) seconds per decode step of a batch of ``batch`` rows."""
     from infer.api import LLM
-    from infer.generate import SamplingParams, step_outputs
+    from infer.runtime.generate import SamplingParams, step_outputs
 
     assert isinstance(llm, LLM)
     text = "The history of the city begins in the Roman era when a small settlement grew"

@@ -41,7 +41,7 @@ def bench_infer(
     path: Path, dtype: torch.dtype, prompt: list[int], new: int, reps: int
 ) -> tuple[float, float]:
     import infer
-    from infer.generate import SamplingParams, generate_steps, run_to_end
+    from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
 
     llm = infer.load(path, dtype=dtype)
     prefill, decode = [], []

@@ -141,8 +141,8 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
-    from infer.cache import KVCache
-    from infer.step import Sampling, StepFeed
+    from infer.models.cache import KVCache
+    from infer.runtime.step import Sampling, StepFeed
 
     t_load = time.perf_counter()
     llm = infer.load(path, compile=True) if compiled else infer.load(path)  # the default: no flags

@@ -231,7 +231,7 @@ def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, director
     """Plain decode steps from ahead-of-time packages in ``directory``; those the plain runs of
     ``prompts`` miss are built first (and kept there for the next run)."""
     import infer.aot as aot
-    from infer.step import Sampling, Stepper
+    from infer.runtime.step import Sampling, Stepper
 
     aot.settings.CACHE_DIR = Path(directory)
     if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built here, not queued

@@ -16,7 +16,7 @@ from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI i
 from infer.loading import build_model
 from infer.models.base import DecoderLM
 from infer.realmodels import resolve_name
-from infer.step import Stepper
+from infer.runtime.step import Stepper
 
 if TYPE_CHECKING:
     from infer.spec import Speculative
@@ -73,7 +73,7 @@ def load(
     part of the weights; generation then gives the same result on every rank. See
     docs/distributed.md.
 
-    ``compile`` (resident models only; `infer.step`): ``"auto"`` runs each decode step from an
+    ``compile`` (resident models only; `infer.runtime.step`): ``"auto"`` runs each decode step from an
     ahead-of-time compiled package of its shape in the user's cache directory, and eagerly
     where there is none (`infer.aot`: the missing shapes are built after the process, while the
     machine is otherwise idle; CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
@@ -153,7 +153,7 @@ def load(
 
 def resolve_kv_dtype(kv_dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``load``'s ``kv_dtype`` as a torch dtype (None: `default_kv_dtype`); a clear error otherwise."""
-    from infer.cache import KV_DTYPES
+    from infer.models.cache import KV_DTYPES
 
     if kv_dtype is None or kv_dtype == "auto":
         return None

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from infer.chat_template import check_unicode
 from infer.experiment import Experimenting
-from infer.generate import NonFiniteLogitsError, row_seed
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.loader.config import ModelConfig
@@ -22,7 +21,8 @@ from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
 from infer.params import SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
-from infer.step import Stepper
+from infer.runtime.generate import NonFiniteLogitsError, row_seed
+from infer.runtime.step import Stepper
 from infer.structured import Constraint, constraint_of
 from infer.tools import ToolCall
 
@@ -108,7 +108,7 @@ class SamplingOptions(TypedDict, total=False):
     [-100, 100]} added to the logits), ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]),
     ``repetition_penalty`` (> 0; 1 is off).
 
-    The defaults are `infer.generate.SamplingParams`'s; the checks are its and `_stop_strings`'.
+    The defaults are `infer.runtime.generate.SamplingParams`'s; the checks are its and `_stop_strings`'.
     """
 
     temperature: float
@@ -150,7 +150,7 @@ class LLM(Experimenting):
     notebooks (`infer.experiment.Experimenting`): `intervene`, `score`, `logit_lens`, a summary
     as its ``repr``; ``llm.model(ids, output_hidden_states=True, output_attentions=True)``.
 
-    ``stepper`` runs its steps (`infer.step.Stepper`: eager, compiled or from packages);
+    ``stepper`` runs its steps (`infer.runtime.step.Stepper`: eager, compiled or from packages);
     ``parallel`` is this rank's place in a parallel run (`infer.distributed`), else None.
     """
 
@@ -256,7 +256,7 @@ class LLM(Experimenting):
 
     @property
     def compiled(self) -> bool:
-        """Whether generation runs the compiled step (`infer.step.Stepper`)."""
+        """Whether generation runs the compiled step (`infer.runtime.step.Stepper`)."""
         return self.stepper.compiled
 
     @property
@@ -406,7 +406,7 @@ class LLM(Experimenting):
         ``prompt`` is a string, a list of token ids, or a list of either (a batch,
         returns a list; the prompts go through `engine` with continuous batching, each
         getting what it would alone, prompt ``i`` of a seeded batch drawing from seed
-        ``infer.generate.row_seed(seed, i)``).
+        ``infer.runtime.generate.row_seed(seed, i)``).
 
         The sampling keywords (`SamplingOptions`): ``temperature`` (default 0.0: greedy);
         with ``temperature > 0`` sampling uses ``top_k`` (default 0: off) / ``top_p``
@@ -419,7 +419,7 @@ class LLM(Experimenting):
         unknown keyword, `ValueError` for a value out of range (``temperature`` finite and >= 0,
         ``top_k`` in [0, 2**63 - 1], ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
         prompts and stop strings, token ids < vocab size). Non-finite logits raise
-        `infer.generate.NonFiniteLogitsError` naming the step and the batch row.
+        `infer.runtime.generate.NonFiniteLogitsError` naming the step and the batch row.
 
         Structured output: ``json_schema=`` (a dict, JSON text or a pydantic model class; the
         result's ``parsed`` holds the decoded value or model instance), ``regex=`` or ``grammar=``

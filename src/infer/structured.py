@@ -10,7 +10,7 @@ docs/structured.md) and caches the compiled grammars per constraint.
 ``logit_bias`` or a penalty. Each step the engine hands it that row's exact logits (``[V]``
 float32) to change in place — repetition penalty, presence / frequency penalties, logit bias,
 then the grammar's token mask (a packed bitmask, one bit per token, computed by llguidance) —
-and resamples the row with `infer.step.sample` and the row's own noise, so constrained and free
+and resamples the row with `infer.runtime.step.sample` and the row's own noise, so constrained and free
 rows share a batch and a seeded request draws the same tokens whatever its neighbours. The
 sampled token is then `RowProcessor.accept`-ed (the matcher advances; the counts grow).
 """
@@ -308,7 +308,7 @@ class RowProcessor:
 def narrow(
     row: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> tuple[torch.Tensor, float] | None:
-    """The few tokens a top-k / top-p draw from ``row [n]`` can pick, so `infer.step.sample` sorts
+    """The few tokens a top-k / top-p draw from ``row [n]`` can pick, so `infer.runtime.step.sample` sorts
     `CANDIDATES` tokens instead of the vocabulary: ``(positions [K] in row, the top_p to use on them)``,
     or None when the whole row is needed (or is small).
 

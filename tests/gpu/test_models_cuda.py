@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infer
-from infer.generate import SamplingParams, generate_steps, run_to_end
+from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
 
 pytestmark = [
     pytest.mark.gpu,

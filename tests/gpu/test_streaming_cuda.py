@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from infer.generate import left_pad
 from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
+from infer.runtime.generate import left_pad
 from infer.streaming import StreamingConfig, build_streamed
 from infer.streaming.stats import TimelineEntry
 from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
@@ -128,7 +128,7 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "sync"])
 def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None:
-    from infer.generate import SamplingParams, generate_steps
+    from infer.runtime.generate import SamplingParams, generate_steps
 
     budget = 160 * 10**6
     size = BIG.nbytes(torch.bfloat16)

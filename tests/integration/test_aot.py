@@ -27,9 +27,9 @@ import torch
 import infer
 import infer.aot as aot
 from infer.aot import builder
-from infer.cache import KVCache
 from infer.engine import SamplingParams
-from infer.step import Sampling, StepFeed
+from infer.models.cache import KVCache
+from infer.runtime.step import Sampling, StepFeed
 
 BUILD_TIMEOUT_S = 600
 

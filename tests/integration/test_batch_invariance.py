@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import infer
-from infer.generate import SamplingParams, step_outputs
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
 from infer.models.common import set_deterministic
 from infer.realmodels import smollm2_path
+from infer.runtime.generate import SamplingParams, step_outputs
 from infer.testing import build_tokenizer, tiny_hf_model
 
 LENGTHS = [5, 17, 1, 9, 40]  # one prompt longer than the tiny Gemma's window (8): its rings wrap

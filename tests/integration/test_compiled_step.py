@@ -1,4 +1,4 @@
-"""The compiled step (`infer.step.Stepper(compile=True)`) against the same code run eagerly.
+"""The compiled step (`infer.runtime.step.Stepper(compile=True)`) against the same code run eagerly.
 
 One code path: `model_step` runs eagerly (the reference) or through
 ``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import infer
-from infer.generate import SamplingParams, step_outputs
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
-from infer.step import StepFeed, Stepper
+from infer.runtime.generate import SamplingParams, step_outputs
+from infer.runtime.step import StepFeed, Stepper
 from infer.testing import build_tokenizer, tiny_hf_model
 
 PROMPTS = [[5, 9, 200, 31, 7], [44, 3, 17, 90, 12, 64, 8, 8, 120, 2, 33, 19]]  # the second passes the window

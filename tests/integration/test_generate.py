@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import infer
-from infer.generate import SamplingParams, generate_steps, run_to_end
 from infer.models.base import DecoderLM
+from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_sampling_is_reproducible_with_seed(llm_factory: Callable[[str], infer.L
 
 
 def test_sample_filters() -> None:
-    from infer.step import gumbel_noise, sample, sampling_inputs
+    from infer.runtime.step import gumbel_noise, sample, sampling_inputs
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)

@@ -18,18 +18,18 @@ import pytest
 import torch
 
 import infer
-from infer.cache import KVCache
 from infer.interventions import Intervention
 from infer.models.base import DecoderLM
+from infer.models.cache import KVCache
 from infer.models.projections import Fusable
-from infer.step import Sampling, StepFeed, StepOutput, Stepper, model_step
+from infer.runtime.step import Sampling, StepFeed, StepOutput, Stepper, model_step
 
 PROMPT = [5, 9, 200, 31, 7, 64, 12]
 N = 20
 
 
 class StandInPackages:
-    """`infer.step.Packages` whose steps run on an unhooked copy of the model (as a compiled package
+    """`infer.runtime.step.Packages` whose steps run on an unhooked copy of the model (as a compiled package
     runs its traced code, not the modules' hooks); ``calls`` counts the steps it ran."""
 
     enabled = True

@@ -38,7 +38,7 @@ def anon_bytes():
 
 import dataclasses
 import torch
-from infer.generate import SamplingParams, generate_steps
+from infer.runtime.generate import SamplingParams, generate_steps
 from infer.loader.build import ModelBuilder, build_empty
 from infer.loader.config import load_config
 from infer.loader.weights import SafetensorsSource
@@ -137,7 +137,7 @@ def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
 
 def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
     """Only a budget, a quarter of the model: the plan chooses group size, prefetch, prefill chunk."""
-    from infer.generate import SamplingParams, generate_steps, run_to_end
+    from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
 
     size = SPEC.nbytes(torch.float32)
     budget = size // 4

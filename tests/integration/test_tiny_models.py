@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.generate import SamplingParams, generate_steps, run_to_end
 from infer.models.base import DecoderLM
+from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
 from infer.testing import ARCHITECTURES
 
 PROMPTS = (list(b"Hello there"), [5, 77, 3, 120, 9], [200, 13, 44, 61, 7, 90])

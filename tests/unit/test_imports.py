@@ -54,7 +54,6 @@ FLOORS: list[tuple[str, ...]] = [
     ),
     # 1: what a model runs on, and the stored checkpoint's readers
     (
-        "infer.cache",
         "infer.loader.weights",
         "infer.loader.tokenizer",
         "infer.gguf.source",
@@ -69,10 +68,8 @@ FLOORS: list[tuple[str, ...]] = [
     # 5: the load path that composes them; generation
     (
         "infer.loading",
-        "infer.step",
+        "infer.runtime",
         "infer.aot",
-        "infer.generate",
-        "infer.prefix",
         "infer.speculative",
         "infer.spec",
         "infer.engine",

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from infer.generate import NonFiniteLogitsError, SamplingParams
-from infer.step import gumbel_noise, sample, sampling_inputs
+from infer.runtime.generate import NonFiniteLogitsError, SamplingParams
+from infer.runtime.step import gumbel_noise, sample, sampling_inputs
 from infer.testing import reference_sampling_probs as reference_probs
 
 DRAWS = 200_000
@@ -29,7 +29,7 @@ DRAWS = 200_000
 def draw(
     logits: torch.Tensor, params: SamplingParams | list[SamplingParams], generator: torch.Generator | None
 ) -> torch.Tensor:
-    """`infer.step.sample` of ``logits [B, V]`` with ``params`` for every row (or one per row),
+    """`infer.runtime.step.sample` of ``logits [B, V]`` with ``params`` for every row (or one per row),
     the noise from one ``generator``."""
     rows = params if isinstance(params, list) else [params] * logits.shape[0]
     mode, values = sampling_inputs(rows, logits.device)
@@ -121,7 +121,7 @@ def test_non_finite_rows_still_sample_valid_ids(temperature: float) -> None:
         ]
     )
     tokens = draw(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
-    nonfinite = ~logits.amax(dim=-1).isfinite()  # the step's flag (infer.step.head_and_sample)
+    nonfinite = ~logits.amax(dim=-1).isfinite()  # the step's flag (infer.runtime.step.head_and_sample)
     assert nonfinite.tolist() == [False, True, True, True, False]
     assert tokens[0].item() in (0, 1, 2) and tokens[4].item() == 1
     assert ((tokens >= 0) & (tokens < 3)).all()

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from infer.aot import builder
-from infer.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.step import Sampling
+from infer.models.cache import KVCache
+from infer.runtime.step import Sampling
 
 PACKAGE_VERSION = 4  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state
 # out; 4: verify passes (every fed token through the head)

@@ -30,7 +30,7 @@ from infer.aot import builder, settings
 from infer.aot.keys import VERIFY_WIDTHS, fingerprint, shape_key
 from infer.aot.settings import cache_dir
 from infer.models.base import DecoderLM
-from infer.step import Sampling
+from infer.runtime.step import Sampling
 
 if TYPE_CHECKING:
     from infer.aot.worker import Recipe

@@ -6,7 +6,7 @@ The rooms, in the order a step passes through them (docs/engine.md has the flow 
 * `scheduler` — `Scheduler`: the waiting queue, the running requests by row, admission (the
   prefix cache, shared prefixes), the rows each step feeds;
 * `slots` — `KVSlots`: the KV memory (rows of slots, grown and shrunk; shared prefixes through
-  `infer.prefix.PrefixStore`); it never runs the model;
+  `infer.runtime.prefix.PrefixStore`); it never runs the model;
 * `runner` — `Runner`: the one place that runs the model (steps, verify passes, exact logits);
 * `parallel` — under ``torchrun``: rank 0's runner sends every step to the other ranks, which
   replay it on their own part of the model (`follow`);

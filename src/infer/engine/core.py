@@ -43,8 +43,8 @@ from infer.engine.scheduler import Scheduler
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
+from infer.runtime.step import MIN_PREFILL, StepOutput, Stepper
 from infer.spec import NoiseQueue, Speculative, Speculator
-from infer.step import MIN_PREFILL, StepOutput, Stepper
 from infer.structured import Grammars, RowProcessor, check_logit_bias
 
 if TYPE_CHECKING:

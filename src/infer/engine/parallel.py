@@ -35,7 +35,7 @@ from infer.distributed.runtime import Parallel, broadcast_object, is_peer_failur
 from infer.engine.runner import Runner
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.step import Sampling, Stepper
+from infer.runtime.step import Sampling, Stepper
 
 KEEPALIVE_S = 60.0  # a server's idle rank 0 tells the others it is alive this often
 F = TypeVar("F", bound=Callable[..., Any])

@@ -15,14 +15,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from infer.cache import KVCache
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.step import Sampling, SamplingValues, StepFeed, StepOutput, Stepper
+from infer.models.cache import KVCache
+from infer.runtime.step import Sampling, SamplingValues, StepFeed, StepOutput, Stepper
 
 
 class Runner:
-    """Runs steps of ``slots``' rows with ``stepper`` (eager, compiled or packaged: `infer.step`)."""
+    """Runs steps of ``slots``' rows with ``stepper`` (eager, compiled or packaged: `infer.runtime.step`)."""
 
     def __init__(self, slots: KVSlots, stepper: Stepper | None = None) -> None:
         self.slots = slots

@@ -11,7 +11,7 @@ import torch
 from infer.engine.request import Request
 from infer.engine.runner import Runner
 from infer.params import SamplingParams
-from infer.step import (
+from infer.runtime.step import (
     Sampling,
     SamplingValues,
     StepOutput,

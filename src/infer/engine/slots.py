@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
 from infer.models.base import DecoderLM
+from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
 from infer.pages import release_freed_memory
 from infer.params import MAX_SPECULATIVE
 
 if TYPE_CHECKING:
-    from infer.prefix import Segment
+    from infer.runtime.prefix import Segment
 
 MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
 # Slots a row gets beyond its request's prompt + max_tokens (`KVSlots.bound`): a speculative
@@ -27,7 +27,7 @@ BOUND_MARGIN = MAX_SPECULATIVE
 
 class KVSlots:
     """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
-    demand, and the prefixes rows share (`infer.prefix.PrefixStore`).
+    demand, and the prefixes rows share (`infer.runtime.prefix.PrefixStore`).
 
     One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
     rolled back) grows as rows and lengths are needed: capacities a quarter above what the
@@ -47,7 +47,7 @@ class KVSlots:
         bucketed: bool = False,
         share: bool | None = None,
     ) -> None:
-        from infer.prefix import PrefixStore, shares_prefixes
+        from infer.runtime.prefix import PrefixStore, shares_prefixes
 
         self.model = model
         self.max_rows = max_rows
@@ -59,7 +59,7 @@ class KVSlots:
         # Per row, the most tokens it may hold while its request runs (0: no request; it holds
         # ``held``): the engine sets it at admission (prompt + max_tokens), so capacity stops there.
         self.bounds: list[int] = []
-        # Prefixes shared between rows are stored once (`infer.prefix`); where attention cannot
+        # Prefixes shared between rows are stored once (`infer.runtime.prefix`); where attention cannot
         # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
         self.share = shares_prefixes(model) if share is None else share
         self.store = PrefixStore(model)

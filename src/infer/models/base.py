@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from infer.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.models.cache import KVCache, StepKV, slot_mask
 from infer.models.common import Linear, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
 from infer.models.record import record_forward
@@ -32,7 +32,7 @@ class StepInputs:
     """Per-step inputs shared by the layers: the same for every layer of a type.
 
     All tensors, computed once per step by `DecoderLM.prepare`: a step reads nothing
-    from the host, so the same code runs eagerly or compiled whole (`infer.step`).
+    from the host, so the same code runs eagerly or compiled whole (`infer.runtime.step`).
     """
 
     positions: torch.Tensor  # [B, T]
@@ -403,7 +403,7 @@ class DecoderLM(nn.Module):
 
     def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
-        (before the final norm, as `infer.step.model_step` returns it): what the full head would
+        (before the final norm, as `infer.runtime.step.model_step` returns it): what the full head would
         give them, without computing the rest of the vocabulary where the head can help (a packed
         head's rows, dequantized with their exact scales: `QuantizedLinear.exact_rows`)."""
         x = self.norm(h[None, None, :])[0, 0].float()  # [D]
@@ -464,7 +464,7 @@ class DecoderLM(nn.Module):
         n_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The walk itself, tensors only (no host bounds checks: `forward_hidden` and
-        `infer.step` do them): prepare, embed, the executor's layers, advance the cache. Eagerly,
+        `infer.runtime.step` do them): prepare, embed, the executor's layers, advance the cache. Eagerly,
         fused products whose parts carry forward hooks are unfused first (`HookWatch.honour`)."""
         if not torch.compiler.is_compiling():
             watch = self.hooks

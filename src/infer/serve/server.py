@@ -77,7 +77,7 @@ def prepare_packages(llm: LLM, max_batch: int) -> list[str]:
     within minutes of starting, with nothing to wait for. The keys queued ([] where packages
     are off, or every one exists)."""
     from infer.aot import PackageCache
-    from infer.step import Sampling
+    from infer.runtime.step import Sampling
 
     packages = llm.stepper.packages
     if not isinstance(packages, PackageCache):  # None: packages are off

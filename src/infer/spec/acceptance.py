@@ -115,7 +115,7 @@ def keep_matching(targets: Sequence[int], proposals: Sequence[int]) -> list[int]
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution `infer.step.sample` draws from for one row's settings: ``softmax(logits /
+    """The distribution `infer.runtime.step.sample` draws from for one row's settings: ``softmax(logits /
     temperature)`` restricted to the ``top_k`` highest and to the smallest set reaching ``top_p``
     (the first always kept), renormalized. ``logits [n, V]`` -> ``[n, V]`` float32."""
     scores = logits.float() / temperature

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from infer.params import SamplingParams
-from infer.spec.acceptance import PassCost, probabilities
-from infer.spec.state import common_prefix
-from infer.step import (
+from infer.runtime.step import (
     Sampling,
     gumbel_noise,
     sampling_inputs,
     stack_noise,
 )
+from infer.spec.acceptance import PassCost, probabilities
+from infer.spec.state import common_prefix
 
 if TYPE_CHECKING:
     from infer.engine.request import Request

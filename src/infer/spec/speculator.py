@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.runtime.step import (
+    sample,
+    sampling_inputs,
+)
 from infer.spec.acceptance import PassCost, expected_tokens, keep_matching, probabilities, rejection_sample
 from infer.spec.draft import Drafter
 from infer.spec.settings import MARGIN, PROBE_EVERY, Speculative
 from infer.spec.state import DRAFTED, NgramIndex, SpecState
-from infer.step import (
-    sample,
-    sampling_inputs,
-)
 
 if TYPE_CHECKING:
     from infer.engine.request import Request

@@ -234,7 +234,7 @@ class StepKV:
 
 @dataclass
 class SharedPrefix:
-    """The prefix keys a step's rows share (`infer.prefix`): a region of a `infer.prefix.PrefixStore`.
+    """The prefix keys a step's rows share: a region of a `infer.runtime.prefix.PrefixStore`.
 
     ``layers[i]``: layer ``i``'s region, ``[1, Hkv, R, hd]`` views (a `LayerKV` of one row);
     ``start [B]``: where row ``b``'s prefix begins in the region; ``length [B]``: how many of its

@@ -1,6 +1,6 @@
 """Generation as free functions: prefill, one-token decode steps, sampling.
 
-`generate_steps` drives any `DecoderLM` (resident or streamed) through `infer.step`:
+`generate_steps` drives any `DecoderLM` (resident or streamed) through `infer.runtime.step`:
 it right-pads a batch of token-id prompts, prefills them into a preallocated
 `KVCache`, then decodes one token per step and yields the new tokens of every row
 until each row has stopped (EOS id, stop string, or ``max_new_tokens``). Each step is
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.cache import KVCache
 from infer.models.base import DecoderLM
+from infer.models.cache import KVCache
 from infer.params import SEED_MAX, SamplingParams, check_max_new_tokens
-from infer.step import (
+from infer.runtime.step import (
     Sampling,
     SamplingValues,
     StepFeed,
