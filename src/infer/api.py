@@ -19,7 +19,7 @@ from infer.realmodels import resolve_name
 from infer.runtime.step import Stepper
 
 if TYPE_CHECKING:
-    from infer.spec import Speculative
+    from infer.speculative import Speculative
     from infer.streaming import StreamingConfig
 
 from infer.llm import LLM as LLM
@@ -191,7 +191,7 @@ def _speculative(
     kv_dtype: str | torch.dtype | None = None,
 ) -> Speculative:
     """`load`'s speculative settings, checked, with the draft model loaded."""
-    from infer.spec import DEFAULT_TOKENS, Speculative, check_draft
+    from infer.speculative import DEFAULT_TOKENS, Speculative, check_draft
 
     if llm.parallel is not None:
         raise ValueError("speculative decoding runs in one process; not under tensor/pipeline parallelism")

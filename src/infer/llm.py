@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from infer.engine.parallel import Follower
     from infer.engine.runner import Runner
     from infer.perplexity import PerplexityResult
-    from infer.spec import Speculative
+    from infer.speculative import Speculative
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -159,7 +159,7 @@ class LLM(Experimenting):
     model: DecoderLM
     source: Path
     stepper: Stepper
-    speculative: Speculative | None = None  # speculative decoding (`infer.spec`; set by `load`)
+    speculative: Speculative | None = None  # speculative decoding (`infer.speculative`; set by `load`)
     parallel: Parallel | None = field(default=None, init=False)
     _engine: Engine | None = field(default=None, init=False)
     _engine_lock: threading.Lock = field(default_factory=threading.Lock, init=False)

@@ -157,7 +157,7 @@ def test_packaged_verify_passes_give_the_eager_passes_tokens(
     its shape, one for every width of `aot.VERIFY_WIDTHS`: n-gram lookup gives the tokens it gives
     with eager passes (and those are plain decoding's here), and the package refuses a step it
     does not serve with a clear error."""
-    from infer.spec import Speculative, Speculator
+    from infer.speculative import Speculative, Speculator
 
     def propose_all(self: Speculator, rows: int, proposals: dict[int, Any], *_: Any) -> int:
         return 1 + max([len(p.tokens) for p in proposals.values()], default=0)

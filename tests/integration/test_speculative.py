@@ -25,7 +25,6 @@ import infer
 from infer.cli import main
 from infer.engine import Engine, SamplingParams
 from infer.serve.metrics import Metrics
-from infer.spec.speculator import Proposal
 from infer.speculative import (
     NgramIndex,
     PassCost,
@@ -34,6 +33,7 @@ from infer.speculative import (
     probabilities,
     rejection_sample,
 )
+from infer.speculative.speculator import Proposal
 
 TIMEOUT = 120.0
 # Repetitive prompts: lookup finds matches in them, and the tiny models' greedy text repeats too.

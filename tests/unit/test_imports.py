@@ -71,7 +71,6 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.runtime",
         "infer.aot",
         "infer.speculative",
-        "infer.spec",
         "infer.engine",
     ),
     # 6: the public API and what is built on a loaded model

@@ -17,7 +17,7 @@ The rooms, in the order a step passes through them (docs/engine.md has the flow 
 * `text` — `TextStream`: incremental detokenizing, stop strings;
 * `driver` — `Driver`: which thread runs the iterations.
 
-Speculative decoding proposes and verifies in `infer.spec`; it returns tokens to the
+Speculative decoding proposes and verifies in `infer.speculative`; it returns tokens to the
 engine, which takes them through the same output stage.
 """
 

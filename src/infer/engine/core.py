@@ -8,7 +8,7 @@ Each iteration (`Engine.step`) reads as schedule -> run -> sample -> output:
 2. **run** (`infer.engine.runner.Runner`, the one place that runs the model): one decode step
    feeds the last sampled token of every decoding row, one batched forward over the contiguous
    rows that hold them (each weight read once per step for the whole batch; a verify pass of
-   proposed tokens when speculation pays: `infer.spec`); then chunked prefill: prompts
+   proposed tokens when speculation pays: `infer.speculative`); then chunked prefill: prompts
    still being read get at most `Engine.prefill_chunk` tokens per iteration, so running
    streams never wait for a whole long prompt;
 3. **sample** (`infer.engine.sampling`): each row's logits are sampled with its own parameters,
@@ -44,7 +44,7 @@ from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
 from infer.runtime.step import MIN_PREFILL, StepOutput, Stepper
-from infer.spec import NoiseQueue, Speculative, Speculator
+from infer.speculative import NoiseQueue, Speculative, Speculator
 from infer.structured import Grammars, RowProcessor, check_logit_bias
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Model(Protocol):
     model: DecoderLM
     stepper: Stepper
     tokenizer: Tokenizer
-    speculative: Speculative | None  # speculative decoding (`infer.spec`), None: off
+    speculative: Speculative | None  # speculative decoding (`infer.speculative`), None: off
 
     @property
     def eos_ids(self) -> Sequence[int]: ...

@@ -26,7 +26,7 @@ from infer.engine.text import Decoder, TextStream, cut_at_stop
 from infer.params import SamplingParams
 
 if TYPE_CHECKING:
-    from infer.spec.state import NoiseQueue, SpecState
+    from infer.speculative.state import NoiseQueue, SpecState
     from infer.structured import RowProcessor
 
 
@@ -240,7 +240,7 @@ class Request:
     # With speculation on: a sampled request's noise, token by token, drawn from ``generator``
     # (a verify pass reads ahead and gives back the rows of rejected positions).
     noise: NoiseQueue | None = None
-    spec: SpecState | None = None  # its speculation state (`infer.spec`), made on first use
+    spec: SpecState | None = None  # its speculation state (`infer.speculative`), made on first use
 
     @property
     def decoding(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from infer.engine.request import Request
 from infer.engine.slots import KVSlots
-from infer.spec.state import common_prefix
+from infer.speculative.state import common_prefix
 
 MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
 

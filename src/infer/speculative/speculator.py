@@ -13,10 +13,16 @@ from infer.runtime.step import (
     sample,
     sampling_inputs,
 )
-from infer.spec.acceptance import PassCost, expected_tokens, keep_matching, probabilities, rejection_sample
-from infer.spec.draft import Drafter
-from infer.spec.settings import MARGIN, PROBE_EVERY, Speculative
-from infer.spec.state import DRAFTED, NgramIndex, SpecState
+from infer.speculative.acceptance import (
+    PassCost,
+    expected_tokens,
+    keep_matching,
+    probabilities,
+    rejection_sample,
+)
+from infer.speculative.draft import Drafter
+from infer.speculative.settings import MARGIN, PROBE_EVERY, Speculative
+from infer.speculative.state import DRAFTED, NgramIndex, SpecState
 
 if TYPE_CHECKING:
     from infer.engine.request import Request

@@ -13,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     pass
 
-from infer.spec.settings import KNEE_TOKENS
+from infer.speculative.settings import KNEE_TOKENS
 
 
 def expected_tokens(alpha: float, k: int) -> float:

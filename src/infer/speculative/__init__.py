@@ -39,11 +39,17 @@ tokens given back to the engine, `Verified`, which the engine takes through its 
 then hands back how many it took: `Speculator.settle`).
 """
 
-from infer.spec.acceptance import PassCost, expected_tokens, keep_matching, probabilities, rejection_sample
-from infer.spec.draft import Drafter
-from infer.spec.settings import DEFAULT_TOKENS, MAX_TOKENS, Speculative, check_draft
-from infer.spec.speculator import Speculator, Verified
-from infer.spec.state import Acceptance, NgramIndex, NoiseQueue, SpecState, common_prefix
+from infer.speculative.acceptance import (
+    PassCost,
+    expected_tokens,
+    keep_matching,
+    probabilities,
+    rejection_sample,
+)
+from infer.speculative.draft import Drafter
+from infer.speculative.settings import DEFAULT_TOKENS, MAX_TOKENS, Speculative, check_draft
+from infer.speculative.speculator import Speculator, Verified
+from infer.speculative.state import Acceptance, NgramIndex, NoiseQueue, SpecState, common_prefix
 
 __all__ = [
     "DEFAULT_TOKENS",

@@ -15,8 +15,8 @@ from infer.runtime.step import (
     sampling_inputs,
     stack_noise,
 )
-from infer.spec.acceptance import PassCost, probabilities
-from infer.spec.state import common_prefix
+from infer.speculative.acceptance import PassCost, probabilities
+from infer.speculative.state import common_prefix
 
 if TYPE_CHECKING:
     from infer.engine.request import Request

@@ -18,7 +18,7 @@ from infer.runtime.step import (
 if TYPE_CHECKING:
     pass
 
-from infer.spec.settings import DECAY
+from infer.speculative.settings import DECAY
 
 
 class NgramIndex:
