@@ -8,7 +8,7 @@ call warms it up, then ``--repeats`` calls of ``model(ids, output_hidden_states=
 output_attentions=True)`` are timed in the process's CPU seconds (at one thread, steady on a shared
 machine where wall-clock time is not: benchmarks/cpu_time.py), and two more run while a thread
 samples the process's anonymous memory (``RssAnon``); freed heap pages are handed back before each
-(``infer.pages.release_freed_memory``), so the extra memory is the peak during a call above what the
+(``infer.host.pages.release_freed_memory``), so the extra memory is the peak during a call above what the
 process held before it. "asked" is the size of what the call returns (logits, hidden
 states, attentions: all float32). The plain forward (logits only) is measured the same way: the
 inspection's own cost is the difference.
@@ -37,7 +37,7 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, threading, time
 import torch
-from infer.pages import release_freed_memory
+from infer.host.pages import release_freed_memory
 
 def anon():
     for line in open("/proc/self/status"):

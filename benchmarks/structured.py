@@ -135,7 +135,7 @@ def validity(llm: Any, schemas: list[Any], max_tokens: int) -> dict[str, Any]:
     import jsonschema
 
     from infer.engine import SamplingParams, collect
-    from infer.structured import Constraint
+    from infer.text.structured import Constraint
 
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
     out: dict[str, Any] = {}
@@ -260,7 +260,7 @@ def tool_calls(llm: Any, requests: int) -> dict[str, Any]:
 def run(llm: Any, batch: int, constrained: bool, sampled: bool, tokens: int) -> tuple[float, float]:
     """``(process CPU seconds, wall decode seconds per token)`` of ``batch`` requests of ``tokens``."""
     from infer.engine import SamplingParams, collect
-    from infer.structured import Constraint
+    from infer.text.structured import Constraint
 
     prompt = prompt_for(llm, "a long list of fruit names", LONG)
     sampling: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95} if sampled else {}
@@ -320,7 +320,7 @@ def overhead(llm: Any, tokens: int, rounds: int) -> list[dict[str, Any]]:
 
 
 def compile_times(llm: Any, schemas: list[Any]) -> dict[str, Any]:
-    from infer.structured import Constraint, Grammars
+    from infer.text.structured import Constraint, Grammars
 
     t0 = time.perf_counter()
     grammars = Grammars(llm.tokenizer, llm.model.vocab_size, llm.eos_ids)

@@ -11,7 +11,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
-from infer.chat_template import check_unicode
 from infer.experiment import Experimenting
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
@@ -23,8 +22,9 @@ from infer.params import SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.runtime.generate import NonFiniteLogitsError, row_seed
 from infer.runtime.step import Stepper
-from infer.structured import Constraint, constraint_of
-from infer.tools import ToolCall
+from infer.text.chat_template import check_unicode
+from infer.text.structured import Constraint, constraint_of
+from infer.text.tools import ToolCall
 
 if TYPE_CHECKING:
     from infer.distributed import Parallel
@@ -425,7 +425,7 @@ class LLM(Experimenting):
         result's ``parsed`` holds the decoded value or model instance), ``regex=`` or ``grammar=``
         (Lark or GBNF) constrain every generated token, so the text matches (unless
         ``max_new_tokens`` ends it first: ``finish_reason`` "length"). A constraint that does not
-        compile is a `ValueError` naming the keyword (`infer.structured.ConstraintError`).
+        compile is a `ValueError` naming the keyword (`infer.text.structured.ConstraintError`).
         ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``
         process the logits as OpenAI's API and vLLM do (`SamplingOptions`).
         """
@@ -500,7 +500,7 @@ class LLM(Experimenting):
         constraints and penalties).
 
         ``tools`` (OpenAI's function definitions) are offered to the model in its family's
-        format (`infer.tools`: Qwen's ``<tool_call>``, Llama 3's JSON, Mistral's ``[TOOL_CALLS]``,
+        format (`infer.text.tools`: Qwen's ``<tool_call>``, Llama 3's JSON, Mistral's ``[TOOL_CALLS]``,
         else described by infer in the system message); the calls it makes come back parsed in
         ``tool_calls`` (``finish_reason`` "tool_calls"), the text around them in ``text``.
         ``tool_choice``: "auto" (default), "none", "required", or
@@ -509,7 +509,7 @@ class LLM(Experimenting):
         function's ``parameters``. Conversations go on with ``result.message`` and
         ``{"role": "tool", "tool_call_id": ..., "content": ...}`` messages.
         """
-        from infer.prompts import read_reply, tool_chat
+        from infer.text.prompts import read_reply, tool_chat
 
         params = _generation_args("chat", max_new_tokens, sampling)
         if not isinstance(parse_special_in_content, bool):

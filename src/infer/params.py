@@ -128,7 +128,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
     ignore_eos: bool = False
-    constraint: Any = None  # an `infer.structured.Constraint` the text must match, or None
+    constraint: Any = None  # an `infer.text.structured.Constraint` the text must match, or None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is taken too
     presence_penalty: float = 0.0  # in [-2, 2], OpenAI's
     frequency_penalty: float = 0.0  # in [-2, 2], OpenAI's
@@ -166,8 +166,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ParamTypeError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.constraint is not None and type(self.constraint).__name__ != "Constraint":
-            what = f"must be an infer.structured.Constraint, got {self.constraint!r}"  # (checked by name:
-            raise ParamTypeError("constraint", f"constraint {what}")  # this module sits below it)
+            # (checked by name: this module sits below it)
+            what = f"must be an infer.text.structured.Constraint, got {self.constraint!r}"
+            raise ParamTypeError("constraint", f"constraint {what}")
         put("logit_bias", check_logit_bias(self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(name, getattr(self, name))
@@ -189,7 +190,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether the row's logits are processed (a constraint, a bias or a penalty): see
-        `infer.structured.RowProcessor`."""
+        `infer.text.structured.RowProcessor`."""
         return (
             self.constraint is not None
             or bool(self.logit_bias)

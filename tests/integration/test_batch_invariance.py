@@ -7,7 +7,7 @@ prefilled in chunks; the logits of every step must be *bitwise* equal, which the
 tokens then are too. This holds by construction (docs/numerics.md): generation
 right-pads (a prompt's keys sit at the same cache slots in any batch), and every
 product — weights and attention alike — is a tile of one fixed shape
-(`infer.rows`, `infer.models.common.attend_tiled`), whatever the batch.
+(`infer.host.rows`, `infer.models.common.attend_tiled`), whatever the batch.
 """
 
 from __future__ import annotations

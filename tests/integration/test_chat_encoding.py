@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import infer
-from infer.chat_template import ChatTemplateError
 from infer.loader.tokenizer import FastTokenizer, Tokenizer
+from infer.text.chat_template import ChatTemplateError
 
 # The chat template Gemma 3 instruction-tuned tokenizers ship (as written by transformers'
 # convert_gemma3_weights.py); the shipped gemma-3-270m GGUF (a base model) carries none.

@@ -651,9 +651,9 @@ def _anon_mib() -> float:
 
 def test_a_regrowth_hands_the_old_layers_pages_back(llama: infer.LLM) -> None:
     """After `KVSlots.reserve` grows the cache, the old layers' memory leaves the process (glibc
-    keeps freed heap blocks resident; `infer.pages.release_freed_memory` trims them): resident
+    keeps freed heap blocks resident; `infer.host.pages.release_freed_memory` trims them): resident
     anonymous memory grows by the new cache less the old one, not by the whole new cache."""
-    from infer.pages import _malloc_trim
+    from infer.host.pages import _malloc_trim
 
     if _malloc_trim() is None:
         pytest.skip("not glibc: no malloc_trim, and no heap that keeps freed blocks this way")

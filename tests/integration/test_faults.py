@@ -103,7 +103,7 @@ def test_chat_trims_the_oldest_turns(
 
 
 def test_history_trimming_keeps_the_system_prompt() -> None:
-    from infer.chat_history import fit_history
+    from infer.text.chat_history import fit_history
 
     def encode(messages: list[dict[str, str]]) -> list[int]:
         return [0] * sum(10 for _ in messages)

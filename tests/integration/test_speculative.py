@@ -509,7 +509,7 @@ def test_processed_rows_do_not_speculate(det: infer.LLM, propose_all: None) -> N
     part in is a plain decode step (the pass would have to verify against processed logits): each
     request gets the tokens it gets without speculation; the free request speculates once the
     processed ones have ended."""
-    from infer.structured import Constraint
+    from infer.text.structured import Constraint
 
     params = [
         SamplingParams(max_tokens=12, constraint=Constraint.regex(r"[a-z]{4,10}")),

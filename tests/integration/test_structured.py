@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 import infer
 from infer.engine import SamplingParams, collect
-from infer.structured import Constraint
+from infer.text.structured import Constraint
 
 PERSON = {
     "type": "object",
@@ -188,7 +188,7 @@ def test_chat_with_tools_required_named_and_a_result(
         named.message,
         {"role": "tool", "tool_call_id": named.tool_calls[0].id, "content": "sunny"},
     ]
-    from infer.prompts import tool_chat
+    from infer.text.prompts import tool_chat
 
     rendered = llm.tokenizer.decode(tool_chat(llm, follow, tools=[WEATHER]).ids, skip_special_tokens=False)
     assert named.tool_calls[0].arguments_json in rendered
@@ -227,7 +227,7 @@ def test_a_greedy_processed_row_rescored_equals_the_exact_head(processing: str) 
     import infer
     from infer.engine import SamplingParams
     from infer.realmodels import smollm2_path
-    from infer.structured import Constraint
+    from infer.text.structured import Constraint
 
     llm = infer.load(smollm2_path())
     schema = {

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from infer.engine import Delta
 from infer.params import SamplingParams
-from infer.structured import Grammars
+from infer.text.structured import Grammars
 
 if TYPE_CHECKING:
     from infer.serve.client import EngineClient, HandleClient

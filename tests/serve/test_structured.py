@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from infer.prompts import tool_chat
+from infer.text.prompts import tool_chat
 
 from .fake_engine import FakeEngine, FakeHandle
 

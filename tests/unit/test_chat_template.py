@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from infer.chat_template import (
+from infer.text.chat_template import (
     ChatTemplateError,
     RenderLimits,
     check_messages,

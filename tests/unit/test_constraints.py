@@ -1,4 +1,4 @@
-"""`infer.structured`: constraints, and the per-row logits processing checked against the definitions."""
+"""`infer.text.structured`: constraints, and the per-row logits processing checked against the definitions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.structured import (
+from infer.text.structured import (
     Constraint,
     ConstraintError,
     Grammars,
@@ -117,7 +117,7 @@ def test_narrowed_draws_equal_the_full_row_draws(top_k: int, top_p: float) -> No
     """`narrow` lets a top-k / top-p draw sort its candidates, not the vocabulary: the same tokens."""
     from infer.runtime.generate import SamplingParams
     from infer.runtime.step import gumbel_noise, sample, sampling_inputs
-    from infer.structured import narrow
+    from infer.text.structured import narrow
 
     gen = torch.Generator().manual_seed(0)
     V, temperature = 20_000, 0.7

@@ -30,18 +30,12 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 FLOORS: list[tuple[str, ...]] = [
     # 0: no infer imports but each other's: numerics, formats, the config record, text rules
     (
-        "infer.rows",
+        "infer.host",
         "infer.params",
-        "infer.pages",
-        "infer.threads",
         "infer.aot.idle",
         "infer.aot.builder",
         "infer.quant",
-        "infer.chat_template",
-        "infer.chat_history",
-        "infer.prompts",
-        "infer.structured",
-        "infer.tools",
+        "infer.text",
         "infer.loader.config",
         "infer.loader.options",
         "infer.loader.source",

@@ -1,4 +1,4 @@
-"""`infer.pages.drop_mapped_pages`: file pages nothing reads leave the resident set; values stay.
+"""`infer.host.pages.drop_mapped_pages`: file pages nothing reads leave the resident set; values stay.
 
 A tensor mapped from a safetensors file (as the repack cache maps its matrices) is read whole,
 then dropped: the mapping's resident bytes (``/proc/self/smaps``) fall, and reading it again
@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from infer.pages import drop_mapped_pages
+from infer.host.pages import drop_mapped_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and madvise")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from infer import rows
+from infer.host import rows
 from infer.models.common import set_deterministic
 from infer.quant import (
     QuantizedEmbedding,
@@ -398,7 +398,7 @@ def test_deterministic_rows_do_not_depend_on_the_other_rows(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(_linears()))
 def test_a_tile_computes_each_row_on_its_own(name: str) -> None:
-    """What the deterministic mode rests on (`infer.rows`): a product of the fixed tile shape
+    """What the deterministic mode rests on (`infer.host.rows`): a product of the fixed tile shape
     gives a row the same bits at every position of the tile, whatever the other rows hold."""
     lin = _linears()[name]
     k = 512 if name.startswith("Q6_K") else 576

@@ -1,5 +1,5 @@
-"""`infer.threads.release_openmp_workers`: the calling thread's OpenMP pool goes, so the engine's
-thread holds the only one (two live pools halved every step's speed: `infer.threads`)."""
+"""`infer.host.threads.release_openmp_workers`: the calling thread's OpenMP pool goes, so the engine's
+thread holds the only one (two live pools halved every step's speed: `infer.host.threads`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from infer.threads import release_openmp_workers
+from infer.host.threads import release_openmp_workers
 
 
 def _threads() -> int:

@@ -1,4 +1,4 @@
-"""Tool-call formats (`infer.tools`): which family a template is, how each family's calls read, and
+"""Tool-call formats (`infer.text.tools`): which family a template is, how each family's calls read, and
 how a template without tool support is given the tools and the conversation's earlier calls."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from infer.tools import (
+from infer.text.tools import (
     GENERIC,
     HERMES,
     LLAMA3,

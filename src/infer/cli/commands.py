@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from infer.chat_history import fit_history, repair_utf8
+from infer.text.chat_history import fit_history, repair_utf8
 
 if TYPE_CHECKING:
     from infer.api import SamplingOptions
@@ -119,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, args.prompt = None, args.model
     if args.prompt is None:
         raise ValueError("no prompt given: infer generate [MODEL] PROMPT")
-    from infer.prompts import prompt_ids
+    from infer.text.prompts import prompt_ids
 
     llm = _load(args)
     prompt = prompt_ids(llm, args.prompt, raw=args.raw, system=args.system)
@@ -130,7 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from infer.prompts import chat_ids
+    from infer.text.prompts import chat_ids
 
     if hasattr(sys.stdin, "reconfigure"):  # bad bytes arrive as surrogates, then become U+FFFD
         sys.stdin.reconfigure(errors="surrogateescape")

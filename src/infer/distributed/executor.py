@@ -90,7 +90,7 @@ class PipelineExecutor(Wrapping):
     broadcast down each column of ranks). A batch runs as ``micro_batches`` slices of its
     rows, each sent on (without waiting) as soon as it is done, so while a stage computes
     slice ``m`` the next stage computes slice ``m - 1``. A row's result does not depend on
-    the rows computed beside it (`infer.rows`), so the slicing changes nothing in the
+    the rows computed beside it (`infer.host.rows`), so the slicing changes nothing in the
     outputs. ``inner`` runs the stage's embedding, layers and head; when its layers stream
     (``streamed``: a `StreamingExecutor` planned for those layers alone) every weight is
     read once per slice, so a streamed stage runs its batch whole. ``dtype``: the

@@ -45,7 +45,7 @@ from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
 from infer.runtime.step import MIN_PREFILL, StepOutput, Stepper
 from infer.speculative import NoiseQueue, Speculative, Speculator
-from infer.structured import Grammars, RowProcessor, check_logit_bias
+from infer.text.structured import Grammars, RowProcessor, check_logit_bias
 
 if TYPE_CHECKING:
     from infer.loader.tokenizer import Tokenizer
@@ -207,7 +207,7 @@ class Engine:
 
     @property
     def grammars(self) -> Grammars:
-        """The compiled constraints of this model's tokenizer (`infer.structured.Grammars`)."""
+        """The compiled constraints of this model's tokenizer (`infer.text.structured.Grammars`)."""
         with self.driver.cond:
             if self._grammars is None:
                 self._grammars = Grammars(self.llm.tokenizer, self.model.vocab_size, sorted(self.eos))

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from infer.engine.request import Delta, Request, RequestHandle
-from infer.threads import release_openmp_workers
+from infer.host.threads import release_openmp_workers
 
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive

@@ -27,7 +27,7 @@ from infer.params import SamplingParams
 
 if TYPE_CHECKING:
     from infer.speculative.state import NoiseQueue, SpecState
-    from infer.structured import RowProcessor
+    from infer.text.structured import RowProcessor
 
 
 @dataclass
@@ -236,7 +236,7 @@ class Request:
     # (row, n): the first n prompt tokens are being computed by the request in that row; this one
     # waits for them and then shares them (`Scheduler.resolve_waits`) instead of computing them too.
     waits: tuple[int, int] | None = None
-    processor: RowProcessor | None = None  # constraint, bias, penalties (`infer.structured`)
+    processor: RowProcessor | None = None  # constraint, bias, penalties (`infer.text.structured`)
     # With speculation on: a sampled request's noise, token by token, drawn from ``generator``
     # (a verify pass reads ahead and gives back the rows of rejected positions).
     noise: NoiseQueue | None = None

@@ -20,7 +20,7 @@ from infer.runtime.step import (
     sampling_inputs,
     stack_noise,
 )
-from infer.structured import narrow
+from infer.text.structured import narrow
 
 RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`resample_processed`)
 # Greedy processed rows in a step up to which they re-score their candidates; with more, the step

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.host.pages import release_freed_memory
 from infer.models.base import DecoderLM
 from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
-from infer.pages import release_freed_memory
 from infer.params import MAX_SPECULATIVE
 
 if TYPE_CHECKING:

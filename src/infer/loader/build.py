@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from infer.host.pages import release_freed_memory
 from infer.loader.config import ModelConfig
 from infer.loader.names import Entry, check_dimensions, map_names, stored_name
 from infer.loader.options import LoadOptions, ProgressFn
@@ -37,7 +38,6 @@ from infer.loader.source import WeightSource
 from infer.models import architecture
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
-from infer.pages import release_freed_memory
 
 if TYPE_CHECKING:
     from infer.distributed.shard import TensorParallel

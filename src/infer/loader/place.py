@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from infer.gguf.source import GGUFSource
+from infer.host.pages import drop_mapped_pages
 from infer.loader.names import Entry
 from infer.loader.repack_cache import RepackCache
 from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models.arch import Fix
-from infer.pages import drop_mapped_pages
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
 from infer.quant.ggml import QType, block_size, scale_fields_finite, type_size

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infer.chat_template import (
+from infer.text.chat_template import (
     RenderLimits,
     check_messages,
     control_token_pattern,
@@ -195,7 +195,7 @@ class Tokenizer:
 
     def backend_json(self) -> str:
         """The HF ``tokenizers`` JSON (vocabulary, merges, normalizer, pre-tokenizer, decoder, added
-        tokens): what a grammar engine needs to know each token's bytes (`infer.structured`)."""
+        tokens): what a grammar engine needs to know each token's bytes (`infer.text.structured`)."""
         own = getattr(self._tok, "backend_json", None)
         if own is not None:
             text: str = own()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from infer import rows
+from infer.host import rows
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 QUERY_BLOCK = 512  # queries per attention call of a long prompt: its scores never exist whole
@@ -342,7 +342,7 @@ def attend_tiled(
     buffer's size.
 
     In float32. The ``G`` query heads of a KV head are folded into the query rows
-    (``[B, Hkv, G*T, hd]``), cut into tiles of `infer.rows.TILE_ROWS` rows (zero-padded);
+    (``[B, Hkv, G*T, hd]``), cut into tiles of `infer.host.rows.TILE_ROWS` rows (zero-padded);
     keys into tiles of `KEY_TILE` starting at key 0 (masked zeros pad the last). Scores
     are ``[16, hd] @ [hd, 256]`` products, probabilities times values ``[16, 256] @ [256,
     hd]`` products, and the per-tile partial sums are added in key order, one tile after

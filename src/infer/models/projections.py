@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer import rows
+from infer.host import rows
 from infer.quant.linear import QuantizedLinear
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with the deterministic mode's fixed row tiles (`infer.rows`) when
+    """``nn.Linear`` with the deterministic mode's fixed row tiles (`infer.host.rows`) when
     ``tile_rows`` is set (`set_deterministic`). Same parameters and names."""
 
     tile_rows: int = 0
@@ -97,7 +97,7 @@ def unfuse_projections(model: nn.Module) -> None:
 
 def set_deterministic(model: nn.Module, on: bool = True) -> None:
     """Switch every product and attention of ``model`` to the deterministic mode's fixed
-    tiles (``on``; `infer.rows`, `attend_tiled`) or back to free shapes.
+    tiles (``on``; `infer.host.rows`, `attend_tiled`) or back to free shapes.
 
     Modules opt in with a ``tile_rows`` attribute (products) or a ``deterministic`` one
     (attention). Fused projections are dropped when ``on``: a fused q/k/v product has

@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from infer import rows as row_rules
-from infer.pages import drop_mapped_pages
+from infer.host import rows as row_rules
+from infer.host.pages import drop_mapped_pages
 from infer.quant import int4, routes
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported

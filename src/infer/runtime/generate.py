@@ -8,7 +8,7 @@ one `model_step` call (eager or compiled, see `Stepper`); the host reads the sam
 tokens once per step (the step also returns a per-row flag of non-finite logits).
 
 Right padding keeps a prompt's tokens at the same cache slots alone and in any batch,
-so in the deterministic mode (fixed product tiles, `infer.rows`, and
+so in the deterministic mode (fixed product tiles, `infer.host.rows`, and
 `infer.models.common.attend_tiled`) a prompt's tokens do not depend on the rest of the batch.
 """
 

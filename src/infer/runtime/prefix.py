@@ -29,9 +29,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from infer.host.pages import release_freed_memory
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
-from infer.pages import release_freed_memory
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from infer.engine import Delta, TokenLogprob
-from infer.prompts import ToolChat, read_reply
 from infer.serve.client import HandleClient
-from infer.tools import ToolCall, ToolFormat
+from infer.text.prompts import ToolChat, read_reply
+from infer.text.tools import ToolCall, ToolFormat
 
 if TYPE_CHECKING:
     from infer.llm import LLM
@@ -22,7 +22,7 @@ def finish_reason(reason: str | None) -> str | None:
 
 class Choice:
     """One choice of a response: its engine request and what it produced. With tools offered
-    (chat), the reply is read for calls at its end (`infer.prompts.read_reply`), and while
+    (chat), the reply is read for calls at its end (`infer.text.prompts.read_reply`), and while
     streaming, text that may begin a call is held back (`ToolFormat.call_start` / ``hold``)."""
 
     def __init__(

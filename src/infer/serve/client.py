@@ -11,7 +11,7 @@ from typing import Protocol
 
 from infer.engine import Delta, Model
 from infer.params import SamplingParams
-from infer.structured import Grammars
+from infer.text.structured import Grammars
 
 
 class HandleClient(Protocol):

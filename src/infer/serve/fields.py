@@ -3,16 +3,16 @@
 `check_unhonoured`: every top-level field infer does not serve is a 400 naming it, unless it
 changes nothing about the answer (`IGNORED`) or is null; a few known fields are refused for
 the values infer cannot honour (`modalities` other than text, `best_of` > 1). `constraint_of`
-turns ``response_format`` into an `infer.structured.Constraint`; `tool_chat_of` renders a chat
-with its ``tools`` (`infer.prompts.tool_chat`).
+turns ``response_format`` into an `infer.text.structured.Constraint`; `tool_chat_of` renders a chat
+with its ``tools`` (`infer.text.prompts.tool_chat`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from infer.prompts import ToolChat, tool_chat
-from infer.structured import Constraint, ConstraintError
+from infer.text.prompts import ToolChat, tool_chat
+from infer.text.structured import Constraint, ConstraintError
 
 # Fields that do not change the answer: accepted and ignored (docs/serving.md lists them).
 IGNORED = frozenset(

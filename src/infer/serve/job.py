@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from infer.engine import Delta, TokenLogprob
-from infer.prompts import ToolChat
 from infer.serve.choices import Choice
 from infer.serve.client import HandleClient
 from infer.serve.logprobs import chat_logprobs, text_logprobs
 from infer.serve.state import ServeState
-from infer.tools import ToolCall
+from infer.text.prompts import ToolChat
+from infer.text.tools import ToolCall
 
 
 class Job:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.chat_template import check_unicode
 from infer.params import ParamError, ParamTypeError, SamplingParams, check_logit_bias
-from infer.prompts import ToolChat, has_chat_template
 from infer.serve.errors import APIError, bad
 from infer.serve.fields import FieldError, tool_chat_of
 from infer.serve.state import ServeState
-from infer.structured import Constraint
+from infer.text.chat_template import check_unicode
+from infer.text.prompts import ToolChat, has_chat_template
+from infer.text.structured import Constraint
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 16  # OpenAI's bound on stop strings

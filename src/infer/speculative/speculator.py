@@ -173,7 +173,7 @@ class Speculator:
         context, decoding or still reading its prompt, bounds everyone's).
 
         A step with a row whose logits are processed (a constraint, a logit bias, a penalty:
-        `infer.structured.RowProcessor`) is a plain decode step: the pass would have to verify
+        `infer.text.structured.RowProcessor`) is a plain decode step: the pass would have to verify
         proposals against processed logits, position by position."""
         if any(r.processor is not None for r in requests):
             return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infer import rows
+from infer.host import rows
 from infer.models.base import DecoderLM, ExecutorLimits, ResidentExecutor, StepInputs
 from infer.streaming.layout import Slot, Unit
 from infer.streaming.pipeline import Pipeline

@@ -4,7 +4,7 @@ An instruct model (its tokenizer has a chat template) gets its text as a user me
 rendered by that template, with the assistant's turn opened, as mlx-lm and llama.cpp's CLI
 do; ``raw=True`` (``--raw``), or a model without a template, encodes the text as it is.
 
-A chat with tools (`tool_chat`) is rendered in the model's tool-call format (`infer.tools`), with
+A chat with tools (`tool_chat`) is rendered in the model's tool-call format (`infer.text.tools`), with
 the constraint ``tool_choice`` asks for; `read_reply` takes the calls out of the reply.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.chat_template import check_unicode
-from infer.structured import Constraint
-from infer.tools import Tool, ToolCall, ToolFormat, check_tools, tool_choice_of, tool_format
+from infer.text.chat_template import check_unicode
+from infer.text.structured import Constraint
+from infer.text.tools import Tool, ToolCall, ToolFormat, check_tools, tool_choice_of, tool_format
 
 Message = dict[str, Any]
 
@@ -135,7 +135,7 @@ def _inline(constraint: Constraint) -> str:
     """A constraint as a Lark rule body (only JSON schemas combine with tool calls)."""
     if constraint.kind != "json_schema":
         raise ValueError("with tools, only a JSON schema constraint (response_format) can shape the answer")
-    from infer.structured import JSON_OPTIONS
+    from infer.text.structured import JSON_OPTIONS
 
     schema = json.loads(constraint.source)
     schema["x-guidance"] = JSON_OPTIONS

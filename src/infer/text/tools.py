@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infer.structured import JSON_OPTIONS
+from infer.text.structured import JSON_OPTIONS
 
 Message = dict[str, Any]
 Literal = Callable[[str], str]  # text -> a Lark expression matching it (a string, or a special token)
