@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from infer.api import load
     from infer.llm import LLM, GenerationResult
-    from infer.params import SamplingParams
+    from infer.params import NonFiniteLogitsError, SamplingParams
     from infer.streaming.config import StreamingConfig
 
 # Imported on first use: `import infer` (and so `infer.cli`, whose first act is to take
@@ -23,6 +23,7 @@ _LAZY = {
     "GenerationResult": "infer.llm",
     "load": "infer.api",
     "SamplingParams": "infer.params",
+    "NonFiniteLogitsError": "infer.params",
     "StreamingConfig": "infer.streaming.config",
 }
 
@@ -40,5 +41,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["LLM", "GenerationResult", "SamplingParams", "StreamingConfig", "load"]
+__all__ = ["LLM", "GenerationResult", "NonFiniteLogitsError", "SamplingParams", "StreamingConfig", "load"]
 __version__ = "0.1.0"

@@ -18,9 +18,8 @@ from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
-from infer.params import SamplingParams, check_max_new_tokens
+from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens, row_seed
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
-from infer.runtime.generate import NonFiniteLogitsError, row_seed
 from infer.runtime.step import Stepper
 from infer.text.chat_template import check_unicode
 from infer.text.structured import Constraint, constraint_of
@@ -108,7 +107,7 @@ class SamplingOptions(TypedDict, total=False):
     [-100, 100]} added to the logits), ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]),
     ``repetition_penalty`` (> 0; 1 is off).
 
-    The defaults are `infer.runtime.generate.SamplingParams`'s; the checks are its and `_stop_strings`'.
+    The defaults are `infer.params.SamplingParams`'s; the checks are its and `_stop_strings`'.
     """
 
     temperature: float
@@ -406,7 +405,7 @@ class LLM(Experimenting):
         ``prompt`` is a string, a list of token ids, or a list of either (a batch,
         returns a list; the prompts go through `engine` with continuous batching, each
         getting what it would alone, prompt ``i`` of a seeded batch drawing from seed
-        ``infer.runtime.generate.row_seed(seed, i)``).
+        ``infer.params.row_seed(seed, i)``).
 
         The sampling keywords (`SamplingOptions`): ``temperature`` (default 0.0: greedy);
         with ``temperature > 0`` sampling uses ``top_k`` (default 0: off) / ``top_p``
@@ -419,7 +418,7 @@ class LLM(Experimenting):
         unknown keyword, `ValueError` for a value out of range (``temperature`` finite and >= 0,
         ``top_k`` in [0, 2**63 - 1], ``top_p`` in (0, 1], ``seed`` in [0, 2**64 - 1], non-empty
         prompts and stop strings, token ids < vocab size). Non-finite logits raise
-        `infer.runtime.generate.NonFiniteLogitsError` naming the step and the batch row.
+        `infer.NonFiniteLogitsError` naming the step and the batch row.
 
         Structured output: ``json_schema=`` (a dict, JSON text or a pydantic model class; the
         result's ``parsed`` holds the decoded value or model instance), ``regex=`` or ``grammar=``

@@ -4,7 +4,8 @@ point shares (the Python API, the CLI's options, the server's schemas, the engin
 Torch-free, so the CLI can name the bounds in its ``--help`` before torch is imported. A bad value
 is a `ParamError` (a `ValueError`) or a `ParamTypeError` (a `TypeError`) carrying the name of the
 argument it is about in ``param``: the server answers 400 naming that field without guessing it
-from the message.
+from the message. Also what every way of generating shares: each prompt's seed in a seeded batch
+(`row_seed`) and the error of non-finite logits (`NonFiniteLogitsError`, also `infer.NonFiniteLogitsError`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
 PENALTY_MAX = 2.0  # OpenAI's bound on presence / frequency penalties
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
 MAX_SPECULATIVE = 32  # tokens proposed per speculative pass at most (any setting)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits (non-finite weights, or overflow in float16/bfloat16)."""
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th prompt of a batch generated with ``seed``: ``seed`` itself for
+    the first (so a prompt alone and first in a batch draw the same), distinct for the others."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (SEED_MAX + 1)
 
 
 class ParamError(ValueError):
@@ -207,6 +218,7 @@ __all__ = [
     "PENALTY_MAX",
     "SEED_MAX",
     "TOP_K_MAX",
+    "NonFiniteLogitsError",
     "ParamError",
     "ParamTypeError",
     "SamplingParams",

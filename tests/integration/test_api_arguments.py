@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import infer
-from infer.runtime.generate import NonFiniteLogitsError
+from infer.params import NonFiniteLogitsError
 from infer.testing import reference_sampling_probs
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.runtime.generate import NonFiniteLogitsError, SamplingParams
+from infer.params import NonFiniteLogitsError, SamplingParams
 from infer.runtime.step import gumbel_noise, sample, sampling_inputs
 from infer.testing import reference_sampling_probs as reference_probs
 

@@ -11,7 +11,7 @@ import torch
 
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.scheduler import Scheduler
-from infer.runtime.generate import NonFiniteLogitsError
+from infer.params import NonFiniteLogitsError
 
 
 class Outputs:

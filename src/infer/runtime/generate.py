@@ -22,7 +22,7 @@ import torch
 
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
-from infer.params import SEED_MAX, SamplingParams, check_max_new_tokens
+from infer.params import SEED_MAX, NonFiniteLogitsError, SamplingParams, check_max_new_tokens, row_seed
 from infer.runtime.step import (
     Sampling,
     SamplingValues,
@@ -33,16 +33,6 @@ from infer.runtime.step import (
     row_noise,
     sampling_inputs,
 )
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The model produced NaN or infinite logits (non-finite weights, or overflow in float16/bfloat16)."""
-
-
-def row_seed(seed: int, index: int) -> int:
-    """The seed of the ``index``-th prompt of a batch generated with ``seed``: ``seed`` itself for
-    the first (so a prompt alone and first in a batch draw the same), distinct for the others."""
-    return (seed + index * 0x9E3779B97F4A7C15) % (SEED_MAX + 1)
 
 
 def row_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -259,7 +249,6 @@ __all__ = [
     "left_pad",
     "right_pad",
     "row_generator",
-    "row_seed",
     "run_to_end",
     "step_outputs",
 ]

@@ -61,7 +61,7 @@ class SamplingValues:
 
 
 class RowSampling(Protocol):
-    """What `sampling_inputs` reads of a row's parameters (`infer.runtime.generate.SamplingParams` has it)."""
+    """What `sampling_inputs` reads of a row's parameters (`infer.params.SamplingParams` has it)."""
 
     @property
     def temperature(self) -> float: ...

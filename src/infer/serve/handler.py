@@ -15,8 +15,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.engine import EngineClosed, EngineFull
-from infer.params import ParamTypeError
-from infer.runtime.generate import row_seed
+from infer.params import ParamTypeError, row_seed
 from infer.serve.client import HandleClient
 from infer.serve.errors import RETRY_AFTER_S, APIError, bad
 from infer.serve.fields import FieldError, check_unhonoured, constraint_of

@@ -67,7 +67,7 @@ def classify(exc: BaseException, names: tuple[str, ...], stage: str = "") -> tup
         isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
     ):
         return "memory-capped", origin
-    from infer.runtime.generate import NonFiniteLogitsError
+    from infer.params import NonFiniteLogitsError
 
     if isinstance(exc, NonFiniteLogitsError):  # documented: weights whose activations overflow
         return "rejected", origin
