@@ -28,8 +28,7 @@ from infer.text.tools import ToolCall
 if TYPE_CHECKING:
     from infer.distributed import Parallel
     from infer.engine import Engine, RequestHandle
-    from infer.engine.parallel import Follower
-    from infer.engine.runner import Runner
+    from infer.engine.parallel import Ranks
     from infer.perplexity import PerplexityResult
     from infer.speculative import Speculative
 
@@ -168,7 +167,7 @@ class LLM(Experimenting):
         """The generation engine that owns this model's steps and KV slots (created on first use):
         `generate`, `stream` and `chat` go through it, from any thread (`infer.engine.Engine`).
         Under tensor/pipeline parallelism it lives on rank 0; the other ranks follow it
-        (`infer.engine.parallel`)."""
+        (`ranks`)."""
         return self.start_engine()
 
     def start_engine(self, **options: Any) -> Engine:
@@ -183,15 +182,7 @@ class LLM(Experimenting):
             if self._engine is None:
                 from infer.engine import Engine
 
-                runner = None
-                if self.parallel is not None:
-                    parallel = self.parallel
-
-                    def runner(max_batch: int, context: int) -> Runner:
-                        from infer.engine.parallel import Broadcasting, Journaled
-
-                        return Broadcasting(parallel, Journaled(self.model, max_batch, context), self.stepper)
-
+                runner = None if self.parallel is None else self.ranks.runner
                 self._engine = Engine(self, runner=runner, **options)
             engine = self._engine
         for key, value in options.items():
@@ -208,50 +199,14 @@ class LLM(Experimenting):
         return self.parallel is None or self.parallel.rank == 0
 
     @cached_property
-    def follower(self) -> Follower:
-        """A parallel run's rank other than 0: what replays rank 0's steps (`infer.engine.parallel`)."""
-        from infer.engine.parallel import Follower
+    def ranks(self) -> Ranks:
+        """This process's part in a parallel run (`infer.engine.parallel.Ranks`): rank 0's engine
+        sends every step to the other ranks, which follow it (`Ranks.follow` in a server)."""
+        from infer.engine.parallel import Ranks
 
-        assert self.parallel is not None and not self.primary
-        return Follower(self.model, self.stepper, self.parallel)
-
-    def _broadcasting(self) -> Any:  # infer.engine.parallel.Broadcasting
-        from infer.engine.parallel import Broadcasting
-
-        runner = self.engine.runner
-        assert isinstance(runner, Broadcasting)
-        return runner
-
-    def follow_engine(self) -> None:
-        """A parallel server's rank other than 0: replay rank 0's steps until its server stops."""
-        from infer.distributed.runtime import peer_failures
-
-        with peer_failures(self.parallel):
-            while self.follower.follow() is not None:
-                pass  # a call's end (a Python API call on rank 0): keep following
-
-    def keep_followers_alive(self) -> None:
-        """Rank 0 of a parallel server: keep-alives to the other ranks while idle (`follow_engine`)."""
-        self._broadcasting().keep_alive()
-
-    def stop_followers(self) -> None:
-        """Rank 0 of a parallel server, at its end: the other ranks leave `follow_engine`."""
-        self._broadcasting().close()
-
-    def _end_call(self, result: Any) -> None:
-        """Rank 0 of a parallel run: the call is over; the other ranks return ``result`` (or raise it)."""
-        if self.parallel is not None and self._engine is not None:
-            self._broadcasting().end_call(result)
-
-    def _followed(self) -> Any:
-        """A parallel run's rank other than 0: rank 0's result of this call (its error raised)."""
-        from infer.distributed.runtime import peer_failures
-
-        with peer_failures(self.parallel):
-            result = self.follower.follow()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        if self.parallel is None:
+            raise RuntimeError("this LLM runs in one process (no tensor/pipeline parallelism)")
+        return Ranks(self.parallel, self.model, self.stepper)
 
     @property
     def compiled(self) -> bool:
@@ -324,7 +279,7 @@ class LLM(Experimenting):
         """Every prompt through the engine (continuous batching); results in prompt order. Under
         tensor/pipeline parallelism rank 0 runs them and the other ranks return its results."""
         if not self.primary:
-            results: list[GenerationResult] = self._followed()
+            results: list[GenerationResult] = self.ranks.followed()
             return results
         try:
             handles = self._submit(prompts, params, text=False)
@@ -342,6 +297,11 @@ class LLM(Experimenting):
             raise
         self._end_call(results)
         return results
+
+    def _end_call(self, result: Any) -> None:
+        """Rank 0 of a parallel run: the call is over; the other ranks return ``result`` (or raise it)."""
+        if self.parallel is not None:
+            self.ranks.end_call(result)
 
     def _submit(self, prompts: list[list[int]], params: SamplingParams, *, text: bool) -> list[RequestHandle]:
         def request(i: int) -> SamplingParams:
@@ -452,7 +412,7 @@ class LLM(Experimenting):
 
     def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
         if not self.primary:
-            text: str = self._followed()
+            text: str = self.ranks.followed()
             if text:
                 yield text
             return

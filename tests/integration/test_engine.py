@@ -28,7 +28,7 @@ from infer.engine import (
     Runner,
     SamplingParams,
 )
-from infer.runtime.step import sampling_inputs
+from infer.runtime.step import Sampling, sampling_inputs
 
 TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
 PROMPT = [5, 9, 200, 31, 7, 44, 3]
@@ -293,7 +293,8 @@ def test_verify_then_rollback_equals_never_proposing(det: infer.LLM) -> None:
         spec = Runner(KVSlots(model, 1, 256))
         first = spec.step(0, 1, {0: list(PROMPT)}, mode, values, None).logits[0]
         proposed = [toks[0], (toks[1] + 1) % 200, 3, 4]  # the second is wrong
-        verified = spec.verify(0, proposed)
+        every = Sampling(greedy=True, exact_head=True, every_token=True)
+        verified = spec.step(0, 1, {0: proposed}, every, None, None).logits  # [4, V]: after each
         assert torch.equal(first, logits[0]) and torch.equal(verified[0], logits[1])
         spec.slots.rollback(0, len(PROMPT) + 1)  # keep the accepted toks[0]
         again = [decode(spec, t) for t in toks[1:5]]

@@ -2,18 +2,21 @@
 
 `FakeEngine` and `FakeHandle` have what `infer.serve.client.EngineClient` / `HandleClient` list (mypy
 checks it below); each test's engine writes its own ``submit`` and each handle its script as
-``__iter__``, which ``aiter`` reads on a worker thread (a script may sleep between events).
+``__iter__``, which ``aiter`` reads on a worker thread (a script may sleep between events). A fake
+engine describes a tokenizer (`infer.engine.ServedModel`): it needs no model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from infer.engine import Delta
+from infer.engine import Delta, ServedModel
 from infer.params import SamplingParams
+from infer.runtime.step import Sampling
 from infer.text.structured import Grammars
 
 if TYPE_CHECKING:
@@ -38,18 +41,26 @@ class FakeHandle:
 
 
 class FakeEngine:
-    """What the server reads of an engine besides ``submit`` (each test's own): the model, its
-    context, the grammars, stats, close."""
+    """What the server reads of an engine besides ``submit`` (each test's own): the model it serves
+    (a description of ``llm``'s tokenizer: anything with ``tokenizer``, ``config`` and ``eos_ids``),
+    its context, the grammars, stats, close."""
 
     max_batch = 1
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.context: int = llm.config.max_position_embeddings
+        self.served = ServedModel("tiny", llm.tokenizer, llm.config.vocab_size, self.context)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        return Grammars(self.llm.tokenizer, self.llm.model.vocab_size, sorted(self.llm.eos_ids))
+        return Grammars(self.llm.tokenizer, self.llm.config.vocab_size, sorted(self.llm.eos_ids))
+
+    def prepare(self, rows: Sequence[int], modes: Sequence[Sampling]) -> list[str]:
+        return []
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Any:
         raise NotImplementedError("each test's engine submits its own way")

@@ -416,15 +416,23 @@ def test_engine_refusals_are_400_naming_the_param_the_error_carries(
         assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == str(error)
 
 
-def test_create_app_takes_an_llm_or_an_engine_serving_one(tiny_llm: Any) -> None:
+def test_create_app_takes_an_llm_or_any_engine_client(tiny_llm: Any) -> None:
+    """An `infer.LLM`, or any engine with what `EngineClient` lists: one that describes a tokenizer
+    and no model at all is served."""
+    from types import SimpleNamespace
+
     from infer.serve import create_app
 
     with pytest.raises(TypeError, match=r"infer\.LLM or an engine"):
         create_app(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pass the LLM"):
         create_app(FakeEngine(tiny_llm), max_batch=2)
-    state = create_app(FakeEngine(tiny_llm)).state.serve
-    assert state.llm is tiny_llm and state.context == tiny_llm.config.max_position_embeddings
+    no_model = SimpleNamespace(tokenizer=tiny_llm.tokenizer, config=tiny_llm.config, eos_ids=tiny_llm.eos_ids)
+    state = create_app(FakeEngine(no_model)).state.serve
+    assert state.model.tokenizer is tiny_llm.tokenizer and state.model_name == "tiny"
+    assert state.context == tiny_llm.config.max_position_embeddings
+    state = create_app(tiny_llm).state.serve
+    assert state.model.name == tiny_llm.source.name and state.model.vocab_size == tiny_llm.config.vocab_size
 
 
 def test_a_burst_past_the_queue_is_refused_and_the_rest_served(

@@ -54,15 +54,16 @@ def test_a_server_queues_its_steps_at_start(
     fd = os.open(tmp_path / "run.lock", os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        keys = prepare_packages(llm, max_batch=16)
+        keys = prepare_packages(llm.start_engine(max_batch=16))
         kinds = [(k.split("-b")[1].rsplit("-", 1)) for k in keys]
         print(f"\nqueued: {kinds}")
         assert kinds == [["1", "100"], ["2-16", "100"], ["1", "000"], ["2-16", "000"], ["1", "010"],
                          ["2-16", "010"]]  # fmt: skip
         assert builder.queued(packages) == sorted(keys)
-        assert prepare_packages(llm, max_batch=16) == []  # queued already
+        assert prepare_packages(llm.engine) == []  # queued already
         other = infer.load(tiny_ckpt_factory("qwen3"))
-        assert [k.split("-b")[1] for k in prepare_packages(other, max_batch=1)] == ["1-100", "1-000", "1-010"]
+        keys = prepare_packages(other.start_engine(max_batch=1))
+        assert [k.split("-b")[1] for k in keys] == ["1-100", "1-000", "1-010"]
     finally:
         os.close(fd)
 

@@ -178,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not llm.primary:  # under torchrun: rank 0 serves; this rank runs its engine's steps
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        llm.follow_engine()
+        llm.ranks.follow()
         return 0
     from infer.serve import serve
 

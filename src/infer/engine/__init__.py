@@ -1,30 +1,36 @@
 """The generation engine: one loop owns a loaded model and steps every running request together.
 
-The rooms, in the order a step passes through them (docs/engine.md has the flow of one step):
+Each iteration is one plan (`plan.Plan`) handed from room to room, in the order a step passes
+through them (docs/engine.md has the flow of one plan):
 
 * `core` — `Engine`: submit, close, stats, and `Engine.step`: schedule -> run -> sample -> output;
 * `scheduler` — `Scheduler`: the waiting queue, the running requests by row, admission (the
-  prefix cache, shared prefixes), the rows each step feeds;
+  prefix cache, shared prefixes), the plan of each iteration (and all its policy: budget, chunks,
+  buckets), and what the output stage's result does to its tables (`Scheduler.update`); the counters;
+* `plan` — what flows: the `Plan` (typed KV operations, the forwards), and each stage's result;
 * `slots` — `KVSlots`: the KV memory (rows of slots, grown and shrunk; shared prefixes through
-  `infer.runtime.prefix.PrefixStore`); it never runs the model;
-* `runner` — `Runner`: the one place that runs the model (steps, verify passes, exact logits);
-* `parallel` — under ``torchrun``: rank 0's runner sends every step to the other ranks, which
-  replay it on their own part of the model (`follow`);
-* `sampling` — what a step samples with; the host-side fix-ups of processed rows;
-* `output` — `Outputs`: what each sampled token does to its request (EOS, length, logprobs);
+  `infer.runtime.prefix.PrefixStore`), changed by the plan's typed operations; it never runs the model;
+* `runner` — `Runner`: the one place that runs the model (a plan's forwards, exact logits);
+* `parallel` — under ``torchrun``: rank 0's runner sends every plan to the other ranks, which make
+  its KV operations and run its forwards on their own part of the model (`Ranks`);
+* `sampling` — `Sampler`: what a forward samples with; the host-side draws (processed rows, the
+  tokens a verify pass keeps);
+* `output` — `Outputs`: what each sampled token does to its request (EOS, length, logprobs), and
+  how far each row is kept;
 * `request` — `Request` (the engine's record), `RequestHandle` (the caller's side, which decodes
   the text off the model's thread), `Delta`;
 * `text` — `TextStream`: incremental detokenizing, stop strings;
-* `driver` — `Driver`: which thread runs the iterations.
+* `driver` — `Driver`: which thread runs the iterations, and the hand-off between threads;
+* `served` — `ServedModel`: what a server shows of the model.
 
-Speculative decoding proposes and verifies in `infer.speculative`; it returns tokens to the
-engine, which takes them through the same output stage.
+Speculative decoding proposes in `infer.speculative`; a verify pass is a forward of the plan.
 """
 
 from infer.engine.core import Engine, Model
 from infer.engine.driver import HANDOVER_S, IDLE_EXIT_S
 from infer.engine.request import Delta, EngineClosed, EngineFull, RequestHandle, TokenLogprob, collect
 from infer.engine.runner import Runner
+from infer.engine.served import ServedModel
 from infer.engine.slots import KVSlots
 from infer.params import MAX_LOGPROBS, SamplingParams
 
@@ -41,6 +47,7 @@ __all__ = [
     "RequestHandle",
     "Runner",
     "SamplingParams",
+    "ServedModel",
     "TokenLogprob",
     "collect",
 ]

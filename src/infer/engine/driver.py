@@ -9,6 +9,10 @@ thread paid ~2x per small op at 2 threads (docs/performance.md). Callers that ca
 on demand, gone after `IDLE_EXIT_S` idle) that drives whenever no caller does. The background
 thread holds its engine only while working, so an idle engine (and the model it owns) can be
 garbage collected.
+
+The driver owns the hand-off between threads: the lock, the background thread, the callers' wait
+for room in the queue (`Driver.submit`) and the engine's closing; an iteration is
+`infer.engine.Engine.step` given the requests the free rows take from the queue.
 """
 
 from __future__ import annotations
@@ -18,27 +22,40 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
-from infer.engine.request import Delta, Request, RequestHandle
+from infer.engine.request import Delta, EngineClosed, EngineFull, Request, RequestHandle
 from infer.host.threads import release_openmp_workers
 
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long without work (the next submit starts one)
 HANDOVER_S = 0.005  # a caller waiting for another thread's iteration checks this often whether to drive
 
 
-class Engine(Protocol):
-    """What the driver runs of an engine (`infer.engine.core.Engine`); ``_locked``: with ``cond`` held."""
+class Queue(Protocol):
+    """What the driver uses of the engine's scheduler (`infer.engine.scheduler.Scheduler`): the queue
+    and the running requests, which it touches only with its ``cond`` held."""
 
-    closed: bool
-
-    def poll_locked(self) -> list[Request] | None: ...
-    def work(self, admitted: list[Request], interruptible: bool = False) -> None: ...
-    def exit_locked(self) -> bool: ...
-    def idle_locked(self) -> bool: ...
+    @property
+    def idle(self) -> bool: ...
+    def enqueue(self, r: Request) -> None: ...
+    def full(self, bound: int) -> bool: ...
+    def waiting_count(self) -> int: ...
+    def running_count(self) -> int: ...
+    def take_waiting(self) -> list[Request]: ...
+    def abort(self) -> None: ...
     def reap(self) -> None: ...
+    def fail(self, requests: Iterable[Request], error: BaseException) -> None: ...
+
+
+class Engine(Protocol):
+    """What the driver runs of an engine (`infer.engine.core.Engine`)."""
+
+    @property
+    def scheduler(self) -> Queue: ...
+    def step(self, admitted: Sequence[Request] = ()) -> None: ...
     def close(self, drain: bool = True, timeout: float | None = None) -> None: ...
 
 
@@ -55,8 +72,8 @@ def _stop_loops() -> None:
 
 class Driver:
     """The thread hand-off of one engine (see the module's docstring). ``cond`` guards the engine's
-    queues; the engine's `Engine.poll_locked`, `Engine.work` and `Engine.exit_locked` are what an
-    iteration runs."""
+    queue and running requests; an iteration takes the requests the free rows take (`_poll_locked`)
+    and runs `Engine.step` (`_work`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = weakref.ref(engine)
@@ -64,7 +81,91 @@ class Driver:
         self.thread: threading.Thread | None = None  # the background thread, while it lives
         self.current: threading.Thread | None = None  # the thread running an iteration now
         self.parked = False  # the background thread waits for work, holding no reference to the engine
+        self.closed = False  # `close`: nothing more is admitted
         _ENGINES.add(engine)
+
+    # ---- the callers' side ------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[Request], max_waiting: int, *, wait: bool, drive: bool) -> None:
+        """Queue ``requests`` in order (`Engine.submit_many`): `EngineFull` past ``max_waiting``
+        waiting requests unless ``wait`` (then block for room; with ``drive``, by running the loop),
+        `EngineClosed` after `close`."""
+        engine = self.engine()
+        assert engine is not None
+        s = engine.scheduler
+        for r in requests:
+            while wait and drive and self._full(s, max(1, max_waiting)):
+                self.drive_once()  # make room by running the loop (or wait while another does)
+            with self.cond:
+                while not self.closed and s.full(max(1, max_waiting)) and wait:
+                    if drive:
+                        break  # filled since the check above by another caller: one more waits
+                    self.start_locked()
+                    self.cond.wait(0.5)
+                if self.closed:
+                    raise EngineClosed("the engine is closed")
+                if s.full(max_waiting) and not wait:
+                    raise EngineFull(f"{s.waiting_count()} requests are waiting (max_waiting={max_waiting})")
+                s.enqueue(r)
+                if not drive:
+                    self.start_locked()
+                self.cond.notify_all()
+
+    def _full(self, s: Queue, bound: int) -> bool:
+        with self.cond:
+            return not self.closed and s.full(bound)
+
+    def close(self, drain: bool, timeout: float | None) -> None:
+        """Stop admitting; finish (``drain``) or cancel the running and waiting requests; end the loop."""
+        engine = self.engine()
+        assert engine is not None
+        s = engine.scheduler
+        with self.cond:
+            self.closed = True
+            if not drain:
+                s.abort()  # also ends requests being admitted right now (in no list)
+            if not s.idle:
+                self.start_locked()  # ends them even if no caller is iterating them
+            self.cond.notify_all()
+        self.join(timeout)
+
+    def reap(self, s: Queue) -> None:
+        """End cancelled requests now when no thread is running the loop, so a caller that stopped
+        iterating early does not leave its row held until somebody runs the next step."""
+        with self.cond:
+            if not self.running_elsewhere():  # else the running loop ends them at its next iteration
+                s.reap()
+
+    # ---- an iteration -----------------------------------------------------------------------------
+
+    def _poll_locked(self, engine: Engine) -> list[Request] | None:
+        """Requests to admit now ([] when only running ones need a step); None when idle."""
+        s = engine.scheduler
+        admitted = s.take_waiting()
+        if admitted:
+            self.cond.notify_all()  # room in the waiting queue
+        if admitted or s.running_count():
+            self.parked = False
+            return admitted
+        return None
+
+    def _exit_locked(self, engine: Engine) -> bool:
+        """Whether the background thread should end now (nothing waiting or running)."""
+        if not engine.scheduler.idle:
+            return False
+        self.thread = None
+        return True
+
+    @staticmethod
+    def _work(engine: Engine, admitted: list[Request], interruptible: bool = False) -> None:
+        """One `Engine.step` of ``admitted``. A failure ends what ran (the engine keeps serving); an
+        interrupt (``interruptible``: a caller drives) is raised after that."""
+        try:
+            engine.step(admitted)
+        except BaseException as e:  # a bug or a failing model: end what ran, keep serving
+            engine.scheduler.fail(admitted, e)
+            if interruptible and not isinstance(e, Exception):
+                raise  # Ctrl-C in a caller driving the loop is the caller's
 
     def start_locked(self) -> None:
         """Start the background thread unless it runs (``cond`` held)."""
@@ -116,13 +217,13 @@ class Driver:
             if self.current is not None:
                 self.cond.wait(HANDOVER_S)  # until that iteration ends
                 return False
-            admitted = engine.poll_locked()
+            admitted = self._poll_locked(engine)
             if admitted is None:
                 return False
             self.current = threading.current_thread()
         try:
             with torch.inference_mode():
-                engine.work(admitted, interruptible=True)
+                self._work(engine, admitted, interruptible=True)
         finally:
             with self.cond:
                 self.current = None
@@ -135,11 +236,11 @@ class Driver:
         engine = self.engine()
         if engine is None:
             return
-        engine.reap()
+        self.reap(engine.scheduler)
         deadline = time.monotonic() + timeout
         with self.cond:
             while (
-                not self.parked and engine.idle_locked() and self.thread is not None
+                not self.parked and engine.scheduler.idle and self.thread is not None
                 and time.monotonic() < deadline
             ):  # fmt: skip
                 self.cond.wait(0.01)
@@ -157,9 +258,9 @@ def _loop(ref: weakref.ref[Driver]) -> None:
             cond = driver.cond
             with cond:
                 driven = driver.current is not None  # by a caller (`Driver.drive_once`)
-                admitted = None if driven else engine.poll_locked()
+                admitted = None if driven else driver._poll_locked(engine)
                 if admitted is None:
-                    if not driven and engine.closed and engine.exit_locked():
+                    if not driven and driver.closed and driver._exit_locked(engine):
                         return
                     driver.parked = True
                     cond.notify_all()  # `Driver.settle` waits for this
@@ -169,12 +270,12 @@ def _loop(ref: weakref.ref[Driver]) -> None:
                     engine = None if driver is None else driver.engine()
                     if driver is None or engine is None:
                         return
-                    if not woke and driver.current is None and engine.exit_locked():
+                    if not woke and driver.current is None and driver._exit_locked(engine):
                         return
                     continue
                 driver.current = threading.current_thread()
             try:
-                engine.work(admitted)
+                driver._work(engine, admitted)
             finally:
                 with cond:
                     driver.current = None

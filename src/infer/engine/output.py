@@ -1,7 +1,14 @@
-"""What a step's sampled tokens do to their requests: `Outputs.take` checks a token (non-finite
-logits, a constraint's verdict), computes its logprobs, ends the request on an EOS id, a completed
-constraint or its length, and hands the token to the request's handle (which decodes the text and
-finds stop strings: `infer.engine.request.RequestHandle`). `Outputs.finish` ends a request."""
+"""The output stage: what a plan's sampled tokens do to their requests.
+
+`Outputs.take(plan, sampled)` walks each forward's rows: a prompt chunk read moves the request's
+prompt on; each token a row gives is checked (non-finite logits, a constraint's verdict), its
+logprobs computed, and handed to the request's handle (which decodes the text and finds stop
+strings: `infer.engine.request.RequestHandle`) until one ends the request (an EOS id, a completed
+constraint, its length). A verify pass's row gives several tokens and a plain step's one: the same
+path takes them, and a row whose request took fewer tokens than it was fed is rolled back to what
+it took (``Update.keep``, which the scheduler applies with the rest of the `Update`: the requests
+that ended, the counts). It writes the requests' own state only (their tokens, their noise, their
+acceptance estimates); the scheduler's tables are the scheduler's."""
 
 from __future__ import annotations
 
@@ -9,40 +16,87 @@ import time
 
 import torch
 
-from infer.engine.request import Delta, Ending, Request, TokenLogprob
-from infer.engine.scheduler import Scheduler
+from infer.engine.plan import Ended, Forward, Pass, Plan, Row, Sampled, Update
+from infer.engine.request import Request, TokenLogprob
 from infer.params import NonFiniteLogitsError
 
 
 class Outputs:
-    """The output stage of one engine (its scheduler frees the rows of ended requests)."""
+    """The output stage of one engine (see the module's docstring)."""
 
-    def __init__(self, scheduler: Scheduler, stats: dict[str, float]) -> None:
-        self.scheduler = scheduler
-        self.stats = stats
+    def take(self, plan: Plan, sampled: list[Sampled]) -> Update:
+        """Take what each of ``plan``'s forwards gave its requests (``sampled``, one per forward)."""
+        update = Update()
+        for forward, result in zip(plan.forwards, sampled, strict=True):
+            if result.error is not None:  # the forward failed: its rows were left as they were
+                update.ended += [Ended(r, "error", result.error) for r in forward.requests.values()]
+                continue
+            update.steps += 1
+            if forward.kind == "prefill":
+                self._prefill(forward, result, update)
+            else:
+                self._decode(forward, result, update)
+        return update
 
-    def take(self, r: Request, token: int, nonfinite: bool, logits: torch.Tensor, index: int) -> bool:
-        """Take one sampled token of ``r`` (drawn from ``logits[index]``); whether ``r`` goes on
-        (an EOS id, a completed constraint, the length or an error ends it)."""
+    def _prefill(self, forward: Forward, result: Sampled, update: Update) -> None:
+        for row, r in forward.requests.items():
+            fed = len(forward.feeds[row])
+            r.prefilled += fed
+            update.prefilled += fed
+            del r.pending[:fed]
+            if not r.pending:  # the prompt is read: this step's logits pick the first token
+                self._tokens(r, result.rows[row], update)
+
+    def _decode(self, forward: Forward, result: Sampled, update: Update) -> None:
+        update.batch = len(forward.requests)
+        update.verified = forward.kind == "verify"
+        width = max(len(f) for f in forward.feeds.values())
+        update.costs.append((len(forward.requests), width if update.verified else 1, result.seconds))
+        for row, r in forward.requests.items():
+            got = result.rows[row]
+            taken = self._tokens(r, got, update)
+            if r.noise is not None and not got.leviathan:
+                r.noise.drop(taken)  # the noise of positions not taken stays for the tokens that take them
+            kept = forward.base[row] + taken
+            if kept < forward.base[row] + len(forward.feeds[row]):
+                update.keep[row] = kept
+            proposal = forward.proposals.get(row)
+            if proposal is not None:
+                accepted = len(got.tokens) - 1
+                assert r.spec is not None
+                r.spec.acceptance.update(proposal.kind, len(proposal.tokens), accepted)
+                update.passes.append(Pass(proposal.kind, len(proposal.tokens), accepted, taken))
+
+    def _tokens(self, r: Request, got: Row, update: Update) -> int:
+        """Take ``got``'s tokens for ``r`` in order until one ends it; how many it took."""
+        taken, before = 0, len(r.generated)
+        for i, token in enumerate(got.tokens):
+            taken += 1
+            ended = self._token(r, token, got.nonfinite[i], got.logits[got.index[i]])
+            if ended is not None:
+                update.ended.append(ended)
+                break
+        update.generated += len(r.generated) - before
+        return taken
+
+    def _token(self, r: Request, token: int, nonfinite: bool, logits: torch.Tensor) -> Ended | None:
+        """Take one sampled token of ``r`` (drawn from ``logits [V]``); what ended ``r`` (an EOS id, a
+        completed constraint, the length or an error), None when it goes on."""
         now = time.perf_counter()
         n = len(r.generated) + 1
         if nonfinite:
             where = "prefill" if n == 1 else f"decode step {n - 1}"
             error = NonFiniteLogitsError(f"non-finite logits (NaN or inf) at {where} (generated token {n})")
-            self.finish(r, "error", error)
-            return False
+            return Ended(r, "error", error)
         processor = r.processor
         if processor is not None and processor.error is not None:
-            self.finish(r, "error", ValueError(f"{processor.error} (generated token {n})"))
-            return False
+            return Ended(r, "error", ValueError(f"{processor.error} (generated token {n})"))
         if n == 1:
-            r.first = r.handle.first_token = now
+            r.first = now
         r.generated.append(token)
-        self.scheduler.used[r.row] = now
-        self.stats["generated_tokens"] += 1
         logprobs = None
         if r.params.logprobs is not None:
-            lp = torch.log_softmax(logits[index].float(), dim=-1)
+            lp = torch.log_softmax(logits.float(), dim=-1)
             top: list[tuple[int, float]] = []
             if r.params.logprobs > 0:
                 values, ids = lp.topk(min(r.params.logprobs, lp.shape[-1]))
@@ -51,42 +105,15 @@ class Outputs:
         complete = processor is not None and processor.accept(token)  # nothing but EOS may follow
         if processor is not None and processor.error is not None:
             refused = ValueError(f"{processor.error} (generated token {n})")
-            self.finish(r, "error", refused, [token], logprobs)
-            return False
+            return Ended(r, "error", refused, [token], logprobs)
         if token in r.eos:
             detail = "stop" if token in r.params.stop_token_ids else "eos"
-            self.finish(r, "stop", None, [token], logprobs, detail)
-            return False
+            return Ended(r, "stop", None, [token], logprobs, detail)
         if complete or n >= r.max_new:
-            reason = "stop" if complete else "length"
-            self.finish(r, reason, None, [token], logprobs)
-            return False
+            return Ended(r, "stop" if complete else "length", None, [token], logprobs)
         r.pending = [token]
-        r.handle.put(Delta([token], "", logprobs, None))
-        return True
-
-    def finish(
-        self,
-        r: Request,
-        reason: str,
-        error: BaseException | None = None,
-        tokens: list[int] | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-        detail: str | None = None,
-    ) -> None:
-        """End ``r`` with ``reason`` ("stop", "length", "error", "cancelled"): its row is free and its
-        final event goes to its handle."""
-        now = time.perf_counter()
-        self.scheduler.release(r)
-        start = r.started or now
-        ending = Ending(detail or reason, error, (r.first or now) - start, now - r.first if r.first else 0.0)
-        self.stats["finished"] += 1
-        self.end(r, Delta(tokens or [], "", logprobs, reason, None if error is None else str(error)), ending)
-
-    def end(self, r: Request, delta: Delta, ending: Ending | None = None) -> None:
-        """Send ``r``'s final event (``delta`` has its finish reason)."""
-        r.ended = True
-        r.handle.put(delta, ending or Ending(delta.finish_reason or "cancelled", None, 0.0, 0.0))
+        r.emit([token], logprobs)
+        return None
 
 
 __all__ = ["Outputs"]

@@ -1,101 +1,60 @@
-"""One engine under ``torchrun``: rank 0 schedules, every rank runs the same batched step.
+"""One engine under ``torchrun``: rank 0 plans, every rank runs the same plan.
 
-Rank 0's `Engine` runs with a `Broadcasting` runner. Its KV slots (`Journaled`) write down every
-change the scheduler makes to them (rows reserved, rolled back, prefixes shared, bounds set),
-and before each forward the runner sends that journal and the step (rows, what each row is
-fed, the head's mode) to the other ranks in one broadcast. The other ranks `follow`: they keep
-KV slots of the same rows and capacity for their own part of the model (a tensor-parallel
-rank's heads, a pipeline stage's layers), apply the journal and run the same step, so every
-rank holds the same tokens in the same slots by construction, and the step's collectives meet.
-Only rank 0 samples (its logits are whole: the tensor-parallel head gathers the vocabulary,
-the last stage broadcasts them), decodes text and talks to clients; a follower's own sampling
-is greedy and discarded. Speculative decoding stays off under parallelism; a processed row
-(constraint, bias, penalty) takes the exact head (no partial re-scoring, whose vocabulary rows
-live on several ranks).
+Rank 0's `Engine` runs with a `Broadcasting` runner: before each plan runs it sends the other ranks
+the plan as they need it (`infer.engine.plan.Plan.wire`): the KV operations the scheduler made
+since the last one, typed, each with how it went on rank 0 (`infer.engine.plan.Done`), and the
+forwards (rows, what each row is fed, the head; a speculative verify pass is a forward like any
+other). The other ranks `follow`: they keep KV slots of the same rows and capacity for their own part
+of the model (a tensor-parallel rank's heads, a pipeline stage's layers), make the same operations
+and run the same forwards, so every rank holds the same tokens in the same slots, and the forwards'
+collectives meet. An operation or a forward whose outcome on a follower differs from rank 0's (it
+failed here and not there, or the reverse) means the ranks' KV slots diverged: the follower raises
+`DivergenceError`, never goes on. Only rank 0 samples (its logits are whole: the tensor-parallel head
+gathers the vocabulary, the last stage broadcasts them), decodes text and talks to clients; a
+follower's own sampling is greedy and discarded. A processed row (constraint, bias, penalty) takes
+the exact head (no partial re-scoring, whose vocabulary rows live on several ranks).
 
-A server's followers stay in `follow` until rank 0 closes its engine (`Broadcasting.close`);
+A server's followers stay in `Ranks.follow` until rank 0 closes its engine (`Broadcasting.close`);
 rank 0 sends a keep-alive every `KEEPALIVE_S` while idle so no collective times out. A call of
-the Python API (`LLM.generate` under torchrun, on every rank) ends with `Broadcasting.end_call`,
-which gives the other ranks the call's result.
+the Python API (`LLM.generate` under torchrun, on every rank) ends with `Ranks.end_call`, which
+gives the other ranks the call's result. `Ranks` is what an `LLM` holds for all of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from infer.distributed.runtime import Parallel, broadcast_object, is_peer_failure, peer_failures
+from infer.engine.plan import Done, Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.runtime.step import Sampling, Stepper
+from infer.runtime.step import Stepper
 
 KEEPALIVE_S = 60.0  # a server's idle rank 0 tells the others it is alive this often
-F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _tracked(written: bool) -> Callable[[F], F]:
-    """A `KVSlots` method made from outside a step (``written``: its call is appended to the
-    journal for the other ranks) or by a step (the other ranks' step makes it too). Either way the
-    changes it makes through other methods are not written down: the other ranks replay it whole."""
-
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def wrapper(self: Journaled, *args: Any) -> Any:
-            if written and self.depth == 0:
-                self.journal.append((method.__name__, args))
-            self.depth += 1
-            try:
-                return method(self, *args)
-            finally:
-                self.depth -= 1
-
-        return wrapper  # type: ignore[return-value]
-
-    return wrap
-
-
-class Journaled(KVSlots):
-    """Rank 0's `KVSlots`: each change made from outside a step is appended to ``journal``."""
-
-    def __init__(self, model: DecoderLM, max_rows: int, context: int, share: bool | None = None) -> None:
-        self.journal: list[tuple[str, tuple[Any, ...]]] = []
-        self.depth = 0
-        super().__init__(model, max_rows, context, share=share)
-
-    reserve = _tracked(True)(KVSlots.reserve)
-    rollback = _tracked(True)(KVSlots.rollback)
-    share_prefix = _tracked(True)(KVSlots.share_prefix)
-    shrink = _tracked(True)(KVSlots.shrink)
-    set_bound = _tracked(True)(KVSlots.set_bound)
-    fit = _tracked(False)(KVSlots.fit)
-    advance = _tracked(False)(KVSlots.advance)
-
-    def take_journal(self) -> list[tuple[str, tuple[Any, ...]]]:
-        journal, self.journal = self.journal, []
-        return journal
-
-
-REPLAYED = frozenset({"reserve", "rollback", "share_prefix", "shrink", "set_bound"})
+class DivergenceError(RuntimeError):
+    """A rank's KV slots parted from rank 0's: an operation or a forward went otherwise here."""
 
 
 @dataclass
 class Step:
-    """One message to the other ranks: the slots' journal since the last one, then a step (or none)."""
+    """One message to the other ranks: the KV operations since the last one, then a plan's forwards
+    (none at the end of a call); ``ran``: how each forward of the last plan went on rank 0 (None:
+    it ran; else its error)."""
 
     shape: tuple[int, int, bool]  # the slots' (max_rows, context, share)
-    journal: list[tuple[str, tuple[Any, ...]]]
-    rows: tuple[int, int] | None = None  # [lo, hi) of the step
-    feeds: dict[int, list[int]] = field(default_factory=dict)
-    pad_to: int = 0
-    exact_head: bool = False
+    ops: list[Done]
+    forwards: list[Wired] = field(default_factory=list)
+    ran: list[str | None] | None = None
 
 
 @dataclass
@@ -109,17 +68,21 @@ STOP = "stop"
 KEEPALIVE = "keepalive"
 
 
-class Broadcasting(Runner):
-    """Rank 0's runner: each step is sent to the other ranks, then run (see the module's docstring)."""
+def _outcome(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
 
-    def __init__(self, parallel: Parallel, slots: Journaled, stepper: Stepper | None = None) -> None:
+
+class Broadcasting(Runner):
+    """Rank 0's runner: each plan is sent to the other ranks, then run (see the module's docstring)."""
+
+    def __init__(self, parallel: Parallel, slots: KVSlots, stepper: Stepper | None = None) -> None:
         super().__init__(slots, stepper)
         self.parallel = parallel
-        self.journaled = slots
-        self._lock = threading.Lock()  # one broadcast at a time (steps, keep-alives)
+        self._lock = threading.Lock()  # one broadcast at a time (plans, keep-alives)
         self._sent = time.monotonic()
         self._closed = False
         self._keepalive: threading.Thread | None = None
+        self._ran: list[str | None] | None = None  # how the last plan's forwards went here
 
     @property
     def exact_logits_allowed(self) -> bool:
@@ -136,22 +99,28 @@ class Broadcasting(Runner):
         s = self.slots
         return (s.max_rows, s.context, s.share)
 
-    def before_step(self, lo: int, hi: int, feeds: dict[int, list[int]], mode: Sampling, pad_to: int) -> None:
-        """Send the journal and the step to the other ranks (they run it with this rank)."""
-        journal = self.journaled.take_journal()
-        self._send(Step(self._shape(), journal, (lo, hi), feeds, pad_to, mode.exact_head))
+    def _step(self, forwards: list[Wired]) -> Step:
+        ran, self._ran = self._ran, None
+        return Step(self._shape(), self.slots.take_ops(), forwards, ran)
 
-    def forward(self) -> contextlib.AbstractContextManager[None]:
+    def send(self, plan: Plan) -> None:
+        """Send the plan to the other ranks (they run it with this rank)."""
+        ops, forwards = plan.wire()
+        message = self._step(forwards)
+        message.ops = ops + message.ops  # (none made between the plan and now)
+        self._send(message)
+
+    def run(self, plan: Plan, draws: Sequence[Draw]) -> list[Ran]:
+        out = super().run(plan, draws)
+        self._ran = [_outcome(r.error) for r in out]
+        return out
+
+    def guard(self) -> contextlib.AbstractContextManager[None]:
         return peer_failures(self.parallel)  # a rank gone mid-step is named
 
-    def verify_rows(
-        self, lo: int, hi: int, feeds: dict[int, list[int]], greedy: bool = False
-    ) -> dict[int, torch.Tensor]:
-        raise RuntimeError("speculative decoding runs in one process, not under tensor/pipeline parallelism")
-
     def end_call(self, result: Any) -> None:
-        """A Python API call ends on rank 0: the other ranks apply the journal and return ``result``."""
-        self._send(Step(self._shape(), self.journaled.take_journal()))
+        """A Python API call ends on rank 0: the other ranks make the last operations, return ``result``."""
+        self._send(self._step([]))
         self._send(EndCall(result))
 
     def keep_alive(self) -> None:
@@ -183,13 +152,14 @@ class Broadcasting(Runner):
 
 
 class Follower:
-    """A rank other than 0: its KV slots (made to rank 0's shape) and the loop that replays rank 0's steps."""
+    """A rank other than 0: its KV slots (made to rank 0's shape) and the loop that replays rank 0's plans."""
 
     def __init__(self, model: DecoderLM, stepper: Stepper, parallel: Parallel) -> None:
         self.model = model
         self.stepper = stepper
         self.parallel = parallel
         self.runner: Runner | None = None
+        self._ran: list[str | None] = []  # how the last plan's forwards went here
 
     def _slots(self, shape: tuple[int, int, bool]) -> Runner:
         s = None if self.runner is None else self.runner.slots
@@ -198,8 +168,27 @@ class Follower:
             self.runner = Runner(KVSlots(self.model, max_rows, context, share=share), self.stepper)
         return self.runner
 
+    def _diverged(self, what: str, here: str | None, there: str | None) -> DivergenceError:
+        rank = self.parallel.rank
+        if here is not None:
+            how = f"it failed on rank {rank} ({here}) and went through on rank 0"
+        else:
+            how = f"it went through on rank {rank} and failed on rank 0 ({there})"
+        return DivergenceError(f"rank {rank}'s KV slots diverged from rank 0's at {what}: {how}")
+
+    def apply(self, slots: KVSlots, ops: list[Done]) -> None:
+        """Make rank 0's KV operations; `DivergenceError` where one goes otherwise than on rank 0."""
+        for done in ops:
+            here = None
+            try:
+                slots.apply(done.op)
+            except Exception as e:
+                here = _outcome(e)
+            if (here is None) != (done.error is None):
+                raise self._diverged(repr(done.op), here, done.error)
+
     def follow(self) -> Any:
-        """Replay rank 0's steps until it ends a call (its result is returned) or stops (None)."""
+        """Replay rank 0's plans until it ends a call (its result is returned) or stops (None)."""
         while True:
             message = broadcast_object(self.parallel, None)
             if message == STOP:
@@ -209,23 +198,73 @@ class Follower:
             if isinstance(message, EndCall):
                 return message.result
             assert isinstance(message, Step), f"rank 0 sent {type(message).__name__}"
+            if message.ran is not None:
+                for i, (here, there) in enumerate(zip(self._ran, message.ran, strict=True)):
+                    if (here is None) != (there is None):
+                        raise self._diverged(f"forward {i} of the last plan", here, there)
             runner = self._slots(message.shape)
-            # Rank 0 made the same change on the same state: where it failed there (a request
-            # ended with the error), it fails here, and this rank goes on as rank 0 does.
-            for name, args in message.journal:
-                if name not in REPLAYED:
-                    raise RuntimeError(f"rank 0 sent an unknown KV slots change {name!r}")
-                with contextlib.suppress(Exception):
-                    getattr(runner.slots, name)(*args)
-            if message.rows is not None:
-                lo, hi = message.rows
-                mode = Sampling(greedy=True, exact_head=message.exact_head)
+            self.apply(runner.slots, message.ops)
+            self._ran = []
+            for f in message.forwards:
                 try:
                     with torch.inference_mode():
-                        runner.step(lo, hi, message.feeds, mode, None, None, message.pad_to)
+                        runner.step(f.lo, f.hi, f.feeds, f.mode, None, None, f.pad_to)
                 except Exception as e:
                     if is_peer_failure(e):
                         raise  # a rank gone: this run is over
+                    self._ran.append(_outcome(e))
+                else:
+                    self._ran.append(None)
 
 
-__all__ = ["KEEPALIVE_S", "Broadcasting", "EndCall", "Follower", "Journaled", "Step"]
+class Ranks:
+    """This process's part in a tensor- or pipeline-parallel run, and what it does there: rank 0's
+    engine runner (`runner`: it sends every plan), the other ranks' loop that follows it (`follow`,
+    `followed`) and the end of a Python API call (`end_call`). (A server's keep-alives:
+    `infer.engine.Engine.serving`.)"""
+
+    def __init__(self, parallel: Parallel, model: DecoderLM, stepper: Stepper) -> None:
+        self.parallel = parallel
+        self.model = model
+        self.stepper = stepper
+        self.broadcasting: Broadcasting | None = None  # rank 0's, once its engine is made
+        self._follower: Follower | None = None
+
+    @property
+    def primary(self) -> bool:
+        return self.parallel.rank == 0
+
+    def runner(self, max_batch: int, context: int) -> Broadcasting:
+        """Rank 0's engine runner (`infer.engine.Engine`'s ``runner``)."""
+        self.broadcasting = Broadcasting(self.parallel, KVSlots(self.model, max_batch, context, record=True),
+                                         self.stepper)  # fmt: skip
+        return self.broadcasting
+
+    @property
+    def follower(self) -> Follower:
+        if self._follower is None:
+            assert not self.primary
+            self._follower = Follower(self.model, self.stepper, self.parallel)
+        return self._follower
+
+    def follow(self) -> None:
+        """A parallel server's rank other than 0: replay rank 0's plans until its server stops."""
+        with peer_failures(self.parallel):
+            while self.follower.follow() is not None:
+                pass  # a call's end (a Python API call on rank 0): keep following
+
+    def followed(self) -> Any:
+        """A rank other than 0 in a Python API call: rank 0's result of the call (its error raised)."""
+        with peer_failures(self.parallel):
+            result = self.follower.follow()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def end_call(self, result: Any) -> None:
+        """Rank 0: the call is over; the other ranks return ``result`` (or raise it)."""
+        if self.broadcasting is not None:
+            self.broadcasting.end_call(result)
+
+
+__all__ = ["KEEPALIVE_S", "Broadcasting", "DivergenceError", "EndCall", "Follower", "Ranks", "Step"]

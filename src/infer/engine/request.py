@@ -64,6 +64,17 @@ class Driver(Protocol):
     def wake(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What the engine says of a request with each of its events: when it was admitted and its first
+    token sampled (`time.perf_counter`, 0.0: not yet), prompt tokens reused and computed."""
+
+    admitted: float
+    first_token: float
+    cached: int
+    prefilled: int
+
+
 @dataclass
 class Ending:
     """How the engine ended a request (given with its final event)."""
@@ -103,7 +114,7 @@ class RequestHandle:
     decode_seconds: float = 0.0
     prefilled: int = 0
     cached: int = 0
-    admitted: float = 0.0  # perf_counter() when the engine admitted it (set by the engine)
+    admitted: float = 0.0  # perf_counter() when the engine admitted it (from its events' `Progress`)
     first_token: float = 0.0  # ... when its first token was sampled
 
     def __post_init__(self) -> None:
@@ -114,32 +125,34 @@ class RequestHandle:
 
     # ---- the engine's side ---------------------------------------------------------------
 
-    def put(self, raw: Delta, ending: Ending | None = None) -> None:
-        """An event from the engine (tokens, no text yet; ``ending`` with the final one): delivered
-        with its text, on this thread for a plain-Python reader, on the event loop's for an
-        asyncio one."""
+    def put(self, raw: Delta, progress: Progress, ending: Ending | None = None) -> None:
+        """An event from the engine (tokens, no text yet; ``ending`` with the final one) and where the
+        request stands: delivered with its text, on this thread for a plain-Python reader, on the
+        event loop's for an asyncio one. The handle's fields are written here, from its events only."""
         with self._lock:
             if self._async is None:
-                delta = self._receive(raw, ending)
+                delta = self._receive(raw, progress, ending)
                 if delta is not None:
                     self.events.put(delta)
                 return
             loop = self._async[0]
         try:
-            loop.call_soon_threadsafe(self._deliver, raw, ending)
+            loop.call_soon_threadsafe(self._deliver, raw, progress, ending)
         except RuntimeError:  # the event loop is closed: nobody reads this request any more
             self.cancel()
 
-    def _deliver(self, raw: Delta, ending: Ending | None) -> None:
+    def _deliver(self, raw: Delta, progress: Progress, ending: Ending | None) -> None:
         assert self._async is not None
-        delta = self._receive(raw, ending)
+        delta = self._receive(raw, progress, ending)
         if delta is not None:
             self._async[1].put_nowait(delta)
 
-    def _receive(self, raw: Delta, ending: Ending | None = None) -> Delta | None:
+    def _receive(self, raw: Delta, progress: Progress, ending: Ending | None = None) -> Delta | None:
         """``raw`` with its text; None once the stream has ended (a stop string ended it first)."""
         if self.finished:
             return None
+        self.admitted, self.first_token = progress.admitted, progress.first_token
+        self.cached, self.prefilled = progress.cached, progress.prefilled
         self._tokens += raw.token_ids
         stream, stops = self._stream, self.params.stop
         if raw.finish_reason is None:
@@ -232,6 +245,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     started: float = 0.0  # admitted
     first: float = 0.0  # first token
+    cached: int = 0  # prompt tokens whose KV was reused (the prefix cache, a shared prefix)
+    prefilled: int = 0  # prompt tokens computed
     ended: bool = False  # its final event is sent
     # (row, n): the first n prompt tokens are being computed by the request in that row; this one
     # waits for them and then shares them (`Scheduler.resolve_waits`) instead of computing them too.
@@ -245,6 +260,19 @@ class Request:
     @property
     def decoding(self) -> bool:
         return bool(self.generated)
+
+    def progress(self) -> Progress:
+        return Progress(self.started, self.first, self.cached, self.prefilled)
+
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        """A running event: ``tokens`` sampled (with their logprobs when asked)."""
+        self.handle.put(Delta(tokens, "", logprobs, None), self.progress())
+
+    def end(self, delta: Delta, ending: Ending | None = None) -> None:
+        """The final event (``delta`` has its finish reason)."""
+        self.ended = True
+        reason = delta.finish_reason or "cancelled"
+        self.handle.put(delta, self.progress(), ending or Ending(reason, None, 0.0, 0.0))
 
 
 def collect(handle: RequestHandle) -> tuple[list[int], str]:
@@ -260,6 +288,7 @@ __all__ = [
     "Ending",
     "EngineClosed",
     "EngineFull",
+    "Progress",
     "Request",
     "RequestHandle",
     "TokenLogprob",

@@ -1,25 +1,31 @@
-"""A step's sampling: what the step samples with (`step_sampling`) and the fix-ups of processed rows
-(`resample_processed`: constraints, biases and penalties, sampled on the host after the step)."""
+"""The sampling stage: what each forward of a plan samples with (`Sampler.draws`) and what its
+rows get from its output (`Sampler.sample`).
+
+Inside the step each row is sampled with its own values and noise (`infer.runtime.step.sample`).
+After it, the host reads the step's tokens once; a row with a `RowProcessor` (a constraint, a bias,
+a penalty) is drawn again from its processed logits (`resample_processed`); a verify pass's rows
+keep the proposals the target agrees with (`infer.speculative.verified_tokens`). Which head a
+forward needs (`exact_head`) is policy the scheduler asks here when it plans the forward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from infer.engine.plan import Draw, Forward, Plan, Ran, Row, Sampled
 from infer.engine.request import Request
-from infer.engine.runner import Runner
 from infer.params import SamplingParams
 from infer.runtime.step import (
     Sampling,
-    SamplingValues,
     StepOutput,
     gumbel_noise,
     sample,
     sampling_inputs,
     stack_noise,
 )
+from infer.speculative import verified_tokens
 from infer.text.structured import narrow
 
 RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`resample_processed`)
@@ -27,6 +33,8 @@ RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly 
 # computes the exact head (one product for every row costs less than many rows' re-scoring).
 RESCORED_ROWS = 2
 GREEDY = SamplingParams()
+
+ExactLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -38,38 +46,108 @@ class RowValues:
     top_p: float
 
 
-def step_sampling(
-    requests: Sequence[Request | None], runner: Runner
-) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
-    """``(mode, values, noise)`` of a step whose rows run ``requests`` (None: a row fed nothing)."""
-    model = runner.model
-    params = [GREEDY if r is None else r.params for r in requests]
-    # Logprobs and sampled processed rows need every logit exact (a greedy head is exact at the
-    # argmax only); a few greedy processed rows re-score their best allowed candidates instead
-    # (`resample_processed`), more of them make the step compute the exact head.
-    live = [r for r in requests if r is not None]
-    greedy_processed = sum(1 for r in live if r.processor is not None and r.params.greedy)
-    limit = RESCORED_ROWS if runner.exact_logits_allowed else 0
-    exact = greedy_processed > limit or any(
-        r.params.logprobs is not None or (r.processor is not None and not r.params.greedy) for r in live
+def exact_head(requests: Sequence[Request], exact_allowed: bool, verify: bool = False) -> bool:
+    """Whether a forward of ``requests`` needs every logit exact, not only each row's argmax (which
+    a packed head computes scanning less): logprobs, sampled processed rows, more greedy processed
+    rows than re-score their candidates (`resample_processed`; none when ``exact_allowed`` is false:
+    a parallel run's head is whole anyway); a verify pass of any sampled row (its tokens are drawn
+    from every position's logits on the host)."""
+    if verify:
+        return any(r.params.logprobs is not None or not r.params.greedy for r in requests)
+    greedy_processed = sum(1 for r in requests if r.processor is not None and r.params.greedy)
+    limit = RESCORED_ROWS if exact_allowed else 0
+    return greedy_processed > limit or any(
+        r.params.logprobs is not None or (r.processor is not None and not r.params.greedy) for r in requests
     )
-    mode, values = sampling_inputs(params, model.device, exact_head=exact)
-    if mode.greedy:
-        return mode, values, None
-    vocab, device = model.vocab_size, model.device
-    rows: list[torch.Tensor | None] = []
-    for r in requests:
-        if r is None or r.generator is None:
-            rows.append(None)
-        elif r.noise is not None:  # speculation on: the rows a verify pass read ahead come first
-            rows.append(r.noise.take())
-        else:
-            rows.append(gumbel_noise(1, vocab, r.generator, device))
-    return mode, values, stack_noise(rows, vocab, device)
+
+
+class Sampler:
+    """The sampling stage of one engine over ``model`` (its vocabulary and device); ``exact_logits``:
+    a few vocabulary rows of the head, exactly (`Runner.exact_logits`), for greedy processed rows."""
+
+    def __init__(self, vocab: int, device: torch.device, exact_logits: ExactLogits) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.exact_logits = exact_logits
+
+    def draws(self, plan: Plan) -> list[Draw]:
+        """Each forward's sampling inputs, in order: its mode, values and noise (a verify pass samples
+        on the host afterwards: greedy in the step)."""
+        return [self._draw(f) for f in plan.forwards]
+
+    def _draw(self, forward: Forward) -> Draw:
+        if forward.kind == "verify":
+            return Draw(Sampling(greedy=True, exact_head=forward.exact_head, every_token=True))
+        requests = [forward.requests.get(row) for row in range(forward.lo, forward.hi)]
+        params = [GREEDY if r is None else r.params for r in requests]
+        mode, values = sampling_inputs(params, self.device, exact_head=forward.exact_head)
+        if mode.greedy:
+            return Draw(mode, values)
+        rows: list[torch.Tensor | None] = []
+        for r in requests:
+            if r is None or r.generator is None:
+                rows.append(None)
+            elif r.noise is not None and forward.kind == "decode":
+                rows.append(r.noise.peek(1))  # the next token's; the output stage drops what it took
+            elif r.noise is not None:
+                rows.append(r.noise.take())
+            else:
+                rows.append(gumbel_noise(1, self.vocab, r.generator, self.device))
+        return Draw(mode, values, stack_noise(rows, self.vocab, self.device))
+
+    def sample(self, plan: Plan, ran: list[Ran]) -> list[Sampled]:
+        """What each forward gives the rows that take tokens: a decode step's rows and the prompts a
+        prefill chunk finishes one token each, a verify pass's rows their kept proposals and the
+        target's own token. A forward that failed, or whose rows fail here, gives its exception."""
+        out: list[Sampled] = []
+        for forward, result in zip(plan.forwards, ran, strict=True):
+            if result.error is not None or result.out is None:
+                out.append(Sampled(error=result.error, seconds=result.seconds))
+                continue
+            try:
+                if forward.kind == "verify":
+                    rows = self._verified(forward, result.out)
+                else:
+                    rows = self._stepped(forward, result.out, result.draw)
+            except Exception as e:
+                out.append(Sampled(error=e, seconds=result.seconds))
+                continue
+            out.append(Sampled(rows, None, result.seconds))
+        return out
+
+    def _stepped(self, forward: Forward, out: StepOutput, draw: Draw) -> dict[int, Row]:
+        tokens: list[int] = out.tokens.tolist()  # the step's host read
+        bad: list[bool] = out.nonfinite.tolist()
+        requests = [forward.requests.get(row) for row in range(forward.lo, forward.hi)]
+        resample_processed(self.exact_logits, out, forward.lo, forward.feeds, requests, draw.noise, tokens,
+                           exact=draw.mode.exact_head)  # fmt: skip
+        rows: dict[int, Row] = {}
+        for row, r in forward.requests.items():
+            j = row - forward.lo
+            if len(forward.feeds[row]) == len(r.pending):  # its last fed token picks its next token
+                rows[row] = Row([tokens[j]], [bad[j]], out.logits, [j])
+        return rows
+
+    def _verified(self, forward: Forward, out: StepOutput) -> dict[int, Row]:
+        rows: dict[int, Row] = {}
+        start = 0
+        for row in range(forward.lo, forward.hi):
+            fed = forward.feeds.get(row)
+            if not fed:
+                continue
+            logits = out.logits[start : start + len(fed)]  # [len(fed), V]: after each fed token
+            start += len(fed)
+            r = forward.requests[row]
+            proposal = forward.proposals.get(row)
+            q = None if proposal is None else proposal.q
+            tokens, leviathan = verified_tokens(r, logits, fed[len(r.pending) :], q)
+            nonfinite: list[bool] = (~logits[: len(tokens)].amax(dim=-1).isfinite()).tolist()
+            rows[row] = Row(tokens, nonfinite, logits, list(range(len(tokens))), leviathan)
+        return rows
 
 
 def resample_processed(
-    runner: Runner,
+    exact_logits: ExactLogits,
     out: StepOutput,
     lo: int,
     feeds: dict[int, list[int]],
@@ -86,11 +164,11 @@ def resample_processed(
     A greedy step's logits (``exact`` false) are exact at each row's own argmax only (a packed
     head scans fewer bytes: `infer.quant.linear.QuantizedLinear.greedy`), so a greedy processed
     row takes its `RESCORED` best allowed tokens by those logits, computes their logits
-    exactly from the step's hidden state (`Runner.exact_logits`), processes them again, and
+    exactly from the step's hidden state (``exact_logits``: `Runner.exact_logits`), processes them again, and
     picks the best: exact arithmetic's choice whenever it is among those candidates (the head's
     own greedy scan ranks the exact winner within its first 51 on real text), at the cost of
     64 rows of the head instead of every one (Gemma 3: 262,144). With more than
-    `RESCORED_ROWS` such rows the step's head is exact instead (`step_sampling`)."""
+    `RESCORED_ROWS` such rows the step's head is exact instead (`exact_head`)."""
     picked = [
         (j, r, r.processor) for j, r in enumerate(requests)
         if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
@@ -107,7 +185,7 @@ def resample_processed(
             pool = logits[k] if allowed is None else logits[k, allowed]
             best = pool.topk(min(RESCORED, pool.shape[0])).indices
             ids = best if allowed is None else allowed[best]  # [K] candidates
-            scores = processor.adjust(ids, runner.exact_logits(out.hidden[j], ids))
+            scores = processor.adjust(ids, exact_logits(out.hidden[j], ids))
             tokens[j] = int(ids[int(scores.argmax())])
             continue
         row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
@@ -127,4 +205,4 @@ def resample_processed(
         tokens[j] = pick if allowed is None else int(allowed[pick])
 
 
-__all__ = ["RESCORED", "RESCORED_ROWS", "resample_processed", "step_sampling"]
+__all__ = ["RESCORED", "RESCORED_ROWS", "Sampler", "exact_head", "resample_processed"]

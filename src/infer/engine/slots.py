@@ -1,7 +1,10 @@
 """The engine's KV memory: rows of slots, grown and shrunk on demand, and the prefixes rows share.
 
 `KVSlots` never runs the model: `infer.engine.runner.Runner` asks it for a row range's view
-(`KVSlots.fit`, `KVSlots.bind`) and tells it what a step wrote (`KVSlots.advance`).
+(`KVSlots.fit`, `KVSlots.bind`) and tells it what a step wrote (`KVSlots.advance`). The scheduler
+changes it only through typed operations (`KVSlots.apply`: `infer.engine.plan.KVOp`), which the
+engine's slots record, with how each went, for the next plan (`take_ops`): under torchrun the other
+ranks make the same operations on their slots.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.engine.plan import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.host.pages import release_freed_memory
 from infer.models.base import DecoderLM
-from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, round_up
+from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, bucket, round_up
 from infer.params import MAX_SPECULATIVE
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ class KVSlots:
         context: int,
         bucketed: bool = False,
         share: bool | None = None,
+        record: bool = False,
     ) -> None:
         from infer.runtime.prefix import PrefixStore, shares_prefixes
 
@@ -68,6 +73,35 @@ class KVSlots:
         # holding K/V computed under other hooks (`stale`) are never reused (`check_hooks`).
         self.hook_state: tuple[int, ...] = ()
         self.stale: set[int] = set()
+        self.record = record  # `apply` keeps each operation for the next plan (`take_ops`)
+        self.done: list[Done] = []
+
+    def apply(self, op: KVOp) -> None:
+        """Make ``op`` (the scheduler's one way to change the slots); when ``record``, kept with how it
+        went (what it raised, re-raised here) for the next plan."""
+        try:
+            match op:
+                case Reserve(rows, capacity):
+                    self.reserve(rows, capacity)
+                case Rollback(row, length):
+                    self.rollback(row, length)
+                case SharePrefix(src, count, dst):
+                    self.share_prefix(src, count, dst)
+                case Shrink():
+                    self.shrink()
+                case SetBound(row, bound):
+                    self.set_bound(row, bound)
+        except Exception as e:
+            if self.record:
+                self.done.append(Done(op, f"{type(e).__name__}: {e}"))
+            raise
+        if self.record:
+            self.done.append(Done(op))
+
+    def take_ops(self) -> list[Done]:
+        """The operations made since the last call, in order."""
+        done, self.done = self.done, []
+        return done
 
     @property
     def rows(self) -> int:
@@ -118,7 +152,7 @@ class KVSlots:
         if old is None or capacity > old.max_len:
             want = max(capacity, self.capacity, MIN_SLOTS)
             if self.bucketed:  # powers of two: few graphs for `compile=True`
-                capacity = 1 << (want - 1).bit_length()
+                capacity = bucket(want)
             else:  # a quarter more than asked, in whole key chunks: memory follows the longest row
                 capacity = round_up(want + want // 4, KEY_CHUNK)  # and a growing row copies rarely
                 bound = self.bound()  # ... but no further than any row may ever hold

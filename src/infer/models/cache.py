@@ -40,6 +40,12 @@ def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two at or above ``n`` and ``least``: the shapes of compiled steps (rows, slots,
+    prompt tokens) come in these buckets, so that a few graphs serve every batch."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
 @dataclass
 class StepPlan:
     """Where a step's ``T`` tokens go and what they see (all tensors, computed once per step)."""
@@ -483,7 +489,6 @@ def slot_mask(
 
 
 __all__ = [
-    "KEY_CHUNK", "KV_DTYPES", "KVCache", "LayerKV", "SharedPrefix", "StepKV", "StepPlan", "dequantize_int8",
-    "quantize_int8",
-    "slot_mask",
+    "KEY_CHUNK", "KV_DTYPES", "KVCache", "LayerKV", "SharedPrefix", "StepKV", "StepPlan", "bucket",
+    "dequantize_int8", "quantize_int8", "round_up", "slot_mask",
 ]  # fmt: skip

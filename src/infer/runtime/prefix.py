@@ -27,6 +27,7 @@ GPT-2-style models (`shares_prefixes`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infer.host.pages import release_freed_memory
@@ -34,6 +35,16 @@ from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def shares_prefixes(model: DecoderLM) -> bool:
@@ -172,4 +183,4 @@ class PrefixStore:
         return min(s.start for s in segments), max(s.end for s in segments)
 
 
-__all__ = ["PrefixStore", "Segment", "shares_prefixes"]
+__all__ = ["PrefixStore", "Segment", "common_prefix", "shares_prefixes"]

@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache, round_up
+from infer.models.cache import KVCache, bucket, round_up
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
@@ -288,15 +288,15 @@ class Stepper:
         """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""
         if not self.compiled:
             return needed
-        bucket = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
-        return max(needed, min(bucket, round_up(self.model.config.max_position_embeddings, 64)))
+        slots = bucket(needed, MIN_CAPACITY)
+        return max(needed, min(slots, round_up(self.model.config.max_position_embeddings, 64)))
 
     def prefill_length(self, longest: int) -> int:
         """Tokens per row of a prefill step (prompts are right-padded to it): the longest
         prompt when eager, a power of two from `MIN_PREFILL` when compiled."""
         if not self.compiled:
             return longest
-        return max(MIN_PREFILL, 1 << (longest - 1).bit_length())
+        return bucket(longest, MIN_PREFILL)
 
     def cache(self, batch: int, capacity: int) -> KVCache:
         """A new empty cache of ``batch`` rows (never shared between generations)."""

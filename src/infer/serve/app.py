@@ -67,13 +67,14 @@ def create_app(
     max_waiting: int | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The ASGI app serving ``llm_or_engine`` (an `infer.LLM`, or an engine serving one: an
-    `infer.engine.Engine` or anything with what `EngineClient` lists).
+    """The ASGI app serving ``llm_or_engine``: an `infer.LLM`, or an engine (an
+    `infer.engine.Engine`, or anything with what `EngineClient` lists: the server needs nothing else,
+    the model it serves included, which the engine describes: `EngineClient.served`).
 
     Requests go to the model's one engine (``llm.engine``; made here with ``max_batch``
     rows and ``max_waiting`` queued requests when those are given and it does not exist
     yet), or to the engine passed. Shutting the app down cancels its own running
-    requests and leaves the engine to the `LLM`.
+    requests and leaves the engine to its owner.
     ``model_name`` is what ``/v1/models`` lists and requests must name (default: the
     checkpoint's directory or file name). ``api_key``: every endpoint but ``/health``
     and the chat page wants ``Authorization: Bearer <api_key>``. A request body over
@@ -84,32 +85,24 @@ def create_app(
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if isinstance(llm_or_engine, LLM):
-        llm = llm_or_engine
-        engine = _llm_engine(llm, max_batch, max_waiting)
+        engine = _llm_engine(llm_or_engine, max_batch, max_waiting)
     else:
         engine = llm_or_engine
-        try:
-            served = engine.llm
-        except AttributeError:
-            raise TypeError(
-                f"create_app takes an infer.LLM or an engine serving one, got {type(engine).__name__}"
-            ) from None
-        if not isinstance(served, LLM):
-            raise TypeError(f"create_app: the engine's .llm is not an infer.LLM ({type(served).__name__})")
-        llm = served
+        if not all(hasattr(engine, name) for name in ("served", "submit", "stats")):
+            raise TypeError(f"create_app takes an infer.LLM or an engine, got {type(engine).__name__}")
         if max_batch is not None or max_waiting is not None:
             raise ValueError("create_app: max_batch / max_waiting configure the LLM's engine: pass the LLM")
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None for no key")
-    source = llm.source
-    name: str = model_name or str(source.stem if source.suffix == ".gguf" else source.name) or "model"
+    served = engine.served
+    name: str = model_name or served.name
     metrics = Metrics(lambda: dict(engine.stats()))
-    state = ServeState(engine, llm, name, api_key, engine.context, metrics)
+    state = ServeState(engine, served, name, api_key, engine.context, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        state.cancel_all()  # the engine stays the LLM's: end only this app's requests
+        state.cancel_all()  # the engine stays its owner's: end only this app's requests
 
     app = FastAPI(title="infer", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.serve = state

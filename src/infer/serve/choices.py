@@ -12,7 +12,7 @@ from infer.text.prompts import ToolChat, read_reply
 from infer.text.tools import ToolCall, ToolFormat
 
 if TYPE_CHECKING:
-    from infer.llm import LLM
+    from infer.engine import ServedModel
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -70,12 +70,12 @@ class Choice:
         self.emitted += piece
         return piece
 
-    def end(self, llm: LLM, reason: str | None) -> None:
+    def end(self, model: ServedModel, reason: str | None) -> None:
         """The final event came: read the calls out of the reply (when tools were offered)."""
         text = "".join(self.text)
         self.reason, self.content = reason, text
         if self.chat is not None and self.chat.format is not None:
-            self.content, self.calls = read_reply(llm, self.chat, self.token_ids, text)
+            self.content, self.calls = read_reply(model, self.chat, self.token_ids, text)
             if self.calls:
                 self.reason = "tool_calls"
 

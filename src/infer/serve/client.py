@@ -6,11 +6,13 @@ engines of the server's tests (tests/serve/fake_engine.py). Nothing else of an e
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
-from infer.engine import Delta, Model
+from infer.engine import Delta, ServedModel
 from infer.params import SamplingParams
+from infer.runtime.step import Sampling
 from infer.text.structured import Grammars
 
 
@@ -35,8 +37,8 @@ class EngineClient(Protocol):
     """An engine as the server drives it (`infer.engine.Engine`)."""
 
     @property
-    def llm(self) -> Model:
-        """The model it serves (an `infer.LLM`: `create_app` checks)."""
+    def served(self) -> ServedModel:
+        """The model it serves, as a server shows it: name, tokenizer, vocabulary, context."""
         ...
 
     @property
@@ -63,8 +65,16 @@ class EngineClient(Protocol):
         """Counters for ``/metrics`` (running, waiting, batch_size, ...)."""
         ...
 
+    def prepare(self, rows: Sequence[int], modes: Sequence[Sampling]) -> list[str]:
+        """Queue the builds of the compiled decode steps of these shapes (the keys queued)."""
+        ...
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        """Around a server's run (under torchrun: the other ranks kept following, then let go)."""
+        ...
+
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop admitting and end the loop (a parallel server's end)."""
+        """Stop admitting and end the loop."""
         ...
 
 

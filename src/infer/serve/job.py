@@ -33,7 +33,7 @@ class Job:
         self.handles = list(handles)
         specials: dict[str, int] = {}
         if chat is not None and chat.format is not None:
-            specials = state.llm.tokenizer.special_tokens
+            specials = state.model.tokenizer.special_tokens
         self.choices = [Choice(i, h, chat, specials) for i, h in enumerate(handles)]
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
@@ -81,7 +81,7 @@ class Job:
     def logprobs(self, choice: Choice, items: list[TokenLogprob] | None) -> Any:
         if items is None:
             return None
-        tokenizer = self.state.llm.tokenizer
+        tokenizer = self.state.model.tokenizer
         if self.kind == "chat":
             return {"content": chat_logprobs(tokenizer, items)}
         out, choice.text_offset = text_logprobs(tokenizer, items, choice.text_offset)

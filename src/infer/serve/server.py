@@ -69,24 +69,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def prepare_packages(llm: LLM, max_batch: int) -> list[str]:
+def prepare_packages(engine: EngineClient) -> list[str]:
     """Queue, at start, the builds of the compiled decode steps a server will step (`infer.aot`):
     one row and 2-16 rows, greedy, sampled (OpenAI's default temperature is 1) and filtered
     (top-p / top-k), in that order. The background builder takes them in the gaps between
     requests and the engine picks each one up as it lands, so a server steps compiled code
     within minutes of starting, with nothing to wait for. The keys queued ([] where packages
     are off, or every one exists)."""
-    from infer.aot import PackageCache
     from infer.runtime.step import Sampling
 
-    packages = llm.stepper.packages
-    if not isinstance(packages, PackageCache):  # None: packages are off
-        return []
-    rows = [1] + ([2] if max_batch > 1 else [])
+    rows = [1] + ([2] if engine.max_batch > 1 else [])
     modes = [Sampling(), Sampling(greedy=False), Sampling(greedy=False, filtered=True)]
     keys: list[str] = []
     for mode in modes:  # each mode for one row, then for several: the likeliest first
-        keys += packages.prepare(rows, [mode])
+        keys += engine.prepare(rows, [mode])
     return keys
 
 
@@ -107,17 +103,15 @@ def serve(
     """Serve ``llm_or_engine`` (as `create_app` takes it) over HTTP until a signal; the exit status (0).
 
     Under tensor/pipeline parallelism (rank 0 of a torchrun) the engine is closed at the end and
-    the other ranks told to stop following it (`infer.LLM.follow_engine`).
+    the other ranks told to stop following it (`EngineClient.serving`; they follow in
+    `infer.engine.parallel.Ranks.follow`).
     """
     app = create_app(
         llm_or_engine, model_name=model_name, api_key=api_key, max_batch=max_batch, max_waiting=max_waiting,
         max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
     )  # fmt: skip
     state: ServeState = app.state.serve
-    parallel = state.llm.parallel is not None
-    if parallel:  # under torchrun: the other ranks replay this engine's steps (`infer.engine.parallel`)
-        state.llm.keep_followers_alive()
-    prepare_packages(state.llm, state.engine.max_batch)
+    prepare_packages(state.engine)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(
@@ -132,12 +126,10 @@ def serve(
     message = f"infer: serving {state.model_name!r} on http://{shown}:{bound_port} (Ctrl-C or SIGTERM stops)"
     (announce or (lambda text: print(text, file=sys.stderr, flush=True)))(message)
     try:
-        server.run(sockets=[sock])
+        with state.engine.serving():  # under torchrun: the other ranks follow this engine's plans
+            server.run(sockets=[sock])
     finally:
         sock.close()
-        if parallel:
-            state.engine.close(drain=False)
-            state.llm.stop_followers()
     return 0
 
 

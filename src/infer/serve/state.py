@@ -1,5 +1,5 @@
-"""`ServeState`: what an app holds (the engine, the model, limits, metrics) and the requests it
-has running, which a shutdown drains and then ends."""
+"""`ServeState`: what an app holds (the engine, the model it serves as a description, limits,
+metrics) and the requests it has running, which a shutdown drains and then ends."""
 
 from __future__ import annotations
 
@@ -7,21 +7,19 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from infer.engine import ServedModel
 from infer.serve.client import EngineClient, HandleClient
 from infer.serve.metrics import Metrics
-
-if TYPE_CHECKING:
-    from infer.llm import LLM
 
 
 @dataclass
 class ServeState:
-    """What the app holds: the engine, the model it serves, its limits and metrics."""
+    """What the app holds: the engine, the model it serves (its name, tokenizer, vocabulary,
+    context), its limits and metrics."""
 
     engine: EngineClient
-    llm: LLM
+    model: ServedModel
     model_name: str
     api_key: str | None
     context: int

@@ -40,15 +40,15 @@ def prompt_ids(
 ) -> tuple[list[int], str, ToolChat | None]:
     """The prompt's token ids, the name of the field that holds it, and (chat) the rendered chat
     with its tools and the constraint to generate under."""
-    llm = state.llm
+    model = state.model
     if kind == "chat":
-        if not has_chat_template(llm):
+        if not has_chat_template(model):
             raise bad(
                 f"model {state.model_name!r} has no chat template: use /v1/completions", "messages",
                 "no_chat_template",
             )  # fmt: skip
         try:
-            chat = tool_chat_of(llm, body, constraint)
+            chat = tool_chat_of(model, body, constraint)
         except FieldError as e:
             raise bad(str(e), e.param) from None
         return chat.ids, "messages", chat
@@ -66,11 +66,11 @@ def prompt_ids(
             check_unicode("prompt", prompt)
         except ValueError as e:
             raise bad(str(e), "prompt") from None
-        ids: list[int] = llm.tokenizer.encode(prompt)
+        ids: list[int] = model.tokenizer.encode(prompt)
         if not ids:
             raise bad("prompt encodes to no tokens", "prompt")
         return ids, "prompt", None
-    vocab = llm.config.vocab_size
+    vocab = model.vocab_size
     for i, t in enumerate(prompt):
         if not 0 <= t < vocab:
             raise bad(f"prompt[{i}]: token id {t} is out of range [0, {vocab})", "prompt")
@@ -160,7 +160,7 @@ def sampling_params(
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
             constraint=constraint,
-            logit_bias=check_logit_bias(body.logit_bias, state.llm.config.vocab_size),
+            logit_bias=check_logit_bias(body.logit_bias, state.model.vocab_size),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,

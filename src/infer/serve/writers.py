@@ -82,7 +82,7 @@ async def whole_response(job: Job, request: Request) -> Response:
         job.cancel()
 
     watcher = asyncio.create_task(watch())
-    llm = job.state.llm
+    model = job.state.model
     try:
         async for choice, delta in merged(job.choices):
             job.observe(delta)
@@ -93,7 +93,7 @@ async def whole_response(job: Job, request: Request) -> Response:
                 job.cancel()
                 job.finish(delta.finish_reason)
                 return end_error(delta).response()
-            choice.end(llm, finish_reason(delta.finish_reason))
+            choice.end(model, finish_reason(delta.finish_reason))
     finally:
         watcher.cancel()
     if all(c.reason is not None for c in job.choices):
@@ -115,7 +115,7 @@ async def sse(job: Job) -> AsyncIterator[bytes]:
     """The streamed response: a chunk per event with new content, the last with the finish reason
     (and the calls), the usage chunk when asked for, ``[DONE]``; a failed or ended request's
     stream ends with an error event and ``[DONE]``."""
-    llm = job.state.llm
+    model = job.state.model
     ended = 0
     async for choice, delta in merged(job.choices):
         job.observe(delta)
@@ -133,7 +133,7 @@ async def sse(job: Job) -> AsyncIterator[bytes]:
             if content or delta.token_ids or choice.first:
                 yield event(job.chunk(choice, delta, content, None))
             continue
-        choice.end(llm, finish_reason(delta.finish_reason))
+        choice.end(model, finish_reason(delta.finish_reason))
         yield event(job.chunk(choice, delta, content + choice.rest(), choice.reason, choice.calls))
         ended += 1
     if ended == len(job.choices):

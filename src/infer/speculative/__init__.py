@@ -4,7 +4,7 @@ A decode step reads every weight to produce one token per row. Here proposals co
 **n-gram lookup** (prompt lookup decoding: where the last ``n`` tokens of the text occurred
 before, the tokens that followed them then) or from a **draft model** (a small model with
 the target's tokenizer, or the target's own weights in a packed copy); the engine feeds a
-row's last token and its ``k`` proposals in one forward (`infer.engine.runner.Runner.verify_rows`,
+row's last token and its ``k`` proposals in one forward (a "verify" forward of the plan,
 a chunk of ``k + 1`` tokens), keeps the proposals the target agrees with and the target's
 own token after them, and rolls the row back past the rest (`KVSlots.rollback`).
 
@@ -29,14 +29,19 @@ own token after them, and rolls the row back past the rest (`KVSlots.rollback`).
   speculation backs off by itself where it does not pay: proposals that miss, or a batch
   wide enough that a pass of ``T`` tokens per row costs ``T`` decode steps.
 
-The engine (`infer.engine.Engine`) calls `Speculator.decode` for its decode step; the rest
-of its loop (admission, prefill, stops, events) is the same with speculation on or off.
+A verify pass is a forward of the engine's plan like any other (docs/engine.md, *The flow of one
+step*): when the scheduler plans the decode step it asks `Speculator.propose` for proposals, and
+the step becomes a forward of kind "verify" (each row fed its last token and its proposals, every
+fed token through the head); the sampling stage reads each row's tokens (`verified_tokens`), and
+the output stage takes them as it takes a plain step's, the scheduler rolling each row back past
+the tokens its request did not take. Under tensor/pipeline parallelism the pass goes to every rank
+with the plan. The rest of the engine's loop (admission, prefill, stops, events) is the same with
+speculation on or off.
 
 The rooms: `settings` (`Speculative`, `check_draft`), `state` (a request's `NgramIndex`,
-`Acceptance`, `NoiseQueue`: kept on the engine's request), `acceptance` (which proposals a pass
-keeps, what a pass costs), `draft` (`Drafter`), `speculator` (`Speculator`: plan, verify, and the
-tokens given back to the engine, `Verified`, which the engine takes through its output stage and
-then hands back how many it took: `Speculator.settle`).
+`Acceptance`, `NoiseQueue`: kept on the engine's request; `Speculating`, what speculation reads of
+a request), `acceptance` (which proposals a pass keeps, what a pass costs), `draft` (`Drafter`),
+`speculator` (`Speculator`: proposals and the pass width that pays).
 """
 
 from infer.speculative.acceptance import (
@@ -45,11 +50,12 @@ from infer.speculative.acceptance import (
     keep_matching,
     probabilities,
     rejection_sample,
+    verified_tokens,
 )
 from infer.speculative.draft import Drafter
 from infer.speculative.settings import DEFAULT_TOKENS, MAX_TOKENS, Speculative, check_draft
-from infer.speculative.speculator import Speculator, Verified
-from infer.speculative.state import Acceptance, NgramIndex, NoiseQueue, SpecState, common_prefix
+from infer.speculative.speculator import Proposal, Speculator
+from infer.speculative.state import Acceptance, NgramIndex, NoiseQueue, SpecState, Speculating
 
 __all__ = [
     "DEFAULT_TOKENS",
@@ -59,14 +65,15 @@ __all__ = [
     "NgramIndex",
     "NoiseQueue",
     "PassCost",
+    "Proposal",
     "SpecState",
+    "Speculating",
     "Speculative",
     "Speculator",
-    "Verified",
     "check_draft",
-    "common_prefix",
     "expected_tokens",
     "keep_matching",
     "probabilities",
     "rejection_sample",
+    "verified_tokens",
 ]

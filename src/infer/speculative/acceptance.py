@@ -1,19 +1,17 @@
-"""Which proposed tokens a verify pass keeps (`keep_matching`, `rejection_sample`), how many a pass
-is expected to give (`expected_tokens`), and what a pass costs (`PassCost`)."""
+"""Which proposed tokens a verify pass keeps (`verified_tokens`: `keep_matching`, `rejection_sample`),
+how many a pass is expected to give (`expected_tokens`), and what a pass costs (`PassCost`)."""
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    pass
-
+from infer.runtime.step import sample, sampling_inputs
 from infer.speculative.settings import KNEE_TOKENS
+from infer.speculative.state import Speculating
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -158,3 +156,23 @@ def rejection_sample(
         return out
     out.append(int(torch.multinomial(p[k], 1, generator=generator)))
     return out
+
+
+def verified_tokens(
+    r: Speculating, logits: torch.Tensor, drafts: Sequence[int], q: torch.Tensor | None
+) -> tuple[list[int], bool]:
+    """The tokens a verify pass gives ``r``, from the target's ``logits [len(drafts) + 1, V]`` after
+    each fed token (its last sampled one, then its proposals ``drafts``), and whether they were
+    drawn by rejection sampling. A sampled request's draft-model proposals (``q [k, V]``: the draft's
+    distributions) are kept by `rejection_sample`; any other proposals while they equal the target's
+    own token at their position, drawn as the plain step draws it (the greedy argmax, or the
+    request's noise for that token: `NoiseQueue.peek`), then that token (`keep_matching`)."""
+    if q is not None and r.noise is not None:
+        p = r.params
+        target = probabilities(logits, p.temperature, p.top_k, p.top_p)
+        return rejection_sample(target, q, drafts, r.noise.generator), True
+    n = logits.shape[0]
+    mode, values = sampling_inputs([r.params] * n, logits.device)
+    noise = None if r.noise is None or mode.greedy else r.noise.peek(n)
+    targets: list[int] = sample(logits, mode, values, noise).tolist()
+    return keep_matching(targets, drafts), False

@@ -4,25 +4,55 @@ one-token steps for every drafting row together."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from infer.params import SamplingParams
+from infer.runtime.prefix import common_prefix
 from infer.runtime.step import (
     Sampling,
+    SamplingValues,
+    StepOutput,
     gumbel_noise,
     sampling_inputs,
     stack_noise,
 )
 from infer.speculative.acceptance import PassCost, probabilities
-from infer.speculative.state import common_prefix
-
-if TYPE_CHECKING:
-    from infer.engine.request import Request
-    from infer.engine.runner import Runner
+from infer.speculative.state import Speculating
 
 GREEDY = SamplingParams()  # an idle row of a draft step
+
+
+class DraftSlots(Protocol):
+    """What the drafter uses of its KV slots (`infer.engine.KVSlots`)."""
+
+    @property
+    def context(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    def reserve(self, rows: int, capacity: int) -> None: ...
+    def rollback(self, row: int, length: int) -> None: ...
+    def tokens(self, row: int) -> list[int]: ...
+
+
+class DraftRunner(Protocol):
+    """What runs the draft model's steps on its own slots (`infer.engine.Runner`, made by the engine)."""
+
+    @property
+    def slots(self) -> DraftSlots: ...
+
+    def step(
+        self,
+        lo: int,
+        hi: int,
+        feeds: dict[int, list[int]],
+        mode: Sampling,
+        values: SamplingValues | None,
+        noise: torch.Tensor | None,
+        pad_to: int = 0,
+    ) -> StepOutput: ...
 
 
 class Drafter:
@@ -36,18 +66,18 @@ class Drafter:
 
     CATCH_UP = 512  # tokens per row per forward when the draft reads a prompt
 
-    def __init__(self, llm: Any, runner: Runner) -> None:
+    def __init__(self, llm: Any, runner: DraftRunner) -> None:
         self.llm = llm
         self.runner = runner
         self.slots = runner.slots
         self.cost = PassCost()  # its one-token steps
 
-    def room(self, r: Request) -> int:
+    def room(self, r: Speculating) -> int:
         """Tokens the draft's context leaves for ``r``'s proposals."""
         return self.slots.context - (len(r.prompt) + len(r.generated)) - 1
 
     def draft(
-        self, requests: list[Request], limits: dict[int, int], vocab: int
+        self, requests: Sequence[Speculating], limits: dict[int, int], vocab: int
     ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
         drawn as each request samples (greedy: the draft's argmax), and for a sampled request the

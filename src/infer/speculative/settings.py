@@ -4,13 +4,9 @@ draft model fits its target (`check_draft`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infer.params import MAX_SPECULATIVE, check_int
-
-if TYPE_CHECKING:
-    pass
-
 
 MAX_TOKENS = MAX_SPECULATIVE  # proposed tokens per pass at most (any setting)
 DEFAULT_TOKENS = 16  # proposed tokens per pass at most, unless set

@@ -1,4 +1,5 @@
-"""A request's speculation state: its n-gram index, its acceptance estimates and its noise.
+"""A request's speculation state: its n-gram index, its acceptance estimates and its noise, and
+what speculation reads of a request (`Speculating`).
 
 Kept on the engine's request (`infer.engine.request.Request`); nothing here runs the model."""
 
@@ -7,17 +8,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from infer.runtime.step import (
-    gumbel_noise,
-)
-
-if TYPE_CHECKING:
-    pass
-
+from infer.params import SamplingParams
+from infer.runtime.step import gumbel_noise
 from infer.speculative.settings import DECAY
 
 
@@ -152,11 +148,15 @@ class NoiseQueue:
             self._rows.popleft()
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+class Speculating(Protocol):
+    """What speculation reads and keeps of a running request (`infer.engine.request.Request`)."""
+
+    prompt: list[int]
+    generated: list[int]
+    pending: list[int]  # the tokens to feed next: the last sampled one
+    params: SamplingParams
+    row: int
+    max_new: int
+    noise: NoiseQueue | None
+    spec: SpecState | None
+    processor: Any  # a `RowProcessor` (constraint, bias, penalty), or None
