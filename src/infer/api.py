@@ -10,6 +10,7 @@ import torch
 
 from infer.aot import PackageCache, Recipe
 from infer.aot import pays as aot_pays
+from infer.distributed.runtime import agree
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
@@ -147,7 +148,15 @@ def load(
     llm.parallel = placed
     if lookup or draft is not None or speculative_tokens is not None:
         args = (lookup, draft, speculative_tokens, device, deterministic, kv_dtype)
-        llm.speculative = _speculative(llm, *args)
+        if placed is None:
+            llm.speculative = _speculative(llm, *args)
+        else:  # only rank 0 plans, so it alone proposes: its verify passes reach every rank in its plans
+            rank = placed.rank
+
+            def settings() -> tuple[Speculative | None]:
+                return (_speculative(llm, *args) if rank == 0 else None,)
+
+            llm.speculative = agree(placed, settings)[0]  # a draft refused on rank 0 fails every rank
     return llm
 
 
@@ -190,11 +199,10 @@ def _speculative(
     deterministic: bool,
     kv_dtype: str | torch.dtype | None = None,
 ) -> Speculative:
-    """`load`'s speculative settings, checked, with the draft model loaded."""
+    """`load`'s speculative settings, checked, with the draft model loaded (in this process: under
+    tensor/pipeline parallelism only rank 0 drafts, with the whole draft model)."""
     from infer.speculative import DEFAULT_TOKENS, Speculative, check_draft
 
-    if llm.parallel is not None:
-        raise ValueError("speculative decoding runs in one process; not under tensor/pipeline parallelism")
     if lookup == 0 and draft is None:
         raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
     if isinstance(draft, str) and draft == "self":

@@ -74,15 +74,17 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_ranks(world: int, args: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
-    """Run `CHILD` as ``world`` ranks; return each rank's result (its error, if it raised)."""
+def run_ranks(
+    world: int, args: dict[str, Any], timeout: float = 240, child: str = CHILD
+) -> list[dict[str, Any]]:
+    """Run ``child`` as ``world`` ranks; return each rank's result (its error, if it raised)."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", CHILD, json.dumps(args)],
+                [sys.executable, "-c", child, json.dumps(args)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -229,6 +231,87 @@ def test_a_failing_rank_fails_every_rank(tiny_ckpt_factory: Callable[..., Path],
     assert message.startswith("rank 1:")
 
 
+SPEC_CHILD = r"""
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+args = json.loads(sys.argv[1])
+rank = int(os.environ["RANK"])
+out = {"rank": rank}
+try:
+    import infer
+    from infer.speculative import Speculator
+
+    def plan(self, rows, proposals, drafting, *_):  # every pass proposes all it can
+        sizes = [len(p.tokens) for p in proposals.values()] + [room for room, _ in drafting.values()]
+        return 1 + max(sizes, default=0)
+
+    Speculator.plan = plan
+    if args.get("diverge") and rank == 1:  # a KV operation that fails on this rank only
+        from infer.engine import KVSlots
+        from infer.engine.plan import SetBound
+
+        apply = KVSlots.apply
+
+        def refusing(self, op):
+            if isinstance(op, SetBound) and op.bound > 0:
+                raise RuntimeError("planted: rank 1 refuses the bound")
+            apply(self, op)
+
+        KVSlots.apply = refusing
+    parallel = {"tensor_parallel": args["tp"], "pipeline_parallel": args["pp"]}
+    llm = infer.load(args["path"], dtype="float32", deterministic=True, **parallel, **args["spec"])
+    out["tokens"] = [r.token_ids for r in llm.generate(args["prompts"], max_new_tokens=args["new"])]
+    if rank == 0:
+        out["stats"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+except Exception as e:
+    out["error"] = [type(e).__name__, str(e)]
+print("RESULT " + json.dumps(out), flush=True)
+"""
+# Repetitive prompts: lookup finds matches in them, and the tiny model's greedy text repeats too.
+SPEC_PROMPTS = [[5, 9, 200, 31, 7, 44, 3] * 3, [70, 71, 72, 73, 70, 71, 72, 73, 70, 71]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec"),
+    [("tp2", {"lookup": 3}), ("pp2", {"lookup": 3}), ("tp2", {"draft": "self", "speculative_tokens": 4})],
+    ids=["tp2-lookup", "pp2-lookup", "tp2-draft"],
+)
+def test_speculation_under_parallelism_gives_one_process_tokens(
+    tiny_ckpt_factory: Callable[..., Path], mode: str, spec: dict[str, Any]
+) -> None:
+    """Deterministic mode: verify passes go to every rank in rank 0's plans (every pass proposes all
+    it can), and each rank returns the greedy tokens one process gives without speculation."""
+    path = tiny_ckpt_factory("llama")
+    tp, pp = (2, 1) if mode == "tp2" else (1, 2)
+    args = {"path": str(path), "tp": tp, "pp": pp, "spec": spec, "prompts": SPEC_PROMPTS, "new": 24}
+    results = run_ranks(2, args, child=SPEC_CHILD)
+    plain = infer.load(path, dtype="float32", deterministic=True)
+    want = [r.token_ids for r in plain.generate(SPEC_PROMPTS, max_new_tokens=24)]
+    for r in results:
+        assert "error" not in r, f"rank {r['rank']}: {r['error']}"
+        assert r["tokens"] == want, f"rank {r['rank']}"
+    stats = results[0]["stats"]
+    print(f"{mode} {spec}: {stats}")
+    assert stats["spec_passes"] > 0 and stats["spec_accepted"] > 0
+
+
+def test_a_kv_operation_failing_on_one_rank_is_a_divergence(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Rank 1's KV slots refuse an operation rank 0's made (a planted failure): rank 1 raises
+    `DivergenceError` naming the operation and both outcomes, and rank 0 fails too, naming rank 1,
+    instead of either going on with slots that differ."""
+    path = tiny_ckpt_factory("llama")
+    args = {"path": str(path), "tp": 2, "pp": 1, "spec": {}, "prompts": SPEC_PROMPTS, "new": 8}
+    args["diverge"] = True
+    results = run_ranks(2, args, timeout=120, child=SPEC_CHILD)
+    print([r.get("error") for r in results])
+    kind, message = results[1]["error"]
+    assert kind == "DivergenceError" and "SetBound(row=0" in message
+    assert "failed on rank 1 (RuntimeError: planted: rank 1 refuses the bound)" in message
+    assert "went through on rank 0" in message
+    assert "error" in results[0] and "rank 1" in results[0]["error"][1]
+
+
 def _cli(
     args: list[str], stdin: str = "", ranks: int = 0, log_dir: Path | None = None, timeout: float = 240
 ) -> tuple[str, str]:
@@ -266,3 +349,17 @@ def test_cli_under_torchrun_prints_once(
     )
     print(f"chat, one process: {chat_one!r}\nchat, 2 ranks: {chat_two!r}")
     assert chat_one.count("\n") == 2 and chat_two == chat_one  # two replies, printed once
+
+
+def test_cli_lookup_under_tensor_parallelism_prints_one_process_text(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``torchrun ... -m infer generate --deterministic --lookup 3 --tensor-parallel 2`` prints the
+    text one process prints without speculation."""
+    path = str(tiny_ckpt_factory("llama"))
+    common = ["--dtype", "float32", "--max-new-tokens", "24", "--quiet", "--deterministic", "--raw"]
+    one, _ = _cli(["generate", path, "abcabcabcab", *common])
+    two, _ = _cli(["generate", path, "abcabcabcab", *common, "--lookup", "3", "--tensor-parallel", "2"],
+                  ranks=2, log_dir=tmp_path)  # fmt: skip
+    print(f"one process: {one!r}\n2 ranks with lookup: {two!r}")
+    assert one.strip() and two == one
