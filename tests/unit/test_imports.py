@@ -219,6 +219,34 @@ def test_no_module_imports_a_higher_floor() -> None:
     assert not upward, "imports of a higher floor:\n" + "\n".join(upward)
 
 
+# Pairs of packages that import each other, each through modules of different floors (every
+# arrow between modules points down): docs/architecture.md, *Packages*, says why each stays.
+PACKAGE_PAIRS = {
+    ("infer.distributed", "infer.loader"),
+    ("infer.gguf", "infer.loader"),
+    ("infer.gguf", "infer.models"),
+    ("infer.loader", "infer.models"),
+    ("infer.loader", "infer.streaming"),
+}
+
+
+def package_of(module: str) -> str:
+    """``infer.engine.core`` -> ``infer.engine``; a top-level module is its own."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    return top if top in MODULES and MODULES[top].name == "__init__.py" else module
+
+
+def test_packages_import_each_other_only_where_documented() -> None:
+    arrows = {(package_of(m), package_of(t)) for m, targets in GRAPH.items() for t in targets}
+    arrows = {(a, b) for a, b in arrows if a != b and "infer" not in (a, b)}
+    pairs = {tuple(sorted((a, b))) for a, b in arrows if (b, a) in arrows}
+    print(sorted(pairs))
+    assert pairs == PACKAGE_PAIRS, (
+        f"new: {sorted(pairs - PACKAGE_PAIRS)}; gone: {sorted(PACKAGE_PAIRS - pairs)}"
+    )
+
+
 def test_the_config_reader_imports_nothing_of_infer() -> None:
     # Architectures register their rules with it (infer.models does on import).
     assert GRAPH["infer.loader.config"] == []
