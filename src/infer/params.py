@@ -124,7 +124,8 @@ class SamplingParams:
     """One request's generation settings, checked and normalized on construction (errors name the
     field: `ParamError`, `ParamTypeError`).
 
-    The first four are the sampling values (positional, as before: ``SamplingParams(0.7, 40)``):
+    The first four are the sampling values (positional: ``SamplingParams(0.7, 40)`` is temperature
+    0.7, top-k 40):
     ``temperature`` finite and >= 0 (0 is greedy), ``top_k`` in [0, 2**63 - 1] (0: off), ``top_p``
     in (0, 1] (1: off), ``seed`` None or in [0, 2**64 - 1]. The rest are what the engine honours
     per request; the free function `infer.runtime.generate.generate_steps` reads the first four only.

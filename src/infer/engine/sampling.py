@@ -10,7 +10,6 @@ forward needs (`exact_head`) is policy the scheduler asks here when it plans the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -35,15 +34,6 @@ RESCORED_ROWS = 2
 GREEDY = SamplingParams()
 
 ExactLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class RowValues:
-    """One row's sampling values for a host-side draw (`resample_processed`)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
 
 
 def exact_head(requests: Sequence[Request], exact_allowed: bool, verify: bool = False) -> bool:
@@ -193,13 +183,14 @@ def resample_processed(
         drawn = None
         if not p.greedy and noise is not None:
             drawn = noise[j] if allowed is None else noise[j, allowed]
-        values = RowValues(p.temperature, p.top_k, p.top_p)
+        top_p = p.top_p
         narrowed = None if p.greedy else narrow(row, p.temperature, p.top_k, p.top_p)
         if narrowed is not None:  # a top-k / top-p draw: sort its candidates, not the vocabulary
-            positions, values.top_p = narrowed
+            positions, top_p = narrowed
             row = row[positions]
             drawn = None if drawn is None else drawn[positions]
             allowed = positions if allowed is None else allowed[positions]
+        values = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=top_p)
         mode, sampled = sampling_inputs([values], row.device)
         pick = int(sample(row[None], mode, sampled, None if drawn is None else drawn[None])[0])
         tokens[j] = pick if allowed is None else int(allowed[pick])

@@ -33,6 +33,7 @@ import torch
 
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache, bucket, round_up
+from infer.params import SamplingParams
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
@@ -58,17 +59,6 @@ class SamplingValues:
     temperature: torch.Tensor  # [B] float32, 0 = greedy row
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1 = off
-
-
-class RowSampling(Protocol):
-    """What `sampling_inputs` reads of a row's parameters (`infer.params.SamplingParams` has it)."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def top_p(self) -> float: ...
 
 
 class StepFeed(NamedTuple):
@@ -103,7 +93,7 @@ class StepOutput:
 
 
 def sampling_inputs(
-    rows: Sequence[RowSampling], device: torch.device, exact_head: bool = False
+    rows: Sequence[SamplingParams], device: torch.device, exact_head: bool = False
 ) -> tuple[Sampling, SamplingValues | None]:
     """The static mode and the per-row values of ``rows`` (None when every row is greedy)."""
     greedy = all(r.temperature == 0.0 for r in rows)
@@ -345,7 +335,6 @@ __all__ = [
     "MIN_PREFILL",
     "PackagedStep",
     "Packages",
-    "RowSampling",
     "Sampling",
     "SamplingValues",
     "StepFeed",
