@@ -45,13 +45,13 @@ from infer.engine.output import Outputs
 from infer.engine.request import Request, RequestHandle
 from infer.engine.runner import Runner
 from infer.engine.sampling import Sampler
-from infer.engine.scheduler import Budget, Scheduler
+from infer.engine.scheduler import Policy, Scheduler
 from infer.engine.served import ServedModel
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
 from infer.runtime.step import Sampling, Stepper
-from infer.speculative import NoiseQueue, Speculative, Speculator
+from infer.speculative import Drafter, NoiseQueue, Speculative, Speculator
 from infer.text.structured import Grammars, RowProcessor, check_logit_bias
 
 if TYPE_CHECKING:
@@ -129,14 +129,15 @@ class Engine:
         self.slots = self.runner.slots
         speculator = None
         if llm.speculative is not None:
-            draft, draft_runner = llm.speculative.draft, None
+            draft, drafter = llm.speculative.draft, None
             if draft is not None:  # the draft model's KV: one row per row here (never shared)
                 room = min(limit, draft.model.config.max_position_embeddings)
-                draft_runner = Runner(KVSlots(draft.model, max_batch, room, share=False), draft.stepper)
-            speculator = Speculator(llm.speculative, limit, per_forward, model.vocab_size, draft_runner)
-        budget = Budget(prefill_chunk, idle_prefill_chunk, per_forward, self.runner.stepper.bucketed)
-        allowed = self.runner.exact_logits_allowed
-        self.scheduler = Scheduler(self.slots, max_batch, limit, budget, allowed, speculator)
+                slots = KVSlots(draft.model, max_batch, room, share=False)
+                drafter = Drafter(draft, Runner(slots, draft.stepper))
+            speculator = Speculator(llm.speculative, limit, per_forward, model.vocab_size, drafter)
+        policy = Policy(max_batch, limit, prefill_chunk, idle_prefill_chunk, per_forward,
+                        self.runner.stepper.bucketed, self.runner.exact_logits_allowed)  # fmt: skip
+        self.scheduler = Scheduler(self.slots, policy, speculator)
         self.sampler = Sampler(model.vocab_size, model.device, self.runner.exact_logits)
         self.outputs = Outputs()
         self.driver = Driver(self)

@@ -37,38 +37,31 @@ SPEC_COUNTERS = ("spec_passes", "spec_proposed", "spec_accepted", "spec_tokens",
 
 
 @dataclass(frozen=True)
-class Budget:
-    """How much prompt an iteration reads: ``chunk`` tokens while requests decode (they wait for the
+class Policy:
+    """What the scheduler plans with: ``max_batch`` rows run at once; ``context`` bounds a row's
+    tokens; an iteration reads ``chunk`` prompt tokens while requests decode (they wait for the
     forward), ``idle_chunk`` while none does; ``per_forward``: tokens one forward may take at most
     (a streamed model's plan), None for any; ``bucketed``: the shapes of steps in powers of two
-    (`compile=True`: a graph per shape), a decode step's window of rows and a prompt chunk's padding."""
+    (`compile=True`: a graph per shape), a decode step's window of rows and a prompt chunk's padding;
+    ``exact_allowed``: a processed row may re-score its candidates exactly (not in a parallel run)."""
 
+    max_batch: int
+    context: int
     chunk: int
     idle_chunk: int
-    per_forward: int | None
+    per_forward: int | None = None
     bucketed: bool = False
+    exact_allowed: bool = True
 
 
 class Scheduler:
     """The waiting queue, the running requests and the counters of one engine (see the module's
-    docstring). ``max_batch`` rows run at once; ``context`` bounds a row's tokens;
-    ``exact_allowed``: a processed row may re-score its candidates exactly (not in a parallel run);
-    ``speculator``: proposals for verify passes, None when speculation is off."""
+    docstring), planning by ``policy``; ``speculator``: proposals for verify passes, None when
+    speculation is off."""
 
-    def __init__(
-        self,
-        slots: KVSlots,
-        max_batch: int,
-        context: int,
-        budget: Budget,
-        exact_allowed: bool = True,
-        speculator: Speculator | None = None,
-    ) -> None:
+    def __init__(self, slots: KVSlots, policy: Policy, speculator: Speculator | None = None) -> None:
         self.slots = slots
-        self.max_batch = max_batch
-        self.context = context
-        self.budget = budget
-        self.exact_allowed = exact_allowed
+        self.policy = policy
         self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
@@ -87,14 +80,14 @@ class Scheduler:
     def full(self, bound: int) -> bool:
         """Whether the queue is at ``bound`` waiting requests (those free rows will take at the
         next step do not count as waiting)."""
-        free = self.max_batch - len(self.running)
+        free = self.policy.max_batch - len(self.running)
         return len(self.waiting) >= bound + free
 
     def take_waiting(self) -> list[Request]:
         """The waiting requests the free rows take now, in order; those cancelled while they waited
         end here instead."""
         out: list[Request] = []
-        while self.waiting and len(self.running) + len(out) < self.max_batch:
+        while self.waiting and len(self.running) + len(out) < self.policy.max_batch:
             r = self.waiting.popleft()
             if r.handle.cancelled or self.aborted:
                 self.end(r, "cancelled", ran=False)
@@ -245,21 +238,21 @@ class Scheduler:
         if self.speculator is not None:
             # A verify pass feeds every row of its span its width (the idle ones padding): the running
             # row nearest the end of the context bounds everyone's.
-            room = min(self.context - slots.length(i) for i in range(lo, hi) if i in running)
+            room = min(self.policy.context - slots.length(i) for i in range(lo, hi) if i in running)
             proposals = self.speculator.propose(list(requests.values()), base, room)
             if proposals is not None:
                 feeds = {i: r.pending + (proposals[i].tokens if i in proposals else []) for i, r in
                          requests.items()}  # fmt: skip
-                exact = exact_head(list(requests.values()), self.exact_allowed, verify=True)
+                exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=True)
                 return Forward("verify", lo, hi, feeds, exact, requests, base, proposals=proposals)
-        if self.budget.bucketed:
+        if self.policy.bucketed:
             # A power-of-two window of rows around the decoding ones (few graphs, one per size),
             # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
             width = min(slots.rows, bucket(hi - lo))
             lo = min(lo, slots.rows - width)
             hi = lo + width
         feeds = {i: r.pending for i, r in requests.items()}
-        exact = exact_head(list(requests.values()), self.exact_allowed)
+        exact = exact_head(list(requests.values()), self.policy.exact_allowed)
         return Forward("decode", lo, hi, feeds, exact, requests, base)
 
     def _prefill(self, idle: bool) -> list[Forward]:
@@ -267,7 +260,7 @@ class Scheduler:
         budget's tokens in all. Running streams wait for these forwards: a short chunk. Nobody waits
         (``idle``): a long one, which dequantizes each packed weight once for more tokens (Gemma 3, a
         4,096-token prompt: 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads)."""
-        running, b = self.running, self.budget
+        running, b = self.running, self.policy
         reading = sorted(row for row, r in running.items() if not r.decoding and r.waits is None)
         groups: list[list[int]] = []
         for i in reading:
@@ -290,7 +283,7 @@ class Scheduler:
             pad_to = 0
             if b.bucketed:
                 pad_to = bucket(T, MIN_PREFILL) if T > 1 else 1
-            exact = exact_head(list(requests.values()), self.exact_allowed)
+            exact = exact_head(list(requests.values()), self.policy.exact_allowed)
             base = {i: self.slots.length(i) for i in group}
             forwards.append(Forward("prefill", group[0], group[-1] + 1, feeds, exact, requests, base, pad_to))
             left -= sum(len(t) for t in feeds.values())
@@ -360,4 +353,4 @@ class Scheduler:
         return out
 
 
-__all__ = ["MIN_SHARED", "Budget", "Scheduler"]
+__all__ = ["MIN_SHARED", "Policy", "Scheduler"]

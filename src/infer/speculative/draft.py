@@ -4,7 +4,7 @@ one-token steps for every drafting row together."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -37,22 +37,18 @@ class DraftSlots(Protocol):
     def tokens(self, row: int) -> list[int]: ...
 
 
+# One step of the draft's rows [lo, hi): (lo, hi, feeds, mode, values, noise) -> its output.
+DraftStep = Callable[[int, int, dict[int, list[int]], Sampling, SamplingValues | None, torch.Tensor | None],
+                     StepOutput]  # fmt: skip
+
+
 class DraftRunner(Protocol):
     """What runs the draft model's steps on its own slots (`infer.engine.Runner`, made by the engine)."""
 
     @property
     def slots(self) -> DraftSlots: ...
-
-    def step(
-        self,
-        lo: int,
-        hi: int,
-        feeds: dict[int, list[int]],
-        mode: Sampling,
-        values: SamplingValues | None,
-        noise: torch.Tensor | None,
-        pad_to: int = 0,
-    ) -> StepOutput: ...
+    @property
+    def step(self) -> DraftStep: ...
 
 
 class Drafter:

@@ -8,12 +8,12 @@ It proposes and nothing more: the pass is a forward of the engine's plan like an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from infer.speculative.acceptance import PassCost, expected_tokens
-from infer.speculative.draft import Drafter, DraftRunner
+from infer.speculative.draft import Drafter
 from infer.speculative.settings import MARGIN, PROBE_EVERY, Speculative
 from infer.speculative.state import DRAFTED, NgramIndex, SpecState, Speculating
 
@@ -28,32 +28,23 @@ class Proposal:
     q: torch.Tensor | None = None  # [k, V]: the draft's distributions (a sampled request's drafts)
 
 
+@dataclass(eq=False)
 class Speculator:
     """Proposals and pass widths for the scheduler (see the module's docstring).
 
     ``context``: the engine's bound on a row's tokens; ``per_forward``: tokens one forward may
     take (a streamed model's plan), None for any; ``vocab``: the target's vocabulary;
-    ``draft_runner``: runs the draft model's steps on its own KV slots (made by the engine, as its
-    own) when the settings name a draft model.
+    ``drafter``: the draft model's side (`Drafter`: its own KV slots, made by the engine) when the
+    settings name a draft model.
     """
 
-    def __init__(
-        self,
-        config: Speculative,
-        context: int,
-        per_forward: int | None,
-        vocab: int,
-        draft_runner: DraftRunner | None = None,
-    ) -> None:
-        self.config = config
-        self.context = context
-        self.per_forward = per_forward
-        self.vocab = vocab
-        self.drafter = None
-        if config.draft is not None and draft_runner is not None:
-            self.drafter = Drafter(config.draft, draft_runner)
-        self.cost = PassCost()  # the target's plain decode steps and verify passes
-        self._skipped = 0  # passes skipped as too costly since the last one run
+    config: Speculative
+    context: int
+    per_forward: int | None
+    vocab: int
+    drafter: Drafter | None = None
+    cost: PassCost = field(default_factory=PassCost)  # the target's plain decode steps and verify passes
+    _skipped: int = 0  # passes skipped as too costly since the last one run
 
     # ---- per request ----------------------------------------------------------------------
 
