@@ -52,9 +52,9 @@ from typing import Any
 
 import httpx
 import psutil  # type: ignore[import-untyped]
+from llama_bin import llama_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_SERVER = Path("/root/.cache/infer-peers/llama.cpp-7a0258d54b25/bin/llama-server")
 MODELS = {
     "smollm2": "SmolLM2-135M Q4_1",
     "gemma3": "Gemma 3 270M Q4_K_M",
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         help="system-prompt tokens of the shared-prefix test (0: skip)",
     )
     p.add_argument("--shared-tokens", type=int, default=32, help="greedy tokens per request of that test")
-    p.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", LLAMA_SERVER)))
+    p.add_argument("--llama-server", type=Path, default=None)
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server gets to come up")
     p.add_argument(
         "--build-timeout",
@@ -692,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.servers:
         if s not in ("infer", "infer-det", "llama-server"):
             p.error(f"--servers: {s!r} is not one of infer, infer-det, llama-server")
+    if args.llama_server is None:
+        args.llama_server = Path(os.environ.get("LLAMA_SERVER") or llama_tool("llama-server"))
     if "llama-server" in args.servers and not args.llama_server.is_file():
         p.error(
             f"--llama-server: {args.llama_server} does not exist (build it with ../shared/peers/llamacpp.sh)"

@@ -17,7 +17,7 @@ Every figure is decode tok/s of one request on a fresh engine (no prefix cache f
 before), the median of ``--reps`` runs, plain and speculative alternating. "plain" is what
 ``infer.load(path)`` decodes with: ahead-of-time compiled packages when the cache holds them
 (`infer.aot`; ``--packages`` builds them first, in a temporary cache, for the shapes the plain
-runs take), else eager steps; the table says which. Verify passes always run eagerly. Each row
+runs take, and the verify passes' of one row), else eager steps; the table says which. Each row
 also says whether the speculative tokens equal plain decoding's (the default mode may part at
 near-ties: docs/numerics.md) and the acceptance (kept / proposed) and tokens per pass.
 
@@ -41,13 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from llama_bin import llama_tool
 
 import infer
 from infer.engine import Engine, SamplingParams
 from infer.realmodels import gemma3_270m_path, smollm2_path
 from infer.speculative import Speculative
-
-LLAMA_SERVER = Path.home() / ".cache/infer-peers/llama.cpp-7a0258d54b25/bin/llama-server"
 
 CODE = '''import csv
 from dataclasses import dataclass
@@ -227,9 +226,11 @@ def same_text(r: dict[str, Any]) -> str:
     return f"from token {r['parts_at']} (top two {r['gap']:.1e} apart)"
 
 
-def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, directory: str) -> None:
-    """Plain decode steps from ahead-of-time packages in ``directory``; those the plain runs of
-    ``prompts`` miss are built first (and kept there for the next run)."""
+def use_packages(
+    llm: infer.LLM, prompts: list[list[int]], tokens: int, directory: str, spec: Speculative | None = None
+) -> None:
+    """Plain decode steps (and, with ``spec``, verify passes) from ahead-of-time packages in
+    ``directory``; those the runs of ``prompts`` miss are built first (kept there for the next run)."""
     import infer.aot as aot
     from infer.runtime.step import Sampling, Stepper
 
@@ -241,9 +242,12 @@ def use_packages(llm: infer.LLM, prompts: list[list[int]], tokens: int, director
     llm.stepper = Stepper(llm.model, compile="auto", packages=cache)
     for ids in prompts:
         run_once(llm, ids, tokens, None)  # notes the shapes
+        if spec is not None:
+            run_once(llm, ids, tokens, spec)
     t0 = time.perf_counter()
     for request in cache.missing.values():
-        aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
+        mode = Sampling(**request["mode"])
+        aot.build(llm.model, request["batch"], mode, Path(request["out"]), request.get("width", 1))
     cache.missing.clear()
     cache._looked.clear()
     os.environ["INFER_AOT"] = "use"  # shapes missed later run eagerly; nothing is built at exit
@@ -267,7 +271,8 @@ def llama_server_runs(
     """llama-server's decode tok/s per workload (median of ``reps``), started with ``spec``."""
     port = _free_port()
     threads = str(torch.get_num_threads())
-    cmd = [str(LLAMA_SERVER), "-m", str(gguf), "--port", str(port), "-t", threads, "-c", "4096", "-np", "1",
+    server_bin = str(llama_tool("llama-server"))
+    cmd = [server_bin, "-m", str(gguf), "--port", str(port), "-t", threads, "-c", "4096", "-np", "1",
            "--no-webui", *spec]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -328,7 +333,7 @@ def mode_lookup(args: argparse.Namespace) -> None:
     results = {w: compare(llm, ids, args.tokens, spec, args.reps) for w, ids in prompts.items()}
     packaged = llm.stepper.packaged_steps > 0
     peers: dict[str, Any] = {}
-    if args.llama_server and LLAMA_SERVER.is_file():
+    if args.llama_server and llama_tool("llama-server").is_file():
         peers["plain"] = llama_server_runs(path, prompts, args.tokens, args.reps, ["--spec-type", "none"])
         for name, flags in LLAMA_NGRAM.items():
             peers[name] = llama_server_runs(path, prompts, args.tokens, args.reps, flags)
@@ -476,11 +481,38 @@ def mode_pair(args: argparse.Namespace) -> None:
         use_packages(draft, list(prompts.values()), args.tokens, args.packages)
         use_packages(target, list(prompts.values()), args.tokens, args.packages)
     spec = Speculative(draft=draft, lookup=args.lookup, max_tokens=args.k)
+    if args.packages:  # the target's verify passes too (the draft's own plain steps: above)
+        use_packages(target, list(prompts.values()), args.tokens, args.packages, spec)
     results = {w: compare(target, ids, args.tokens, spec, args.reps) for w, ids in prompts.items()}
     print(f"\nQwen2.5-Coder-1.5B Q4_K_M with the 0.5B as its draft (+ lookup {args.lookup}), at most "
           f"{args.k} tokens per pass")  # fmt: skip
     print_compared(results, "plain tok/s", "with the draft")
-    _save(args, {"mode": "pair", "model": "qwen-coder-1.5b", "results": results})
+    record: dict[str, Any] = {"mode": "pair", "model": "qwen-coder-1.5b", "results": results}
+    if args.llama_server:  # the peer: llama.cpp's plain decode at the code prompt's depth
+        peer = llama_bench_decode(fetch("qwen-coder-1.5b"), len(prompts["code"]), args.tokens)
+        if peer is not None:
+            code = results["code"]["spec_tok_s"]
+            print(f"llama.cpp plain decode (llama-bench -n {args.tokens} -d {len(prompts['code'])}): "
+                  f"{peer:.1f} tok/s; the pair on code: {code:.1f} tok/s = {code / peer:.2f}x")  # fmt: skip
+            record["llama_cpp_decode"] = peer
+    _save(args, record)
+
+
+def llama_bench_decode(gguf: Path, depth: int, tokens: int) -> float | None:
+    """llama.cpp's plain decode tok/s (``llama-bench -n tokens -d depth``), None without the peer."""
+    bench = llama_tool("llama-bench")
+    if not bench.exists():
+        print(f"(no {bench}: build it with ../shared/peers/llamacpp.sh)")
+        return None
+    threads = str(torch.get_num_threads())
+    cmd = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(depth), "-t", threads,
+           "-r", "3", "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        out = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, timeout=1800)
+    rows = json.loads(out.stdout) if out.returncode == 0 else []
+    speeds = [r["avg_ts"] for r in rows if r.get("n_gen")]
+    return float(speeds[0]) if speeds else None
 
 
 MODES = {

@@ -206,6 +206,20 @@ def test_embedding_lookup(qtype: T) -> None:
     print(f"{qtype.name}: tied lookup vs exact rows {rel_err(tied(ids), exact[ids]):.1e}")
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_an_embedding_kept_as_stored_exports_with_a_dynamic_token_count(qtype: T) -> None:
+    """A verify pass's package looks up a dynamic number of tokens (`infer.aot`): the embedding read
+    from its GGUF bytes must not fix that count to the example's (``int()`` of a size did)."""
+    n, k = shape_for(qtype)
+    raw = random_gguf(qtype, n, k, 9)
+    emb = QuantizedEmbedding.from_gguf(raw, qtype, (n, k))
+    tokens = torch.export.Dim("tokens", min=2, max=16)
+    ids = torch.tensor([[0, 5, n - 1, 7]])
+    program = torch.export.export(emb, (ids,), dynamic_shapes=({1: tokens},), strict=False)
+    other = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    assert torch.equal(program.module()(other), emb(other))
+
+
 # ---- quantize at load ---------------------------------------------------------------
 
 

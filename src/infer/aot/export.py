@@ -1,4 +1,4 @@
-"""Export: `torch.export` of `infer.step.model_step` for one decode shape, compiled into a package.
+"""Export: `torch.export` of `infer.runtime.step.model_step` for one decode shape, compiled into a package.
 
 `build` exports the step of one rows kind (one row, or any of `MULTI_ROWS`: a dynamic
 dimension) and sampling mode, on any KV capacity (dynamic too), in the engine's layout (slot
@@ -159,11 +159,12 @@ def build(model: DecoderLM, batch: int, mode: Sampling, path: Path, width: int =
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
         # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
+        # Non-strict: traced by running the Python with fake tensors, not by dynamo (SmolLM2's step:
+        # 13-22 s instead of 75 s; the step reads nothing from the host, so both give one program).
         with all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
-            # (functional_call's swaps of the weights read as side effects to dynamo: expected here)
             warnings.simplefilter("ignore", UserWarning)
             return torch.export.export(
-                Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=True
+                Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=False
             )
 
     # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step

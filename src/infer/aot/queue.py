@@ -4,7 +4,7 @@ A step whose package is missing runs eagerly, and its shape is queued for a buil
 the step that found it missing: a JSON request (the `infer.aot.worker.Recipe` that loads the
 same model, the shape, the checkpoint's files, infer's source digest) written into the cache
 directory's ``queue/``; `BuildQueue.prepare` queues shapes ahead of need. The directory's one
-builder (`infer.builder`: started by the process that queues when none lives, in a new
+builder (`infer.aot.builder`: started by the process that queues when none lives, in a new
 session, so it outlives it) takes the queue and runs the worker (`infer.aot.worker`) for each
 request. A shape queued `BuildQueue.REQUEUE_S` ago and dropped unbuilt by the builder is queued
 again; what could not be queued is queued at interpreter exit (`_MISSING`). Whether anything is
@@ -103,7 +103,7 @@ class BuildQueue:
             raise ValueError(f"prepare: rows must be integers >= 1, got {bad[0]!r}")
         bad_modes = [m for m in modes if not isinstance(m, Sampling)]
         if bad_modes:
-            raise TypeError(f"prepare: modes must be infer.step.Sampling values, got {bad_modes[0]!r}")
+            raise TypeError(f"prepare: modes must be infer.runtime.step.Sampling values, got {bad_modes[0]!r}")
         if not self.builds_allowed:
             return []
         requests = []

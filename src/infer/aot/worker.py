@@ -1,6 +1,6 @@
 """The worker: ``python -m infer.aot REQUEST``, the process that builds one package.
 
-The directory's builder (`infer.builder`) starts it, once the machine is idle, for one queued
+The directory's builder (`infer.aot.builder`) starts it, once the machine is idle, for one queued
 request (`infer.aot.queue`). At ``SCHED_IDLE`` with one compile thread, it loads the same
 checkpoint the same way (`Recipe`), checks that its model has the fingerprint the request
 names, builds the package (`infer.aot.export.build`), or leaves a ``.failed`` marker saying
@@ -65,7 +65,7 @@ def _yield_the_cpu() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.builder` starts)."""
+    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.aot.builder` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
     parser.add_argument("request", help="JSON {recipe, key, batch, mode, out, files}")
     request = json.loads(parser.parse_args(argv).request)

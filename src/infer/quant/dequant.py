@@ -228,7 +228,8 @@ def dequantize(
     the byte count does not match ``shape``; ``name`` is used in both messages.
     """
     qt = check_supported(qtype, name)
-    shape = tuple(int(s) for s in shape)
+    # Sizes as given: a traced graph's row count stays symbolic (int() would fix it to the example's).
+    shape = tuple(s if isinstance(s, torch.SymInt) else int(s) for s in shape)
     if raw.dtype != torch.uint8:
         raise TypeError(f"{name}: raw bytes must be a uint8 tensor, got {raw.dtype}")
     expected = tensor_bytes(qt, shape, name)
