@@ -33,6 +33,7 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.rows",
         "infer.params",
         "infer.pages",
+        "infer.filemap",
         "infer.threads",
         "infer.idle",
         "infer.builder",
