@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from infer.cli.commands import cmd_chat, cmd_generate, cmd_inspect, cmd_perplexity, cmd_serve, primary
 from infer.cli.options import (
     EXIT_CODES,
+    IntermixedParser,
     command,
     dtype_option,
     int_option,
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infer", description="Pure-PyTorch LLM inference.", epilog=EXIT_CODES
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=IntermixedParser)
 
     def common(p: argparse.ArgumentParser) -> None:
         sampling_options(p)
