@@ -176,3 +176,50 @@ def test_runtime_errors_stay_one_line(
     path = str(tiny_ckpt_factory("llama"))
     assert main(["generate", path, "", "--quiet"]) == 1
     assert capsys.readouterr().err == "infer: error: prompt is empty (an empty string)\n"
+
+
+# torch's message when a nested compile region met inputs sharing a storage (issue 40): the
+# first line ends with a colon, the reason is on the next line after a blank one.
+DYNAMO_ERROR = (
+    "This higher order operator doesn't work unless it is captured completely with torch.compile. "
+    "Got graph break/error:\n\nEncountered aliasing during higher order op tracing\n"
+    "  Higher Order Operator: torch.ops.higher_order.invoke_subgraph\n"
+    "  Explanation: Higher order ops do not support aliasing. Found in invoke_subgraph\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "line"),
+    [
+        (
+            DYNAMO_ERROR,
+            "This higher order operator doesn't work unless it is captured completely with torch.compile. "
+            "Got graph break/error: Encountered aliasing during higher order op tracing",
+        ),
+        ("missing tensors:\n  model.norm.weight\n  lm_head.weight", "missing tensors: model.norm.weight"),
+        ("bad header\nat byte 12", "bad header"),
+    ],
+    ids=["reason after a colon", "a list after a colon", "detail after a sentence"],
+)
+def test_a_one_line_error_keeps_its_reason(
+    message: str,
+    line: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_ckpt_factory: Callable[..., Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import infer
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(infer, "load", failing)
+    argv = ["generate", str(tiny_ckpt_factory("llama")), "Hello", "--quiet"]
+    capsys.readouterr()  # (building the checkpoint wrote a progress bar)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    print(f"\n{err}")
+    assert err == f"infer: error: {line}\n"
+    with pytest.raises(RuntimeError) as raised:
+        main([*argv, "--debug"])  # the traceback, the whole message
+    assert str(raised.value) == message

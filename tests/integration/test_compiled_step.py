@@ -25,6 +25,7 @@ import torch
 import infer
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
+from infer.realmodels import smollm2_path
 from infer.runtime.generate import SamplingParams, step_outputs
 from infer.runtime.step import StepFeed, Stepper
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -128,3 +129,70 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
     assert llm.engine.slots.rows == 2  # the two streams above ran at once
     print(f"\ncompiled step batch sizes with {llm.engine.slots.rows} rows allocated: {sorted(set(sizes))}")
     assert set(sizes) == {1}
+
+
+def from_repack_cache(path: Path, cache: Path, **kwargs: Any) -> infer.LLM:
+    """``infer.load(path, **kwargs)`` from its repack cache entry under ``cache`` (a first load
+    writes it): every packed matrix is then a view of the mapped entry, q/k/v and gate/up fused
+    without a copy. Such a model's blocks failed to compile as a nested region ("Encountered
+    aliasing during higher order op tracing") while its tensors were views of one storage."""
+    entries = cache / "infer" / "repack"
+    before = set(entries.glob("*.safetensors"))
+    infer.load(path, **kwargs)  # converts, and writes the entry
+    [entry] = set(entries.glob("*.safetensors")) - before
+    llm = infer.load(path, **kwargs)
+    attn: Any = llm.model.layers[0].self_attn
+    q, k, v = (getattr(attn, n).packed for n in ("q_proj", "k_proj", "v_proj"))
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    spans = [[int(x, 16) for x in m[0].split("-")] for m in maps if m[-1] == str(entry)]
+    assert any(lo <= q.data_ptr() < hi for lo, hi in spans), "q_proj is not mapped from the cache entry"
+    assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+    return llm
+
+
+@pytest.fixture
+def gguf_with_fused_projections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny Gemma 3 GGUF whose q/k/v and gate/up fuse on every CPU (parts of whole 64-row
+    packing blocks); a private cache directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # GGUF's gemma3 has no soft-capping, and the query scale is head_dim's.
+    hf: Any = tiny_hf_model("gemma3", query_pre_attn_scalar=32, final_logit_softcapping=None)
+    return write_gguf(tmp_path / "gemma3-q8.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype="Q8_0")
+
+
+@pytest.mark.slow
+def test_gguf_from_the_repack_cache_float32(gguf_with_fused_projections: Path, tmp_path: Path) -> None:
+    """A GGUF model mapped from its repack cache compiles: the eager step's greedy tokens, float32."""
+    llm = from_repack_cache(gguf_with_fused_projections, tmp_path / "cache", dtype=torch.float32)
+    compare(llm.model, "tiny gemma3 GGUF Q8_0 from the repack cache, float32 greedy", SamplingParams())
+
+
+@pytest.mark.slow
+def test_gguf_from_the_repack_cache_default_mode(gguf_with_fused_projections: Path, tmp_path: Path) -> None:
+    """``infer.load(gguf, compile=True)`` from the repack cache generates in the default mode."""
+    llm = from_repack_cache(gguf_with_fused_projections, tmp_path / "cache", compile=True)
+    assert llm.compiled
+    got = llm.generate("Hello there", max_new_tokens=6)
+    print(f"\ncompiled, default mode: {got.token_ids}")
+    assert len(got.token_ids) == 6
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_from_the_repack_cache_default_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped SmolLM2 (Q4_1 GGUF) from its repack cache: ``compile=True`` generates."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llm = from_repack_cache(smollm2_path(), tmp_path / "cache", compile=True)
+    got = llm.generate("The history of Paris begins with", max_new_tokens=8)
+    print(f"\nSmolLM2 compiled, default mode: {got.text!r}")
+    assert len(got.token_ids) == 8
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_from_the_repack_cache_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and in float32 the compiled step gives the eager step's greedy tokens (the compile of
+    float32's dequantizing products is the slow part: ~450 s on 2 busy cores)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llm = from_repack_cache(smollm2_path(), tmp_path / "cache", dtype=torch.float32)
+    compare(llm.model, "SmolLM2 Q4_1 from the repack cache, float32 greedy", SamplingParams())

@@ -312,3 +312,31 @@ def test_fused_projections_of_a_mapped_cache_are_views_not_copies(
     assert mapped_from(q, file) and mapped_from(v, file), "the fused q/k/v packed bytes were copied"
     assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
     assert torch.equal(logits(second), want)
+
+
+def test_mapped_matrices_share_no_storage(tiny_gguf: Callable[[str, int], Path], tmp_path: Path) -> None:
+    """Each matrix of a cache hit has a storage covering its own bytes, fused q/k/v and gate/up
+    their group's: a compiled block's weights are the inputs of one nested region, which refuses
+    inputs sharing a storage (every GGUF model from the cache failed ``compile=True`` while all
+    were views of one storage: the whole mapped file)."""
+    path = tiny_gguf("Q8_0", 0)
+    infer.load(path)
+    second = infer.load(path)
+    [file] = cache_files(tmp_path / "cache")
+    layer: Any = second.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [
+        [attn.q_proj, attn.k_proj, attn.v_proj],
+        [mlp.gate_proj, mlp.up_proj],
+        [attn.o_proj],
+        [mlp.down_proj],
+    ]
+    for group in groups:
+        for attr in ("packed", "scale_zero"):
+            tensors = [m.get_buffer(attr) for m in group]
+            # (a fused scale_zero joins along dim 1: a copy, as ever; packed bytes are mapped)
+            assert attr == "scale_zero" or mapped_from(tensors[0], file)
+            storage = tensors[0].untyped_storage()
+            size = file.stat().st_size
+            print(f"{attr} of {len(group)} matrices: a storage of {storage.nbytes()} bytes, the file {size}")
+            assert storage.nbytes() == sum(t.nbytes for t in tensors)

@@ -103,7 +103,9 @@ class BuildQueue:
             raise ValueError(f"prepare: rows must be integers >= 1, got {bad[0]!r}")
         bad_modes = [m for m in modes if not isinstance(m, Sampling)]
         if bad_modes:
-            raise TypeError(f"prepare: modes must be infer.runtime.step.Sampling values, got {bad_modes[0]!r}")
+            raise TypeError(
+                f"prepare: modes must be Sampling values (infer.runtime.step), got {bad_modes[0]!r}"
+            )
         if not self.builds_allowed:
             return []
         requests = []

@@ -65,7 +65,7 @@ def _yield_the_cpu() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m infer.aot REQUEST``: build the package asked for (the worker `infer.aot.builder` starts)."""
+    """``python -m infer.aot REQUEST``: build the package asked for (the worker `aot.builder` starts)."""
     parser = argparse.ArgumentParser(prog="python -m infer.aot")
     parser.add_argument("request", help="JSON {recipe, key, batch, mode, out, files}")
     request = json.loads(parser.parse_args(argv).request)

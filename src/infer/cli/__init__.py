@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from infer.cli.commands import cmd_chat, cmd_generate, cmd_inspect, cmd_perplexity, cmd_serve, primary
 from infer.cli.options import (
     EXIT_CODES,
+    IntermixedParser,
     command,
     dtype_option,
     int_option,
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infer", description="Pure-PyTorch LLM inference.", epilog=EXIT_CODES
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=IntermixedParser)
 
     def common(p: argparse.ArgumentParser) -> None:
         sampling_options(p)
@@ -196,13 +197,24 @@ def _every_rank_tells(e: Exception) -> bool:
 
 
 def _error_message(e: Exception) -> str:
-    """The first line of the error; all of a `BudgetError`, whose later lines say what would fit."""
+    """The error in one line; all of a `BudgetError`, whose later lines say what would fit.
+
+    The first line, and while what it has so far ends with a colon (it introduces the reason on
+    the next line: torch's "... Got graph break/error:"), the next non-blank line after it."""
     from infer.streaming.plan import BudgetError
 
     text = str(e).strip()
     if not text:
         return type(e).__name__
-    return text if isinstance(e, BudgetError) else text.splitlines()[0]
+    if isinstance(e, BudgetError):
+        return text
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    message = lines[0]
+    for line in lines[1:]:
+        if not message.endswith(":"):
+            break
+        message = f"{message} {line}"
+    return message
 
 
 __all__ = [

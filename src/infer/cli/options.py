@@ -118,6 +118,30 @@ def dtype_option(text: str) -> str:
     return text
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A subcommand's parser: options may come before, between or after its positionals.
+
+    Plain argparse fills every optional positional (``model``, then ``prompt`` or ``file``) from
+    the first run of positionals it meets, so ``generate MODEL --raw PROMPT`` left PROMPT
+    unrecognized (exit 2). Parsed as ``parse_known_intermixed_args`` does, the options are taken
+    out first and the positionals then filled from what is left, in order: every order a user
+    types gives the same namespace.
+    """
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # parse_known_intermixed_args' own passes
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def command(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand whose first positional is the (optional) model."""
     p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description, epilog=EXIT_CODES)

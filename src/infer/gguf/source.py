@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from infer.gguf.reader import GGUFFile
+from infer.host.filemap import MappedFile
 from infer.loader.source import StoredTensor, pread_into
 from infer.quant.ggml import FLOAT_TYPES, QType
 
@@ -48,7 +49,7 @@ class GGUFSource:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[[int], GGUFSource] | None = None
-        self._map: torch.Tensor | None = None  # the whole file, mapped on first `mapped`
+        self._map: MappedFile | None = None  # the whole file, mapped on first `mapped`
 
     def tensors(self) -> Mapping[str, StoredTensor]:
         return self._tensors
@@ -77,20 +78,20 @@ class GGUFSource:
 
     def mapped(self, name: str) -> torch.Tensor:
         """Packed tensor ``name``'s bytes ``[rows, row_bytes]`` as a view of the file mapped (private,
-        read-only use): for matrices kept as they are stored (an embedding looked up row by row),
-        only the rows read become resident, and nothing is copied onto the heap."""
+        read-only use; a storage of its own, `infer.host.filemap`): for matrices kept as they are stored
+        (an embedding looked up row by row), only the rows read become resident, and nothing is
+        copied onto the heap."""
         info = self._tensors.get(name)
         if info is None or not info.packed:
             raise KeyError(f"{self.description}: no packed tensor named {name!r}")
         with self._lock:
             if self._map is None:
-                size = self.path.stat().st_size
-                self._map = torch.from_file(str(self.path), shared=False, size=size, dtype=torch.uint8)
+                self._map = MappedFile(self.path)
             whole = self._map
         offset = self._offsets[name]
-        if offset + info.nbytes > whole.numel():
+        if offset + info.nbytes > whole.size:
             raise ValueError(f"{self.description}: tensor {name!r} ends past the end of the file")
-        return whole[offset : offset + info.nbytes].view(tuple(info.buffer(None).shape))
+        return whole.tensor(offset, info.nbytes).view(tuple(info.buffer(None).shape))
 
     def prefetch_hint(self, name: str) -> None:
         info = self._tensors[name]

@@ -18,8 +18,8 @@ under ``cache_root() / "repack"``, so a later process maps it instead of convert
   for them (a matrix checked for NaN / inf when written is not checked again).
   Anything else (a corrupt, truncated or stale file, a missing tensor) is a miss: the
   matrix is converted and the whole file is written again.
-* **Reading** maps the file (safetensors' ``safe_open`` on CPU): the buffers are views
-  of the mapping, paged in as they are used; no copy is made.
+* **Reading** maps the file (`infer.host.filemap.MappedFile`): each buffer is a view of the
+  mapping with a storage of its own, paged in as it is used; no copy is made.
 * **Writing** (after a load that converted anything) streams each tensor from the
   loaded model into a temporary file, which then replaces the entry atomically
   (``os.replace``): no second copy of the model is held, and a reader never sees a
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from infer.host.filemap import MappedFile
 from infer.quant import int4
 from infer.quant.ggml import FLOAT_TYPES, QType
 from infer.quant.linear import QuantizedLinear
@@ -190,11 +191,12 @@ class RepackCache:
     def _open(self) -> None:
         """Map the cache file, if there is one whose key is ours; otherwise start empty.
 
-        The file is mapped once, whole (``torch.from_file``, private: nothing is written back),
-        and every tensor is a view of that one mapping, so matrices written side by side are
-        one run of memory that `QuantizedLinear.concat` fuses without a copy. The header is
-        safetensors' (8-byte length, JSON); a header that does not parse, or an entry outside
-        the file, is a miss.
+        The file is mapped once, whole (`infer.host.filemap.MappedFile`, private: nothing is written
+        back), so matrices written side by side are one run of memory that
+        `QuantizedLinear.concat` fuses without a copy; but every tensor has a storage of its
+        own, not a view of one storage for the whole file: a compiled block's weights must not
+        share a storage (`infer.host.filemap`). The header is safetensors' (8-byte length, JSON); a
+        header that does not parse, or an entry outside the file, is a miss.
         """
         if not self.file.is_file():
             return
@@ -209,7 +211,8 @@ class RepackCache:
             if meta.get("key") != self.key:
                 return  # stale: another file, torch or format
             stored = json.loads(meta["linears"])
-            data = torch.from_file(str(self.file), shared=False, size=size, dtype=torch.uint8)[8 + length :]
+            mapped = MappedFile(self.file)
+            data_start = 8 + length
             dtypes = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
             tensors = {}
             for name, info in header.items():
@@ -218,9 +221,9 @@ class RepackCache:
                 lo, hi = (int(x) for x in info["data_offsets"])
                 dtype, shape = dtypes[info["dtype"]], [int(d) for d in info["shape"]]
                 nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-                if not 0 <= lo <= hi <= data.numel() or hi - lo != nbytes:
+                if not 0 <= lo <= hi <= mapped.size - data_start or hi - lo != nbytes:
                     return
-                tensors[name] = data[lo:hi].view(dtype).view(shape)
+                tensors[name] = mapped.tensor(data_start + lo, hi - lo).view(dtype).view(shape)
         except Exception:  # truncated or garbage header, bad JSON, an unknown dtype, OSError
             return
         if isinstance(stored, dict):

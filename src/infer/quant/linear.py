@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from infer.host import rows as row_rules
+from infer.host.filemap import span
 from infer.host.pages import drop_mapped_pages
 from infer.quant import int4, routes
 from infer.quant.dequant import dequantize
@@ -87,26 +88,16 @@ def _round_up(n: int, m: int) -> int:
 
 def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(parts, dim)``, but a view when the parts already lie one after another in one
-    storage along dim 0 (matrices the repack cache wrote side by side: no copy, no second set of
-    pages)."""
+    mapped file along dim 0 (matrices the repack cache wrote side by side: no copy, no second set
+    of pages). The view has a storage of its own (`infer.host.filemap.span`): a compiled block's
+    weights must not share one."""
     first = parts[0]
-    storage = first.untyped_storage()
-    adjacent = dim == 0 and all(p.is_contiguous() and p.dtype == first.dtype for p in parts)
-    if adjacent:
-        at = first.storage_offset()
-        for p in parts:
-            same = p.untyped_storage().data_ptr() == storage.data_ptr()
-            if not same or p.storage_offset() != at or p.shape[1:] != first.shape[1:]:
-                adjacent = False
-                break
-            at += p.numel()
-    if not adjacent:
+    same = all(p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
+    flat = span(parts) if dim == 0 and same else None
+    if flat is None:
         return torch.cat(parts, dim=dim)
     rows = sum(p.shape[0] for p in parts)
-    view: torch.Tensor = first.new_empty(0).set_(
-        storage, first.storage_offset(), (rows, *first.shape[1:]), first.stride()
-    )  # contiguous parts of the same trailing shape: the same strides
-    return view
+    return flat.view(first.dtype).view(rows, *first.shape[1:])  # [rows, *trailing], contiguous
 
 
 def _within(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
