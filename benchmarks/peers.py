@@ -263,6 +263,10 @@ def run_default(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], d
 
     env = os.environ | {"INFER_AOT": "on", "XDG_CACHE_HOME": str(home)}
     env["INFER_MODELS_DIR"] = str(rm.models_dir())
+    if args.packages is not None:  # packages built elsewhere: the first run is then no first run
+        (home / "infer" / "aot").mkdir(parents=True)
+        for package in args.packages.glob("*.pt2"):
+            shutil.copy2(package, home / "infer" / "aot" / package.name)
     try:
         first = spawn(model, "default", args, env)
         t0 = time.perf_counter()
@@ -460,6 +464,14 @@ def main() -> None:
     sides_help = ", ".join([*INFER_SIDES, "transformers", "llama.cpp"])
     parser.add_argument("--skip", default="", help=f"runtimes to leave out, comma-separated: {sides_help}")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--packages",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="seed the default's cache with the packages in DIR (e.g. speculative.py's): no build "
+        "wait, and 'infer first run' is then not a first run",
+    )
     parser.add_argument(
         "--chart", default=str(ROOT / "docs" / "peers.png"), help='PNG to write ("" for none)'
     )

@@ -1,22 +1,27 @@
 """A rank that stops mid-generation: every other rank fails within the timeout, naming it.
 
 Two ranks over gloo, spawned by the test with a process group of a 3 s timeout (the
-configured one: infer's subgroups must carry it, not gloo's 30 min default). Once both
-generate, the test kills (SIGKILL) or freezes (SIGSTOP) one rank; the other must exit
-non-zero within the timeout plus a few seconds, with an error naming the rank that
-stopped answering. Each case is bounded: a survivor still running after that is a hang.
+configured one: infer's subgroups must carry it, not gloo's 30 min default). Once both have
+finished a generation (each says so), the test kills (SIGKILL) or freezes (SIGSTOP) one rank;
+the other must raise an error naming the rank that stopped answering within the timeout plus a
+few seconds, and then exit non-zero. Each case is bounded: a survivor that has not raised in
+time, or has not exited `EXIT_S` after raising (its interpreter's teardown, slow on a busy
+machine), is a hang.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rank_env import free_port, rank_env, torchrun
@@ -26,7 +31,8 @@ pytestmark = pytest.mark.slow
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 TIMEOUT_S = 3
-GRACE_S = 12  # the timeout plus this: the survivor must be gone (its error named the stopped rank)
+GRACE_S = 12  # the timeout plus this: the survivor must have raised (its error naming the stopped rank)
+EXIT_S = 60  # ... and must have exited this long after it raised
 
 CHILD = r"""
 import datetime, json, sys
@@ -39,6 +45,8 @@ import infer
 llm = infer.load(args["path"], dtype="float32", tensor_parallel=args["tp"], pipeline_parallel=args["pp"])
 print("READY", flush=True)
 try:
+    llm.generate([5, 17, 42, 99], max_new_tokens=16)
+    print("GENERATED", flush=True)  # from here on, this rank generates until it fails
     while True:
         llm.generate([5, 17, 42, 99], max_new_tokens=16)
 except Exception as e:
@@ -47,15 +55,43 @@ except Exception as e:
 """
 
 
-def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> None:
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("READY"):
-            return
-        if not line and proc.poll() is not None:
-            pytest.fail(f"a rank exited with {proc.returncode} before generating")
-    pytest.fail("a rank did not load within the time allowed")
+class Output:
+    """A child's stdout, line by line as it comes (with the time each came), and its stderr;
+    both read by threads, so neither pipe fills while the test waits."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc = proc
+        self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        out, err = proc.stdout, proc.stderr
+        threading.Thread(target=self._read, args=(out,), daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(err), daemon=True).start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.stdout.append(line)
+            self.lines.put((time.monotonic(), line))
+        self.lines.put((time.monotonic(), ""))  # end of output
+
+    def wait_for(self, prefix: str, deadline: float, what: str) -> tuple[float, str]:
+        """The first line starting with ``prefix`` and when it came; fails at ``deadline`` or
+        when the output ends first."""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                at, line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line.startswith(prefix):
+                return at, line
+            if not line:
+                self.proc.wait()
+                pytest.fail(f"{what}: exited {self.proc.returncode} first\n{self.text()}")
+        pytest.fail(f"{what}: not within the time allowed\n{self.text()}")
+
+    def text(self) -> str:
+        return ("".join(self.stdout) + "".join(self.stderr)[-2000:]).strip()
 
 
 @pytest.mark.parametrize(
@@ -80,27 +116,30 @@ def test_a_stopped_rank_fails_the_others_in_time(
         for rank in range(2)
     ]
     try:
+        outputs = [Output(proc) for proc in procs]
         deadline = time.monotonic() + 180
-        for proc in procs:
-            _wait_ready(proc, deadline)
-        time.sleep(0.5)  # both ranks in the middle of a generation
+        for rank, output in enumerate(outputs):  # both in their generation loop
+            output.wait_for("GENERATED", deadline, f"rank {rank} loading and generating once")
         os.kill(procs[victim].pid, getattr(signal, sig))
-        survivor = procs[1 - victim]
         start = time.monotonic()
+        survivor = outputs[1 - victim]
+        at, error = survivor.wait_for(
+            "ERROR", start + TIMEOUT_S + GRACE_S, f"rank {1 - victim} raising after rank {victim} stopped"
+        )
         try:
-            stdout, stderr = survivor.communicate(timeout=TIMEOUT_S + GRACE_S)
+            survivor.proc.wait(timeout=EXIT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank {1 - victim} still waits {TIMEOUT_S + GRACE_S} s after rank {victim} stopped")
-        took = time.monotonic() - start
-        print(f"{mode} {sig} rank {victim}: the other exited {survivor.returncode} after {took:.1f} s")
-        print(stdout.strip()[-600:])
-        assert survivor.returncode != 0
-        assert f"ERROR RankFailedError: rank {victim} stopped answering" in stdout, stdout + stderr[-2000:]
+            pytest.fail(f"rank {1 - victim} raised, then still ran {EXIT_S} s\n{survivor.text()}")
+        took, exited = at - start, time.monotonic() - start
+        print(f"{mode} {sig} rank {victim}: the other raised after {took:.1f} s, exited after {exited:.1f} s")
+        print(error.strip()[-600:])
+        assert survivor.proc.returncode != 0
+        assert error.startswith(f"ERROR RankFailedError: rank {victim} stopped answering"), survivor.text()
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate()
+            proc.wait()
 
 
 GROUP_TIMEOUT = r"""

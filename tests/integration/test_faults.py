@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -27,33 +28,68 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # ---- 2. Ctrl-C at any moment: exit 130, one line ------------------------------------
 
 
-def _interpreter_start() -> float:
-    """Seconds CPython takes, now, to start and import runpy: before it no Python code of ours can run."""
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import runpy"], check=True)
-    return time.monotonic() - start
+# Put on the child's path (a `sitecustomize`, imported at its start-up): when `python -m infer`
+# starts importing `infer.cli`, infer's SIGINT handler is installed (infer/__main__.py takes
+# Ctrl-C, then imports the CLI), and the hook writes one byte to the pipe the test reads.
+_READY_HOOK = """
+import os, sys
+_fd = int(os.environ.pop("INFER_TEST_READY_FD", "-1"))  # popped: the child's own children skip this
 
 
-def _interrupt_after(argv: list[str], delay: float | None) -> tuple[int, str]:
+def _ready(event, args):
+    global _fd
+    if _fd >= 0 and event == "import" and args[0] == "infer.cli":
+        fd, _fd = _fd, -1
+        os.write(fd, b"!")
+        os.close(fd)
+
+
+if _fd >= 0:
+    sys.addaudithook(_ready)
+"""
+
+
+def _interrupt_after(argv: list[str], delay: float | None, hook_dir: Path) -> tuple[int, str]:
     """Run ``python -m infer ARGV``; SIGINT ``delay`` s into infer's start-up (None: once text streams).
 
-    The delay counts from the end of the interpreter's own start-up (measured just before:
-    ~20 ms on an idle machine, more under load), where a Ctrl-C is CPython's to report.
+    The delay counts from the moment infer's own SIGINT handler is in place (the child says so
+    through a pipe: `_READY_HOOK`), whatever the interpreter's start-up and the import of the
+    ``infer`` package before it took: a Ctrl-C there is CPython's to report (~20 ms on an idle
+    machine, several times that on a busy one).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    lead = _interpreter_start() if delay is not None else 0.0
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infer", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None
-    if delay is None:
-        proc.stdout.read(1)  # the first byte of generated text
-    else:
-        time.sleep(lead + delay)
+    (hook_dir / "sitecustomize.py").write_text(_READY_HOOK)
+    read_end, write_end = os.pipe()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{hook_dir}{os.pathsep}{SRC}",
+        "INFER_TEST_READY_FD": str(write_end),
+    }
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infer", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(write_end,),
+        )
+        os.close(write_end)
+        write_end = -1
+        assert proc.stdout is not None
+        if delay is None:
+            proc.stdout.read(1)  # the first byte of generated text
+        else:
+            ready, _, _ = select.select([read_end], [], [], 120)
+            if not ready or os.read(read_end, 1) != b"!":
+                proc.kill()
+                _, stderr = proc.communicate()
+                pytest.fail(f"infer's handler was not installed (exit {proc.returncode}): {stderr!r}")
+            time.sleep(delay)
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
     proc.send_signal(signal.SIGINT)
     try:
         _, stderr = proc.communicate(timeout=60)
@@ -71,10 +107,11 @@ def _interrupt_after(argv: list[str], delay: float | None) -> tuple[int, str]:
 )
 @pytest.mark.slow
 def test_interrupt_at_any_moment_exits_130_with_one_line(
-    tiny_ckpt_factory: Callable[..., Path], delay: float | None
+    tiny_ckpt_factory: Callable[..., Path], delay: float | None, tmp_path: Path
 ) -> None:
     path = str(tiny_ckpt_factory("llama"))
-    code, err = _interrupt_after(["generate", path, "Hello", "--max-new-tokens", "2000", "--quiet"], delay)
+    argv = ["generate", path, "Hello", "--max-new-tokens", "2000", "--quiet"]
+    code, err = _interrupt_after(argv, delay, tmp_path)
     print(f"SIGINT after {delay} s: exit {code}, stderr {err!r}")
     assert "Traceback" not in err
     assert code == 130
