@@ -82,6 +82,15 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+def _check_world(tp: int, pp: int, world: int | str) -> None:
+    """``tp * pp`` processes are the world (``world``: its size, or ``WORLD_SIZE`` as set)."""
+    if str(world).strip() != str(tp * pp):
+        raise ValueError(
+            f"tensor_parallel={tp} x pipeline_parallel={pp} = {tp * pp} processes, "
+            f"but the world size is {world}"
+        )
+
+
 def setup(
     tensor_parallel: int, pipeline_parallel: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Parallel:
@@ -99,15 +108,14 @@ def setup(
                 f"(torchrun --nproc-per-node {tp * pp} ...) or initialize torch.distributed first; "
                 f"missing environment variables {missing}"
             )
+        # Checked before joining: a rank that refuses after the group formed leaves the others
+        # in the middle of connecting, to fail with a connection error of their own.
+        _check_world(tp, pp, os.environ["WORLD_SIZE"])
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(_shutdown)  # ours to close: before the interpreter tears torch down
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != tp * pp:
-        raise ValueError(
-            f"tensor_parallel={tp} x pipeline_parallel={pp} = {tp * pp} processes, "
-            f"but the world size is {world}"
-        )
+    _check_world(tp, pp, world)
     if device.type == "cuda" and device.index is None:
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         device = torch.device("cuda", local)
