@@ -82,9 +82,21 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def _check_world(tp: int, pp: int, world: int | str) -> None:
-    """``tp * pp`` processes are the world (``world``: its size, or ``WORLD_SIZE`` as set)."""
-    if str(world).strip() != str(tp * pp):
+def _env_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it: a positive integer."""
+    text = os.environ["WORLD_SIZE"]
+    try:
+        world = int(text)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={text!r}: expected a positive integer (as torchrun sets it)")
+    return world
+
+
+def _check_world(tp: int, pp: int, world: int) -> None:
+    """``tp * pp`` processes are the world of ``world`` processes."""
+    if world != tp * pp:
         raise ValueError(
             f"tensor_parallel={tp} x pipeline_parallel={pp} = {tp * pp} processes, "
             f"but the world size is {world}"
@@ -110,7 +122,7 @@ def setup(
             )
         # Checked before joining: a rank that refuses after the group formed leaves the others
         # in the middle of connecting, to fail with a connection error of their own.
-        _check_world(tp, pp, os.environ["WORLD_SIZE"])
+        _check_world(tp, pp, _env_world_size())
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(_shutdown)  # ours to close: before the interpreter tears torch down
