@@ -33,6 +33,7 @@ from infer.speculative import (
     probabilities,
     rejection_sample,
 )
+from infer.speculative.settings import PROBE_EVERY
 from infer.speculative.speculator import Proposal
 
 TIMEOUT = 120.0
@@ -339,24 +340,71 @@ def test_ngram_index_proposes_what_followed_the_latest_match() -> None:
     assert index.tokens[-1] == 1 and index.propose(3) == ([2, 3, 4], 1)
 
 
-def test_passes_back_off_where_they_cost_their_width() -> None:
-    """The planner's choice from measured costs: at one row a pass of 5 costs 1.2 decode steps and
-    proposals kept at 0.8 pay; at 16 rows a pass costs its width in steps and nothing pays."""
+def planner(cost: PassCost) -> Speculator:
+    return Speculator(Speculative(lookup=2), context=4096, per_forward=None, vocab=256, cost=cost)
+
+
+def measured_costs() -> PassCost:
+    """At one row a pass of 5 costs 1.2 decode steps; at 16 rows it costs its width in steps."""
     cost = PassCost()
     for _ in range(3):
         cost.observe(1, 1, 0.010)
         cost.observe(1, 5, 0.012)
         cost.observe(16, 1, 0.040)
         cost.observe(16, 5, 0.200)
-    spec = Speculator.__new__(Speculator)
-    spec.cost, spec.per_forward, spec.drafter, spec._skipped = cost, None, None, 0
+    return cost
 
-    def proposal(alpha: float) -> Proposal:
-        return Proposal([1, 2, 3, 4], 2, alpha)
 
+def proposal(alpha: float) -> Proposal:
+    return Proposal([1, 2, 3, 4], 2, alpha)
+
+
+def test_passes_back_off_where_they_cost_their_width() -> None:
+    """The planner's choice from measured costs: at one row proposals kept at 0.8 pay; at 16 rows
+    nothing pays."""
+    spec = planner(measured_costs())
     assert spec.plan(1, {0: proposal(0.8)}, {}) == 5
     assert spec.plan(1, {0: proposal(0.02)}, {}) == 1
     assert spec.plan(16, {i: proposal(0.8) for i in range(16)}, {}) == 1
+
+
+def test_passes_that_deliver_less_than_planned_stop_being_chosen() -> None:
+    """Estimates say a pass of 5 pays (alpha 0.8: 3.4 tokens for 1.2 steps); passes that give one
+    token each, or take four times their predicted seconds, scale every later plan down until plain
+    steps win; one pass is still tried every `PROBE_EVERY` plain steps, and passes that deliver
+    again bring the plan back."""
+    for given, seconds in ((1, 0.012), (4, 0.048)):
+        spec = planner(measured_costs())
+        for _ in range(12):
+            assert spec.plan(1, {0: proposal(0.8)}, {}) == 5
+            spec.observe(1, 5, seconds, given)
+            if spec.realized.factor * 3.36 / 0.012 < 1.05 / 0.010:  # below a plain step's rate + MARGIN
+                break
+        factor = spec.realized.factor
+        print(f"given {given} in {seconds * 1e3:.0f} ms a pass: factor {factor:.2f} after {_ + 1} passes")
+        assert factor * 3.36 / 0.012 < 1.05 / 0.010
+        plans = [spec.plan(1, {0: proposal(0.8)}, {}) for _ in range(PROBE_EVERY)]
+        assert plans[:-1] == [1] * (PROBE_EVERY - 1) and plans[-1] == 5  # the probe
+        spec.observe(1, 5, seconds, given)
+        chosen = []
+        for _ in range(2 * PROBE_EVERY):  # probes deliver what was planned again
+            chosen.append(spec.plan(1, {0: proposal(0.8)}, {}))
+            spec.observe(1, chosen[-1], 0.012 if chosen[-1] > 1 else 0.010, 4 if chosen[-1] > 1 else 1)
+        again = chosen.index(5) + 1
+        print(f"then probes that deliver: passes after {again} steps, factor {spec.realized.factor:.2f}")
+        assert chosen[-8:] == [5] * 8
+
+
+def test_a_pass_settles_only_against_its_own_plan() -> None:
+    """Plain steps, and passes the planner did not choose (a measuring pass), leave the factor alone."""
+    spec = planner(measured_costs())
+    spec.observe(1, 1, 0.5, 1)
+    spec.observe(1, 5, 0.5, 1)
+    assert spec.realized.factor == 1.0
+    assert spec.plan(1, {0: proposal(0.8)}, {}) == 5
+    spec.observe(1, 1, 0.010, 1)  # the planned pass did not run (no proposals came)
+    spec.observe(1, 5, 0.5, 1)
+    assert spec.realized.factor == 1.0
 
 
 def test_stats_and_metrics_count_proposals(det: infer.LLM, propose_all: None) -> None:

@@ -51,10 +51,11 @@ class Outputs:
         update.batch = len(forward.requests)
         update.verified = forward.kind == "verify"
         width = max(len(f) for f in forward.feeds.values())
-        update.costs.append((len(forward.requests), width if update.verified else 1, result.seconds))
+        given = 0
         for row, r in forward.requests.items():
             got = result.rows[row]
             taken = self._tokens(r, got, update)
+            given += taken
             if r.noise is not None and not got.leviathan:
                 r.noise.drop(taken)  # the noise of positions not taken stays for the tokens that take them
             kept = forward.base[row] + taken
@@ -66,6 +67,7 @@ class Outputs:
                 assert r.spec is not None
                 r.spec.acceptance.update(proposal.kind, len(proposal.tokens), accepted)
                 update.passes.append(Pass(proposal.kind, len(proposal.tokens), accepted, taken))
+        update.costs.append((len(forward.requests), width if update.verified else 1, result.seconds, given))
 
     def _tokens(self, r: Request, got: Row, update: Update) -> int:
         """Take ``got``'s tokens for ``r`` in order until one ends it; how many it took."""

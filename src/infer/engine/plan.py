@@ -221,7 +221,8 @@ class Update:
     batch: int | None = None  # rows of the decode step (or verify pass) when one ran
     passes: list[Pass] = field(default_factory=list)
     verified: bool = False  # the decode step ran as a verify pass
-    costs: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, width, seconds) of decodes
+    # (rows, width, seconds, tokens given) of the decode step or verify pass
+    costs: list[tuple[int, int, float, int]] = field(default_factory=list)
 
 
 __all__ = [

@@ -307,8 +307,8 @@ class Scheduler:
         if update.batch is not None:
             c["batch_size"] = update.batch
         if self.speculator is not None:
-            for rows, width, seconds in update.costs:
-                self.speculator.observe(rows, width, seconds)
+            for rows, width, seconds, given in update.costs:
+                self.speculator.observe(rows, width, seconds, given)
             c["spec_steps"] += update.verified
             for p in update.passes:
                 c["spec_passes"] += 1

@@ -1,5 +1,6 @@
 """Which proposed tokens a verify pass keeps (`verified_tokens`: `keep_matching`, `rejection_sample`),
-how many a pass is expected to give (`expected_tokens`), and what a pass costs (`PassCost`)."""
+how many a pass is expected to give (`expected_tokens`), what a pass costs (`PassCost`) and how
+passes delivered against what was expected of them (`Realized`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from infer.runtime.step import sample, sampling_inputs
-from infer.speculative.settings import KNEE_TOKENS
+from infer.speculative.settings import DECAY, KNEE_TOKENS
 from infer.speculative.state import Speculating
 
 
@@ -93,6 +94,40 @@ class PassCost:
             return cs[-1] * _shape(rows * width) / _shape(rows * ws[-1])
         i = next(i for i, w in enumerate(ws) if w > width)
         return cs[i - 1] + (cs[i] - cs[i - 1]) * (width - ws[i - 1]) / (ws[i] - ws[i - 1])
+
+
+class Realized:
+    """How verify passes delivered against the planner's expectation of them.
+
+    Each pass settled (`settle`) adds the tokens it gave and the ones expected of it, the seconds
+    it took (its forward and the proposing: a draft's steps, its catch-up with the last pass's
+    tokens) and the seconds predicted; ``factor`` is ``(given / expected) * (predicted / took)``
+    over those sums, decayed by `DECAY` a pass, from a prior of one pass that went as planned. The
+    planner scales every pass's expected rate by it, so proposals kept less often than their
+    estimates say, or passes that cost more than their measured parts (a draft's catch-up, the
+    proposing itself), stop being chosen over plain steps (clamped to [`LOW`, `HIGH`]).
+    """
+
+    LOW, HIGH = 0.05, 2.0
+
+    def __init__(self) -> None:
+        self.given = self.expected = self.took = self.predicted = 0.0
+
+    def settle(self, given: float, expected: float, took: float, predicted: float) -> None:
+        if self.expected == 0.0:  # the prior: a pass that went as planned
+            self.given, self.expected, self.took, self.predicted = expected, expected, predicted, predicted
+        d = DECAY
+        self.given = self.given * d + given
+        self.expected = self.expected * d + expected
+        self.took = self.took * d + took
+        self.predicted = self.predicted * d + predicted
+
+    @property
+    def factor(self) -> float:
+        if self.expected == 0.0 or self.took == 0.0:
+            return 1.0
+        f = (self.given / self.expected) * (self.predicted / self.took)
+        return min(self.HIGH, max(self.LOW, f))
 
 
 def _shape(tokens: int) -> float:

@@ -67,6 +67,8 @@ class Drafter:
         self.runner = runner
         self.slots = runner.slots
         self.cost = PassCost()  # its one-token steps
+        # Seconds the last `draft` spent reading text it had not seen (a prompt, plain steps' tokens).
+        self.reading = 0.0
 
     def room(self, r: Speculating) -> int:
         """Tokens the draft's context leaves for ``r``'s proposals."""
@@ -88,12 +90,17 @@ class Drafter:
             n = min(common_prefix(slots.tokens(r.row), text), len(text) - 1)
             slots.rollback(r.row, n)
             feeds[r.row] = text[n:]
+        t0 = time.perf_counter()
+        reading = any(len(f) > 2 for f in feeds.values())
         while any(len(f) > 1 for f in feeds.values()):  # catch up (a new prompt): all but the last token
             chunk = {i: f[: min(len(f) - 1, self.CATCH_UP)] for i, f in feeds.items() if len(f) > 1}
             ahead = sorted(chunk)
             self.runner.step(ahead[0], ahead[-1] + 1, chunk, Sampling(), None, None)
             for i, c in chunk.items():
                 del feeds[i][: len(c)]
+        # Feeding two tokens (the last pass kept every proposal: its last one and the target's token)
+        # is every pass's cost; more is text read once (a prompt, the tokens of plain steps between).
+        self.reading = time.perf_counter() - t0 if reading else 0.0
         tokens: dict[int, list[int]] = {i: [] for i in rows}
         dists: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests if not r.params.greedy}
         V = self.llm.model.vocab_size

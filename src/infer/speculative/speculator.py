@@ -7,12 +7,13 @@ It proposes and nothing more: the pass is a forward of the engine's plan like an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from infer.speculative.acceptance import PassCost, expected_tokens
+from infer.speculative.acceptance import PassCost, Realized, expected_tokens
 from infer.speculative.draft import Drafter
 from infer.speculative.settings import MARGIN, PROBE_EVERY, Speculative
 from infer.speculative.state import DRAFTED, NgramIndex, SpecState, Speculating
@@ -44,7 +45,10 @@ class Speculator:
     vocab: int
     drafter: Drafter | None = None
     cost: PassCost = field(default_factory=PassCost)  # the target's plain decode steps and verify passes
+    realized: Realized = field(default_factory=Realized)  # how passes delivered against their plan
     _skipped: int = 0  # passes skipped as too costly since the last one run
+    _planned: tuple[float, float] | None = None  # the pass planned: its tokens and seconds expected
+    _proposing: float = 0.0  # seconds the planned pass's proposals took (lookup, drafting)
 
     # ---- per request ----------------------------------------------------------------------
 
@@ -102,19 +106,26 @@ class Speculator:
         # noisy, and a pass that only breaks even costs the rows' latency for nothing.
         best, best_rate = 1, rows / self.cost.cost(rows, 1) * (1.0 + MARGIN)
         draft_step = 0.0
+        self._planned = None
         if self.drafter is not None and drafting:
             d, n = self.drafter, len(drafting)
             if d.cost.empty:  # nothing says what its steps cost here (weight bytes do not: a packed
                 # draft of a float32 target holds the same bytes): measure a pass of 4 at once
                 return min(longest + 1, 5)
             draft_step = d.cost.cost(n, 1)
+        # Scaled by how passes delivered against their plan so far (`Realized`): a pass must pay
+        # in what passes give here, not in what their parts promise.
+        factor = self.realized.factor
+        planned: dict[int, tuple[float, float]] = {}
         runner_up, runner_up_rate = 1, 0.0  # the best pass, paying or not
         for width in range(2, longest + 2):
             k = width - 1
             tokens = float(rows - len(proposals) - len(drafting))
             tokens += sum(expected_tokens(p.alpha, min(len(p.tokens), k)) for p in proposals.values())
             tokens += sum(expected_tokens(alpha, min(room, k)) for room, alpha in drafting.values())
-            rate = tokens / (self.cost.cost(rows, width) + k * draft_step)
+            seconds = self.cost.cost(rows, width) + k * draft_step
+            planned[width] = (tokens, seconds)
+            rate = tokens / seconds * factor
             if rate > best_rate:
                 best, best_rate = width, rate
             if rate > runner_up_rate:
@@ -125,6 +136,7 @@ class Speculator:
                 best = runner_up
         if best > 1:
             self._skipped = 0
+            self._planned = planned[best]
         return best
 
     def propose(
@@ -141,6 +153,7 @@ class Speculator:
         proposals against processed logits, position by position."""
         if any(r.processor is not None for r in requests):
             return None
+        t0 = time.perf_counter()
         proposals: dict[int, Proposal] = {}
         drafting: dict[int, tuple[int, float]] = {}
         most = room - 1
@@ -169,11 +182,21 @@ class Speculator:
                 take, alpha = drafting[row]
                 if tokens[:take]:
                     proposals[row] = Proposal(tokens[:take], DRAFTED, alpha, None if q is None else q[:take])
+        # What the pass costs besides its forward; text the draft read once is not a pass's cost.
+        read = self.drafter.reading if drafting and self.drafter is not None else 0.0
+        self._proposing = time.perf_counter() - t0 - read
+        if not proposals:
+            self._planned = None
         return proposals or None
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A decode step (``width`` 1) or a verify pass of ``rows`` decoding rows took ``seconds``."""
+    def observe(self, rows: int, width: int, seconds: float, given: int | None = None) -> None:
+        """A decode step (``width`` 1) or a verify pass of ``rows`` decoding rows took ``seconds``
+        and gave ``given`` tokens (all its rows together)."""
         self.cost.observe(rows, width, seconds)
+        if width > 1 and self._planned is not None and given is not None:
+            tokens, predicted = self._planned
+            self.realized.settle(given, tokens, seconds + self._proposing, predicted)
+        self._planned = None
 
 
 __all__ = ["Proposal", "Speculator"]
