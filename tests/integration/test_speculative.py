@@ -407,6 +407,46 @@ def test_a_pass_settles_only_against_its_own_plan() -> None:
     assert spec.realized.factor == 1.0
 
 
+def test_a_plain_step_is_measured_before_any_pass() -> None:
+    """Passes are weighed against a plain step's measured seconds: until one ran, the plan is a plain
+    step (a measured verify pass alone says nothing of what a step costs)."""
+    cost = PassCost()
+    cost.observe(1, 5, 0.012)
+    spec = planner(cost)
+    assert spec.plan(1, {0: proposal(0.8)}, {}) == 1
+    spec.observe(1, 1, 0.010, 1)
+    assert spec.plan(1, {0: proposal(0.8)}, {}) == 5
+
+
+def test_the_draft_reads_a_prompt_before_its_first_token(
+    det: infer.LLM, gemma_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model reads each prompt with the target's last prefill chunk (its time is the
+    prompt's, not the first pass's): its first catch-up sees no generated token, and after it the
+    draft's row holds the prompt but its last token."""
+    from infer.speculative.draft import Drafter
+
+    seen: list[tuple[list[int], list[int]]] = []
+    catch_up = Drafter.catch_up
+
+    def spy(self: Drafter, requests: Any) -> Any:
+        feeds = catch_up(self, requests)
+        seen.extend((list(r.generated), self.slots.tokens(r.row)) for r in requests)
+        return feeds
+
+    monkeypatch.setattr(Drafter, "catch_up", spy)
+    q4 = infer.load(gemma_path, quantize="q4_0", deterministic=True)
+    try:
+        prompt = PROMPTS[0]
+        collect(with_spec(det, draft=q4), [prompt], [SamplingParams(max_tokens=8, ignore_eos=True)])
+    finally:
+        q4.engine.close(drain=False)
+    assert seen, "the draft never caught up"
+    generated, held = seen[0]
+    print(f"first catch-up: {len(generated)} tokens generated, the draft holds {len(held)} of {len(prompt)}")
+    assert generated == [] and held == prompt[:-1]
+
+
 def test_stats_and_metrics_count_proposals(det: infer.LLM, propose_all: None) -> None:
     spec = with_spec(det, lookup=3)
     engine = Engine(spec)

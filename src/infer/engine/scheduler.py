@@ -280,6 +280,8 @@ class Scheduler:
                 T = max(1, min(T, b.per_forward // len(group)))
             feeds = {i: running[i].pending[:T] for i in group}
             requests = {i: running[i] for i in group}
+            if self.speculator is not None:  # a draft model reads the prompts that end here
+                self.speculator.read_prompts([r for i, r in requests.items() if len(r.pending) <= T])
             pad_to = 0
             if b.bucketed:
                 pad_to = bucket(T, MIN_PREFILL) if T > 1 else 1

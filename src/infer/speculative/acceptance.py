@@ -60,6 +60,11 @@ class PassCost:
     def empty(self) -> bool:
         return not self._seconds
 
+    @property
+    def decoded(self) -> bool:
+        """Whether a plain decode step was measured (any row count): what the rest is priced against."""
+        return any(w == 1 for _, w in self._seconds)
+
     def cost(self, rows: int, width: int) -> float:
         """Seconds (or, before any measurement, relative units) of a pass of ``rows x width``."""
         known = self._measured(rows, width)

@@ -74,16 +74,13 @@ class Drafter:
         """Tokens the draft's context leaves for ``r``'s proposals."""
         return self.slots.context - (len(r.prompt) + len(r.generated)) - 1
 
-    def draft(
-        self, requests: Sequence[Speculating], limits: dict[int, int], vocab: int
-    ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
-        drawn as each request samples (greedy: the draft's argmax), and for a sampled request the
-        distributions they were drawn from ``[k, vocab]``."""
+    def catch_up(self, requests: Sequence[Speculating]) -> dict[int, list[int]]:
+        """Feed the draft each request's text it has not seen but the last token (a new prompt, the
+        tokens of plain steps between passes, the last pass's); what is left to feed each row (the
+        last token: the first step's). Sets `reading`."""
         slots = self.slots
-        rows = [r.row for r in requests]
-        if rows[-1] + 1 > slots.rows:
-            slots.reserve(rows[-1] + 1, 1)
+        if requests[-1].row + 1 > slots.rows:
+            slots.reserve(requests[-1].row + 1, 1)
         feeds: dict[int, list[int]] = {}
         for r in requests:
             text = [*r.prompt, *r.generated]
@@ -92,7 +89,7 @@ class Drafter:
             feeds[r.row] = text[n:]
         t0 = time.perf_counter()
         reading = any(len(f) > 2 for f in feeds.values())
-        while any(len(f) > 1 for f in feeds.values()):  # catch up (a new prompt): all but the last token
+        while any(len(f) > 1 for f in feeds.values()):  # all but the last token, CATCH_UP at a time
             chunk = {i: f[: min(len(f) - 1, self.CATCH_UP)] for i, f in feeds.items() if len(f) > 1}
             ahead = sorted(chunk)
             self.runner.step(ahead[0], ahead[-1] + 1, chunk, Sampling(), None, None)
@@ -101,6 +98,16 @@ class Drafter:
         # Feeding two tokens (the last pass kept every proposal: its last one and the target's token)
         # is every pass's cost; more is text read once (a prompt, the tokens of plain steps between).
         self.reading = time.perf_counter() - t0 if reading else 0.0
+        return feeds
+
+    def draft(
+        self, requests: Sequence[Speculating], limits: dict[int, int], vocab: int
+    ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
+        drawn as each request samples (greedy: the draft's argmax), and for a sampled request the
+        distributions they were drawn from ``[k, vocab]``."""
+        rows = [r.row for r in requests]
+        feeds = self.catch_up(requests)
         tokens: dict[int, list[int]] = {i: [] for i in rows}
         dists: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests if not r.params.greedy}
         V = self.llm.model.vocab_size

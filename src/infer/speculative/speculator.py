@@ -49,6 +49,7 @@ class Speculator:
     _skipped: int = 0  # passes skipped as too costly since the last one run
     _planned: tuple[float, float] | None = None  # the pass planned: its tokens and seconds expected
     _proposing: float = 0.0  # seconds the planned pass's proposals took (lookup, drafting)
+    _drafting_pays: bool = True  # the last plan with drafting rows chose a pass (probes aside)
 
     # ---- per request ----------------------------------------------------------------------
 
@@ -83,6 +84,17 @@ class Speculator:
             return None
         return Proposal(tokens, n, state.acceptance.alpha(n))
 
+    def read_prompts(self, requests: Sequence[Speculating]) -> None:
+        """The draft reads the prompts of ``requests`` (in row order), whose last chunk the target
+        reads in this plan: with the target's prefill, before their first token, rather than on the
+        first pass's clock. Not while drafted passes do not pay (the last plan with drafting rows
+        chose a plain step): the draft then reads a prompt when a pass is tried."""
+        d = self.drafter
+        if d is not None and self._drafting_pays:
+            drafting = [r for r in requests if self.row_state(r) is not None and d.room(r) > 0]
+            if drafting:
+                d.catch_up(drafting)
+
     # ---- the pass -------------------------------------------------------------------------
 
     def plan(
@@ -97,7 +109,10 @@ class Speculator:
         ``proposals``: the rows' n-gram proposals; ``drafting``: the rows the draft model would
         propose for, with the tokens they can take and their acceptance estimate; ``span``: the
         rows the forward covers (idle ones between included; default ``rows``)."""
+        self._planned = None
         if not proposals and not drafting:
+            return 1
+        if not self.cost.decoded:  # a plain step first: what every pass is weighed against, in seconds
             return 1
         longest = max([len(p.tokens) for p in proposals.values()] + [room for room, _ in drafting.values()])
         if self.per_forward is not None:
@@ -106,7 +121,6 @@ class Speculator:
         # noisy, and a pass that only breaks even costs the rows' latency for nothing.
         best, best_rate = 1, rows / self.cost.cost(rows, 1) * (1.0 + MARGIN)
         draft_step = 0.0
-        self._planned = None
         if self.drafter is not None and drafting:
             d, n = self.drafter, len(drafting)
             if d.cost.empty:  # nothing says what its steps cost here (weight bytes do not: a packed
@@ -130,6 +144,8 @@ class Speculator:
                 best, best_rate = width, rate
             if rate > runner_up_rate:
                 runner_up, runner_up_rate = width, rate
+        if drafting:
+            self._drafting_pays = best > 1
         if best == 1 and longest >= 1:
             self._skipped += 1
             if self._skipped >= PROBE_EVERY:  # costs and rates change: measure the best pass now and then
