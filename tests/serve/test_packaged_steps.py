@@ -60,6 +60,10 @@ def test_a_server_queues_its_steps_at_start(
         assert kinds == [["1", "100"], ["2-16", "100"], ["1", "000"], ["2-16", "000"], ["1", "010"],
                          ["2-16", "010"]]  # fmt: skip
         assert builder.queued(packages) == sorted(keys)
+        requests = (packages / "queue").glob("*.json")  # the builder's order: newest first
+        order = [p.stem for p in sorted(requests, key=lambda p: -p.stat().st_mtime_ns)]
+        print(f"built in the order: {[k.split('-b')[1] for k in order]}")
+        assert order == keys
         assert prepare_packages(llm.engine) == []  # queued already
         other = infer.load(tiny_ckpt_factory("qwen3"))
         keys = prepare_packages(other.start_engine(max_batch=1))

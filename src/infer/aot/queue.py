@@ -95,8 +95,9 @@ class BuildQueue:
         do not exist yet, ahead of need: a server calls it at start for the batch sizes its engine
         will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity; a mode
         with ``every_token`` asks for the verify pass of one row, any of `VERIFY_WIDTHS` tokens).
-        The builder takes them in the machine's idle time, and this process picks each package up
-        as it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        The builder takes them in the machine's idle time, in this order (each of ``modes`` for
+        every row count, fewest rows first: one submission), and this process picks each package
+        up as it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
         rows, modes = list(rows), list(modes)
         bad = [v for v in rows if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
@@ -108,9 +109,9 @@ class BuildQueue:
             )
         if not self.builds_allowed:
             return []
-        requests = []
-        for batch in sorted(set(rows)):
-            for mode in modes:
+        requests = []  # one submission, built in this order: each mode (in the order given) for
+        for mode in modes:  # every row count, fewest rows first
+            for batch in sorted(set(rows)):
                 width = VERIFY_WIDTHS[0] if mode.every_token else 1
                 key = shape_key(self.fingerprint, batch, mode, width)
                 if key is None or key in self.missing or key in self.loaded:

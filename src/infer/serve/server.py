@@ -80,10 +80,10 @@ def prepare_packages(engine: EngineClient) -> list[str]:
 
     rows = [1] + ([2] if engine.max_batch > 1 else [])
     modes = [Sampling(), Sampling(greedy=False), Sampling(greedy=False, filtered=True)]
-    keys: list[str] = []
-    for mode in modes:  # each mode for one row, then for several: the likeliest first
-        keys += engine.prepare(rows, [mode])
-    return keys
+    # One submission, built in its order: each mode for one row, then for several, the likeliest
+    # mode first. (The builder takes the newest submission first: a call per mode had the
+    # filtered steps built before the greedy ones.)
+    return engine.prepare(rows, modes)
 
 
 def serve(
