@@ -67,7 +67,7 @@ class Drafter:
         self.runner = runner
         self.slots = runner.slots
         self.cost = PassCost()  # its one-token steps
-        # Seconds the last `draft` spent reading text it had not seen (a prompt, plain steps' tokens).
+        # Seconds the last `catch_up` spent reading text it had not seen (a prompt, plain steps' tokens).
         self.reading = 0.0
 
     def room(self, r: Speculating) -> int:
