@@ -167,7 +167,8 @@ def group_timeout(group: dist.ProcessGroup | None) -> float | None:
 
 
 class RankFailedError(RuntimeError):
-    """A collective failed because another rank stopped answering (it died, was stopped or hangs)."""
+    """A collective failed because another rank failed (its own error, where it reported one) or
+    stopped answering (it died, was stopped or hangs)."""
 
 
 class Heartbeat:
@@ -177,6 +178,8 @@ class Heartbeat:
     other rank's counter through its own store connection (a short timeout: a stopped
     store must not stop it). A rank whose counter has not moved for `SILENT_S` has
     stopped answering; so has the store's host when the store itself stops answering.
+    A rank that fails with an error of its own writes it to ``infer/failed/<rank>`` before it
+    exits (`report`), so the others tell that error rather than its silence (`reported`).
     """
 
     def __init__(self, rank: int, world: int, store: Any, store_host: str) -> None:
@@ -187,6 +190,7 @@ class Heartbeat:
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in range(world) if r != rank}
         self.store_ok = now  # when the store last answered
         self.lock = threading.Lock()
+        self.store_lock = threading.Lock()  # one store call at a time (the thread's, a report's)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="infer-heartbeat", daemon=True)
 
@@ -216,8 +220,9 @@ class Heartbeat:
         keys = {r: f"infer/alive/{r}" for r in self.seen}
         while not self.stop.is_set():
             try:
-                self.store.add(f"infer/alive/{self.rank}", 1)
-                counts = {r: int(self.store.add(key, 0)) for r, key in keys.items()}
+                with self.store_lock:
+                    self.store.add(f"infer/alive/{self.rank}", 1)
+                    counts = {r: int(self.store.add(key, 0)) for r, key in keys.items()}
             except Exception:  # the store stopped answering: its host is gone or stopped
                 time.sleep(HEARTBEAT_S)
                 continue
@@ -228,6 +233,28 @@ class Heartbeat:
                     if count != self.seen[r][0]:
                         self.seen[r] = (count, now)
             self.stop.wait(HEARTBEAT_S)
+
+    def report(self, error: BaseException) -> None:
+        """Leave this rank's own error where the other ranks look when it stops answering."""
+        text = f"{type(error).__name__}: {error}".strip()
+        try:
+            with self.store_lock:
+                self.store.set(f"infer/failed/{self.rank}", text[:2000])
+        except Exception:  # no store to tell: the others will report this rank as silent
+            pass
+
+    def reported(self) -> dict[int, str]:
+        """The errors other ranks reported before they stopped (`report`), by rank."""
+        found: dict[int, str] = {}
+        try:
+            with self.store_lock:
+                for r in sorted(self.seen):
+                    key = f"infer/failed/{r}"
+                    if self.store.check([key]):
+                        found[r] = bytes(self.store.get(key)).decode(errors="replace")
+        except Exception:  # the store stopped answering: nothing reported that can be read
+            pass
+        return found
 
     def silent(self) -> tuple[list[int], float, bool]:
         """``(ranks silent for SILENT_S, the longest silence, whether the store is silent)``.
@@ -247,10 +274,26 @@ class Heartbeat:
 _LATEST: Heartbeat | None = None  # this process's heartbeat (one parallel run per process)
 
 
+def _failed(reported: dict[int, str]) -> str:
+    """``rank R failed: ITS ERROR`` for each rank that reported its own error."""
+    return "; ".join(f"rank {r} failed: {text}" for r, text in sorted(reported.items()))
+
+
+def report_failure(parallel: Parallel | None, error: BaseException) -> None:
+    """This rank fails with ``error`` of its own (not a peer's silence): tell the other ranks, whose
+    collectives are about to fail, what it was (`Heartbeat.report`)."""
+    if parallel is not None and parallel.heartbeat is not None and not is_peer_failure(error):
+        parallel.heartbeat.report(error)
+
+
 def lost_ranks() -> str | None:
-    """Who stopped answering, as the last `Heartbeat` of this process sees it (None: nobody known)."""
+    """Who failed or stopped answering, as the last `Heartbeat` of this process sees it (None:
+    nobody known). A rank that reported its own error is named with it."""
     if _LATEST is None:
         return None
+    reported = _LATEST.reported()
+    if reported:
+        return _failed(reported)
     ranks, silence, store = _LATEST.silent()
     if store:
         return f"{_LATEST.store_host} stopped answering (the rendezvous store silent for {silence:.1f} s)"
@@ -261,10 +304,14 @@ def lost_ranks() -> str | None:
 
 
 def describe_failure(parallel: Parallel, error: BaseException) -> str:
-    """Which rank stopped answering, for the collective that failed with ``error``."""
+    """Which rank failed (with its own error, where it reported one) or stopped answering, for the
+    collective that failed with ``error``."""
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     beat = parallel.heartbeat
     if beat is not None:
+        reported = beat.reported()
+        if reported:
+            return _failed(reported)
         ranks, silence, store = beat.silent()
         if store:
             return (
@@ -364,6 +411,7 @@ __all__ = [
     "is_peer_failure",
     "lost_ranks",
     "peer_failures",
+    "report_failure",
     "setup",
     "shared_seed",
 ]

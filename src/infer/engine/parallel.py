@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from infer.distributed.runtime import Parallel, broadcast_object, is_peer_failure, peer_failures
+from infer.distributed.runtime import (
+    Parallel,
+    RankFailedError,
+    broadcast_object,
+    is_peer_failure,
+    peer_failures,
+    report_failure,
+)
 from infer.engine.plan import Done, Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
 from infer.engine.slots import KVSlots
@@ -187,8 +194,13 @@ class Follower:
             if (here is None) != (done.error is None):
                 raise self._diverged(repr(done.op), here, done.error)
 
+    @torch.inference_mode()
     def follow(self) -> Any:
-        """Replay rank 0's plans until it ends a call (its result is returned) or stops (None)."""
+        """Replay rank 0's plans until it ends a call (its result is returned) or stops (None).
+
+        In inference mode throughout, as rank 0's engine runs: KV operations and forwards touch
+        the same tensors (a cache grown by a forward is an inference tensor; rolling it back
+        outside inference mode would fail here and not there)."""
         while True:
             message = broadcast_object(self.parallel, None)
             if message == STOP:
@@ -207,8 +219,7 @@ class Follower:
             self._ran = []
             for f in message.forwards:
                 try:
-                    with torch.inference_mode():
-                        runner.step(f.lo, f.hi, f.feeds, f.mode, None, None, f.pad_to)
+                    runner.step(f.lo, f.hi, f.feeds, f.mode, None, None, f.pad_to)
                 except Exception as e:
                     if is_peer_failure(e):
                         raise  # a rank gone: this run is over
@@ -249,17 +260,27 @@ class Ranks:
 
     def follow(self) -> None:
         """A parallel server's rank other than 0: replay rank 0's plans until its server stops."""
-        with peer_failures(self.parallel):
-            while self.follower.follow() is not None:
-                pass  # a call's end (a Python API call on rank 0): keep following
+        while self._follow() is not None:
+            pass  # a call's end (a Python API call on rank 0): keep following
 
     def followed(self) -> Any:
         """A rank other than 0 in a Python API call: rank 0's result of the call (its error raised)."""
-        with peer_failures(self.parallel):
-            result = self.follower.follow()
+        result = self._follow()
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def _follow(self) -> Any:
+        """`Follower.follow`; an error of this rank's own (a divergence, a failed forward) is left
+        for the other ranks to tell (`report_failure`) before it is raised here."""
+        with peer_failures(self.parallel):
+            try:
+                return self.follower.follow()
+            except RankFailedError:
+                raise
+            except Exception as e:
+                report_failure(self.parallel, e)
+                raise
 
     def end_call(self, result: Any) -> None:
         """Rank 0: the call is over; the other ranks return ``result`` (or raise it)."""
