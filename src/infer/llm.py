@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,10 +17,10 @@ from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
 from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
-from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens, row_seed
+from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.runtime.step import Stepper
-from infer.text.chat_template import check_unicode
+from infer.text.prompts import chat_prompt, encode_prompt
 from infer.text.structured import Constraint, constraint_of
 from infer.text.tools import ToolCall
 
@@ -71,42 +70,21 @@ class GenerationResult:
         return message
 
 
-def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    """``stop`` as a list of non-empty strings (a lone string is one stop string)."""
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list | tuple):
-        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    for s in items:
-        if not isinstance(s, str):
-            raise TypeError(f"stop must be a string or a list of strings, found {s!r} ({type(s).__name__})")
-        if not s:
-            raise ValueError("stop strings must be non-empty")
-    return list(items)
-
-
 class SamplingOptions(TypedDict, total=False):
     """The sampling keywords of `LLM.generate`, `LLM.stream` and `LLM.chat` (keyword-only, all optional).
 
-    * ``temperature`` (default 0.0): 0 is greedy; > 0 samples from ``softmax(logits / temperature)``.
-    * ``top_k`` (default 0: off): sample from the ``top_k`` most likely tokens.
-    * ``top_p`` (default 1.0: off): sample from the smallest set of tokens reaching ``top_p``.
-    * ``seed`` (default None: fresh randomness): makes sampling reproducible.
-    * ``stop`` (default None): a stop string, or a list of them; generation ends before one.
+    Each is the `infer.params.SamplingParams` field of its name, with its default and its check
+    (one call: `_generation_args`): ``temperature`` (0.0: greedy), ``top_k`` (0: off), ``top_p``
+    (1.0: off), ``seed`` (None: fresh randomness), ``stop`` (a string or a list of them; generation
+    ends before one), and the logits processing of OpenAI's API and vLLM: ``logit_bias`` ({token
+    id: bias}), ``presence_penalty`` / ``frequency_penalty``, ``repetition_penalty`` (1: off).
 
-    Structured output (at most one of the three; docs/structured.md):
+    Besides them, structured output (at most one of the three; docs/structured.md):
 
     * ``json_schema``: the text is JSON matching this schema (a dict, its JSON text, or a
       pydantic model class; ``{"type": "object"}`` for any JSON object);
     * ``regex``: the whole text matches this regular expression;
     * ``grammar``: the text matches this grammar (llguidance's Lark dialect, or GBNF).
-
-    Logits processing, as OpenAI's API and vLLM define it: ``logit_bias`` ({token id: bias in
-    [-100, 100]} added to the logits), ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]),
-    ``repetition_penalty`` (> 0; 1 is off).
-
-    The defaults are `infer.params.SamplingParams`'s; the checks are its and `_stop_strings`'.
     """
 
     temperature: float
@@ -131,15 +109,10 @@ def _generation_args(method: str, max_new_tokens: int, sampling: SamplingOptions
     for name in sampling:
         if name not in SamplingOptions.__annotations__:
             raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
-    max_new_tokens = check_max_new_tokens(max_new_tokens)
     options: dict[str, Any] = dict(sampling)
-    stops = _stop_strings(options.pop("stop", None))
     constraint = constraint_of(options.pop("json_schema", None), options.pop("regex", None),
                                options.pop("grammar", None))  # fmt: skip
-    bias = options.pop("logit_bias", None) or ()
-    return SamplingParams(
-        max_tokens=max_new_tokens, stop=tuple(stops), constraint=constraint, logit_bias=bias, **options
-    )
+    return SamplingParams(max_tokens=check_max_new_tokens(max_new_tokens), constraint=constraint, **options)
 
 
 @dataclass(eq=False, repr=False)
@@ -229,26 +202,9 @@ class LLM(Experimenting):
     # ---- prompts --------------------------------------------------------------
 
     def encode(self, prompt: Prompt, what: str = "prompt") -> list[int]:
-        """One prompt (a string, or a list of token ids) as checked token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{what} is empty (an empty string)")
-            check_unicode(what, prompt)
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise ValueError(f"{what} encodes to no tokens")
-            return ids
-        if not isinstance(prompt, list | tuple):
-            raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError(f"{what} is empty (an empty list of token ids)")
-        vocab = self.config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not hasattr(type(t), "__index__"):
-                raise TypeError(f"{what}: token ids must be ints, found {t!r} ({type(t).__name__})")
-            if not 0 <= operator.index(t) < vocab:
-                raise ValueError(f"{what}: token id {t} is out of range [0, {vocab})")
-        return [operator.index(t) for t in prompt]
+        """One prompt (a string, or a list of token ids) as checked token ids
+        (`infer.text.prompts.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, self.config.vocab_size, prompt, what)
 
     def _encode_batch(self, prompt: Any) -> tuple[list[list[int]], bool]:
         """``(token ids per prompt, is_batch)`` for a prompt or a list of prompts."""
@@ -276,8 +232,9 @@ class LLM(Experimenting):
         return ids
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        """Every prompt through the engine (continuous batching); results in prompt order. Under
-        tensor/pipeline parallelism rank 0 runs them and the other ranks return its results."""
+        """Every prompt (token ids `encode` checked) through the engine (continuous batching); results
+        in prompt order. Under tensor/pipeline parallelism rank 0 runs them and the other ranks
+        return its results."""
         if not self.primary:
             results: list[GenerationResult] = self.ranks.followed()
             return results
@@ -304,13 +261,9 @@ class LLM(Experimenting):
             self.ranks.end_call(result)
 
     def _submit(self, prompts: list[list[int]], params: SamplingParams, *, text: bool) -> list[RequestHandle]:
-        def request(i: int) -> SamplingParams:
-            if params.seed is None or params.greedy:
-                return params
-            return dataclasses.replace(params, seed=row_seed(params.seed, i))  # each prompt draws its own
-
-        requests = [request(i) for i in range(len(prompts))]
-        return self.engine.submit_many(prompts, requests, text=text, wait=True, drive=True)
+        """The encoded prompts (`encode`) queued, each with its row's settings (its own seed)."""
+        rows = [params.row(i) for i in range(len(prompts))]
+        return self.engine.submit_many(prompts, rows, text=text, wait=True, drive=True, checked=True)
 
     def _result(
         self, h: RequestHandle, text: str, row: int, constraint: Constraint | None = None
@@ -471,18 +424,17 @@ class LLM(Experimenting):
         from infer.text.prompts import read_reply, tool_chat
 
         params = _generation_args("chat", max_new_tokens, sampling)
-        if not isinstance(parse_special_in_content, bool):
-            raise TypeError(f"parse_special_in_content must be a bool, got {parse_special_in_content!r}")
         if tools is None and tool_choice is None:
             ids = self.chat_prompt(messages, parse_special_in_content=parse_special_in_content)
             # The engine keeps the conversation's KV in its row: the next turn, whose rendered
             # history starts with these tokens and the reply, prefills only what is new.
-            return self._generate([ids], params)[0]
+            return self._generate([self.encode(ids)], params)[0]
         chat = tool_chat(
             self, messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
             constraint=params.constraint, parse_special_in_content=parse_special_in_content,
         )  # fmt: skip
-        result = self._generate([chat.ids], dataclasses.replace(params, constraint=chat.constraint))[0]
+        params = dataclasses.replace(params, constraint=chat.constraint)
+        result = self._generate([self.encode(chat.ids)], params)[0]
         content, calls = read_reply(self, chat, result.token_ids, result.text)
         if calls:
             result.text, result.tool_calls, result.finish_reason, result.parsed = (
@@ -506,12 +458,9 @@ class LLM(Experimenting):
     def chat_prompt(
         self, messages: Sequence[Message], *, parse_special_in_content: bool = False
     ) -> list[int]:
-        """The token ids of ``messages`` rendered by the chat template, with the assistant's turn opened."""
-        if not isinstance(parse_special_in_content, bool):
-            raise TypeError(f"parse_special_in_content must be a bool, got {parse_special_in_content!r}")
-        return self.tokenizer.encode_chat(
-            messages, add_generation_prompt=True, parse_special_in_content=parse_special_in_content
-        )
+        """The token ids of ``messages`` rendered by the chat template, with the assistant's turn opened
+        (`infer.text.prompts.chat_prompt`)."""
+        return chat_prompt(self.tokenizer, messages, parse_special_in_content=parse_special_in_content)
 
 
 def _parse_json(text: str, model: Any) -> Any:

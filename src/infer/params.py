@@ -1,11 +1,12 @@
 """What a request may ask for, checked in one place: `SamplingParams` and the bounds every entry
-point shares (the Python API, the CLI's options, the server's schemas, the engine).
+point shares (the Python API, the CLI's options, the server's bodies, the engine).
 
 Torch-free, so the CLI can name the bounds in its ``--help`` before torch is imported. A bad value
 is a `ParamError` (a `ValueError`) or a `ParamTypeError` (a `TypeError`) carrying the name of the
 argument it is about in ``param``: the server answers 400 naming that field without guessing it
 from the message. Also what every way of generating shares: each prompt's seed in a seeded batch
-(`row_seed`) and the error of non-finite logits (`NonFiniteLogitsError`, also `infer.NonFiniteLogitsError`).
+(`row_seed`, `SamplingParams.row`), text that must be valid Unicode (`check_unicode`), and the
+error of non-finite logits (`NonFiniteLogitsError`, also `infer.NonFiniteLogitsError`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import numbers
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
@@ -80,6 +81,39 @@ def check_float(name: str, value: Any) -> float:
     return v
 
 
+def check_unicode(what: str, text: str) -> None:
+    """`ParamError` naming ``what`` when ``text`` holds a lone surrogate (``"\\ud800"``): not
+    encodable as UTF-8 (a prompt, a message's content, a stop string)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(
+            what,
+            f"{what}: holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not valid "
+            "Unicode: text must be encodable as UTF-8 (decode bytes with errors='replace')",
+        ) from None
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """``stop`` (None, a string, or a list of strings) as a tuple of non-empty, valid strings; an
+    empty one is a `ParamError` naming it (``stop[1]``)."""
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, list | tuple):
+        raise ParamTypeError("stop", f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(items):
+        where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+        if not isinstance(s, str):
+            message = f"stop must be a string or a list of strings, found {s!r} ({type(s).__name__})"
+            raise ParamTypeError(where, message)
+        if not s:
+            what = "stop must be a string or a list of strings, and stop strings must be non-empty"
+            raise ParamError(where, f"{what}: {where} is ''")
+        check_unicode(where, s)
+    return tuple(items)
+
+
 def check_max_new_tokens(value: Any) -> int:
     """``max_new_tokens`` is an int >= 1: a generation call always generates."""
     return check_int("max_new_tokens", value, 1)
@@ -122,13 +156,16 @@ def check_logit_bias(bias: Any, vocab_size: int | None = None) -> tuple[tuple[in
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's generation settings, checked and normalized on construction (errors name the
-    field: `ParamError`, `ParamTypeError`).
+    field: `ParamError`, `ParamTypeError`): the one definition of a request's values, which
+    `infer.LLM`'s keywords and the server's bodies are turned into, and the one check of them.
 
     The first four are the sampling values (positional: ``SamplingParams(0.7, 40)`` is temperature
     0.7, top-k 40):
     ``temperature`` finite and >= 0 (0 is greedy), ``top_k`` in [0, 2**63 - 1] (0: off), ``top_p``
     in (0, 1] (1: off), ``seed`` None or in [0, 2**64 - 1]. The rest are what the engine honours
     per request; the free function `infer.runtime.generate.generate_steps` reads the first four only.
+    What depends on the model (a biased token id below the vocabulary, a constraint that compiles)
+    is the engine's check.
     """
 
     temperature: float = 0.0
@@ -136,12 +173,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 256  # new tokens at most
-    stop: tuple[str, ...] = ()  # stop strings (text is cut before them); a lone string is taken too
+    stop: tuple[str, ...] = ()  # stop strings (text is cut before them); None, a string, a list taken too
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS ids
     logprobs: int | None = None  # None: none; 0: the chosen token's; k>0: also the top k alternatives
     ignore_eos: bool = False
     constraint: Any = None  # an `infer.text.structured.Constraint` the text must match, or None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is taken too
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict, None taken too
     presence_penalty: float = 0.0  # in [-2, 2], OpenAI's
     frequency_penalty: float = 0.0  # in [-2, 2], OpenAI's
     repetition_penalty: float = 1.0  # > 0, 1 = off (vLLM's and transformers')
@@ -163,10 +200,7 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", check_int("seed", self.seed, 0, SEED_MAX))
         put("max_tokens", check_int("max_tokens", self.max_tokens, 1))
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-            raise ParamError("stop", f"stop must be a string or a list of non-empty strings, got {stop!r}")
-        put("stop", tuple(stop))
+        put("stop", check_stop(self.stop))
         ids = self.stop_token_ids
         if not isinstance(ids, list | tuple):
             raise ParamTypeError(
@@ -199,6 +233,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def row(self, index: int) -> SamplingParams:
+        """The settings of the ``index``-th prompt of a batch (or choice of a request) made with these:
+        a seeded sampled one draws from `row_seed` ``(seed, index)``, so each row draws its own and
+        the first draws as it would alone."""
+        if index == 0 or self.seed is None or self.greedy:
+            return self
+        return replace(self, seed=row_seed(self.seed, index))
+
     @property
     def processed(self) -> bool:
         """Whether the row's logits are processed (a constraint, a bias or a penalty): see
@@ -227,4 +269,7 @@ __all__ = [
     "check_int",
     "check_logit_bias",
     "check_max_new_tokens",
+    "check_stop",
+    "check_unicode",
+    "row_seed",
 ]

@@ -10,6 +10,7 @@ distribution computed here from the model's own logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 import infer
-from infer.params import NonFiniteLogitsError
+from infer.llm import SamplingOptions
+from infer.params import NonFiniteLogitsError, SamplingParams
 from infer.testing import reference_sampling_probs
 
 
@@ -99,6 +101,15 @@ def test_unknown_keywords_are_refused_by_name(llm: infer.LLM) -> None:
         llm.stream("Hello", max_new_tokens=4, **typo)
     with pytest.raises(TypeError, match=r"chat\(\) got an unexpected keyword argument 'temprature'"):
         llm.chat(messages, max_new_tokens=4, **typo)
+
+
+def test_sampling_keywords_are_sampling_params_fields() -> None:
+    """`SamplingOptions` adds only the three constraints to `SamplingParams`' fields: a request's
+    values are defined, defaulted and checked there alone."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    extra = set(SamplingOptions.__annotations__) - fields
+    print(f"keywords that are not SamplingParams fields: {sorted(extra)}")
+    assert extra == {"json_schema", "regex", "grammar"}
 
 
 # ---- prompts ---------------------------------------------------------------------------

@@ -204,6 +204,9 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, str | None]] = [
     ("seed negative", "completions", {"prompt": "hi", "seed": -3}, "seed"),
     ("stop a number", "completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("empty stop", "completions", {"prompt": "hi", "stop": ["a", ""]}, "stop[1]"),
+    ("stop a lone surrogate", "completions", b'{"prompt": "hi", "stop": ["a", "\\ud800"]}', "stop[1]"),
+    ("17 stop strings", "completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
+    ("top_k below -1", "completions", {"prompt": "hi", "top_k": -5}, "top_k"),
     ("n 0", "completions", {"prompt": "hi", "n": 0}, "n"),
     ("n past 128", "completions", {"prompt": "hi", "n": 129}, "n"),
     ("stream a string", "completions", {"prompt": "hi", "stream": "yes"}, "stream"),
@@ -218,6 +221,18 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, str | None]] = [
         "chat",
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 999},
         "max_completion_tokens",
+    ),
+    (
+        "max_completion_tokens 0",
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
+    (
+        "top_logprobs past 20",
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
     ),
     (
         "top_logprobs without logprobs",

@@ -13,13 +13,14 @@ appear.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from infer.params import NonFiniteLogitsError, SamplingParams
+from infer.params import NonFiniteLogitsError, ParamError, SamplingParams
 from infer.runtime.step import gumbel_noise, sample, sampling_inputs
 from infer.testing import reference_sampling_probs as reference_probs
 
@@ -172,6 +173,10 @@ BAD_PARAMS = [
     ({"seed": -1}, ValueError, "seed must be an int in"),
     ({"seed": 1.0}, TypeError, "seed must be an int"),
     ({"seed": "7"}, TypeError, "seed must be an int"),
+    ({"stop": 3}, TypeError, "stop must be a string or a list of strings, got int"),
+    ({"stop": ["ok", 3]}, TypeError, r"stop must be a string or a list of strings, found 3 \(int\)"),
+    ({"stop": ["ok", ""]}, ValueError, r"stop strings must be non-empty: stop\[1\] is ''"),
+    ({"stop": ["ok", "\ud800"]}, ValueError, r"stop\[1\]: holds '\\ud800' at index 0, a lone surrogate"),
 ]
 
 
@@ -181,6 +186,27 @@ def test_sampling_params_refuse_bad_values(
 ) -> None:
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_stop_errors_name_the_string() -> None:
+    """The server answers 400 naming ``stop[1]``: `ParamError.param` carries the index."""
+    with pytest.raises(ParamError) as info:
+        SamplingParams(stop=["ok", ""])
+    assert info.value.param == "stop[1]"
+    assert SamplingParams(stop="ok").stop == SamplingParams(stop=["ok"]).stop == ("ok",)
+    assert SamplingParams(stop=None).stop == ()
+
+
+def test_each_row_of_a_seeded_batch_draws_its_own_seed() -> None:
+    """Row 0 keeps the request's seed (a prompt alone and first in a batch draw the same), the
+    others get distinct ones; greedy or unseeded rows are the request's settings as they are."""
+    seeded = SamplingParams(0.8, seed=7, max_tokens=5)
+    rows = [seeded.row(i) for i in range(64)]
+    assert rows[0] is seeded
+    assert len({r.seed for r in rows}) == 64
+    assert all(dataclasses.replace(r, seed=7) == seeded for r in rows)
+    for params in (SamplingParams(seed=7), SamplingParams(0.8)):
+        assert params.row(3) is params
 
 
 def test_sampling_params_accept_and_normalize_numpy_and_edges() -> None:

@@ -36,7 +36,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -174,15 +174,18 @@ class Engine:
         text: bool = True,
         wait: bool = False,
         drive: bool = False,
+        checked: bool = False,
     ) -> list[RequestHandle]:
         """Queue ``prompts`` in order; those that fit join the same step. ``text``: running events
         carry text (else the final one carries all of it). ``wait``: block for room instead of
         raising `EngineFull`. ``drive``: the caller will iterate the handles (and so run the loop
-        itself), so no background thread is started for them."""
+        itself), so no background thread is started for them. ``checked``: the prompts are token
+        ids their caller checked (`infer.LLM.encode`), taken as they are."""
         if params and not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("params must be infer.SamplingParams")
         what = "prompt" if len(prompts) == 1 else "prompt {}"
-        ids = [self.llm.encode(p, what.format(i)) for i, p in enumerate(prompts)]
+        ids = [cast(list[int], p) if checked else self.llm.encode(p, what.format(i))
+               for i, p in enumerate(prompts)]  # fmt: skip
         requests = [self._request(i, toks, p, text, len(prompts)) for i, (toks, p) in
                     enumerate(zip(ids, params, strict=True))]  # fmt: skip
         self.driver.submit(requests, self.max_waiting, wait=wait, drive=drive)

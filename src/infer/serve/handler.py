@@ -6,7 +6,6 @@ the response is streamed or written whole (`infer.serve.writers`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.engine import EngineClosed, EngineFull
-from infer.params import ParamTypeError, row_seed
+from infer.params import ParamTypeError
 from infer.serve.client import HandleClient
 from infer.serve.errors import RETRY_AFTER_S, APIError, bad
 from infer.serve.fields import FieldError, check_unhonoured, constraint_of
@@ -61,11 +60,8 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
             compile_constraint(state, chat.constraint, "tools")
             constraint = chat.constraint
         params = sampling_params(state, kind, body, len(ids), prompt_field, constraint)
-        for i in range(body.n):
-            p = params
-            if i and params.seed is not None and not params.greedy:
-                p = dataclasses.replace(params, seed=row_seed(params.seed, i))  # each choice draws its own
-            handles.append(await run_in_threadpool(state.engine.submit, ids, p))
+        for i in range(body.n):  # each choice draws its own (`SamplingParams.row`)
+            handles.append(await run_in_threadpool(state.engine.submit, ids, params.row(i)))
     except BaseException as e:
         for h in handles:  # choices already queued go with the request
             h.cancel()

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI API as pydantic models.
 
-Types and ranges are checked here, so a wrong one is a 400 naming the field before
-anything reaches the engine; the bounds are `infer.params`' (those `SamplingParams` checks; the
-completions' ``logprobs`` int goes to 20 here, 5 at OpenAI). A top-level field infer does not know is kept
-(``model_extra``) for `infer.serve.fields.check_unhonoured`: a 400 naming it unless it is one
-of the fields that change nothing (``user``, ``store``, ``metadata``, ...) or is null.
+The bodies' shape is checked here (types, required fields, what only the HTTP API bounds: ``n``,
+16 stop strings), so a wrong one is a 400 naming the field; the sampling values' rules are
+`infer.SamplingParams`', which `infer.serve.translate` builds from a body (a value it refuses is
+a 400 naming the field too; the completions' ``logprobs`` int goes to 20 there, 5 at OpenAI).
+A top-level field infer does not know is kept (``model_extra``) for
+`infer.serve.fields.check_unhonoured`: a 400 naming it unless it is one of the fields that
+change nothing (``user``, ``store``, ``metadata``, ...) or is null.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from infer.params import LOGIT_BIAS_MAX, MAX_LOGPROBS, PENALTY_MAX, SEED_MAX, TOP_K_MAX
-
 MAX_N = 128  # OpenAI's bound on choices per request
+MAX_STOPS = 16  # OpenAI's bound on stop strings
 
 
 class _Part(BaseModel):
@@ -126,32 +127,24 @@ class ResponseFormat(_Part):
         return self
 
 
-NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-
-
-Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX, allow_inf_nan=False)]
-
-Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX, allow_inf_nan=False)]
-
-
 class _Common(BaseModel):
-    """Fields both endpoints take."""
+    """Fields both endpoints take (the sampling values' ranges: `infer.SamplingParams`)."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: NonNegFloat | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # -1 or 0: off (vLLM: -1)
-    seed: Annotated[StrictInt, Field(ge=0, le=SEED_MAX)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # -1 or 0: off (vLLM: -1)
+    seed: StrictInt | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's
-    logit_bias: dict[str, Bias] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
     return_token_ids: StrictBool = False  # vLLM's extension: each choice also lists its "token_ids"
     user: Any = None
@@ -159,9 +152,9 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -174,12 +167,14 @@ class CompletionRequest(_Common):
         | Annotated[list[StrictInt], Field(min_length=1)]
         | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
     )
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: StrictInt | None = None
     echo: Annotated[StrictBool, Field(description="not supported: must be false")] = False
     suffix: StrictStr | None = None
 
 
 __all__ = [
+    "MAX_N",
+    "MAX_STOPS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",

@@ -1,45 +1,30 @@
 """A request body as the engine takes it: the prompt's token ids (`prompt_ids`; chat: rendered
 with its tools), the constraint compiled (`compile_constraint`) and its `infer.SamplingParams`
-(`sampling_params`). What the engine or `SamplingParams` refuses becomes a 400 naming the
-request's field (`refusal`): `infer.params.ParamError` carries the argument's name."""
+(`sampling_params`), which checks the sampling values. What the engine or `SamplingParams`
+refuses becomes a 400 naming the request's field (`refusal`): `infer.params.ParamError` carries
+the argument's name."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from infer.params import ParamError, ParamTypeError, SamplingParams, check_logit_bias
+from infer.params import ParamError, ParamTypeError, SamplingParams
 from infer.serve.errors import APIError, bad
 from infer.serve.fields import FieldError, tool_chat_of
 from infer.serve.state import ServeState
-from infer.text.chat_template import check_unicode
-from infer.text.prompts import ToolChat, has_chat_template
+from infer.text.prompts import ToolChat, encode_prompt, has_chat_template
 from infer.text.structured import Constraint
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-MAX_STOPS = 16  # OpenAI's bound on stop strings
-
-
-def stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    """``stop`` as `SamplingParams` takes it: at most 16 non-empty strings."""
-    items = [stop] if isinstance(stop, str) else (stop or [])
-    for i, s in enumerate(items):
-        param = "stop" if isinstance(stop, str) else f"stop[{i}]"
-        if not s:
-            raise bad("stop strings must be non-empty", param)
-        try:
-            check_unicode(param, s)
-        except ValueError as e:
-            raise bad(str(e), param) from None
-    if len(items) > MAX_STOPS:
-        raise bad(f"at most {MAX_STOPS} stop strings, got {len(items)}", "stop")
-    return tuple(items)
 
 
 def prompt_ids(
     state: ServeState, kind: str, body: Any, constraint: Constraint | None
 ) -> tuple[list[int], str, ToolChat | None]:
     """The prompt's token ids, the name of the field that holds it, and (chat) the rendered chat
-    with its tools and the constraint to generate under."""
+    with its tools and the constraint to generate under. A text prompt is checked as it is
+    encoded (`infer.text.prompts.encode_prompt`); token ids are the engine's to check (its
+    `ValueError` is a 400 naming ``prompt``)."""
     model = state.model
     if kind == "chat":
         if not has_chat_template(model):
@@ -59,22 +44,12 @@ def prompt_ids(
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt is empty", "prompt")
-        try:
-            check_unicode("prompt", prompt)
-        except ValueError as e:
-            raise bad(str(e), "prompt") from None
-        ids: list[int] = model.tokenizer.encode(prompt)
-        if not ids:
-            raise bad("prompt encodes to no tokens", "prompt")
-        return ids, "prompt", None
-    vocab = model.vocab_size
-    for i, t in enumerate(prompt):
-        if not 0 <= t < vocab:
-            raise bad(f"prompt[{i}]: token id {t} is out of range [0, {vocab})", "prompt")
-    return list(prompt), "prompt", None
+    if not isinstance(prompt, str):
+        return list(prompt), "prompt", None
+    try:
+        return encode_prompt(model.tokenizer, model.vocab_size, prompt), "prompt", None
+    except ValueError as e:
+        raise bad(str(e), "prompt") from None
 
 
 def compile_constraint(state: ServeState, constraint: Constraint | None, param: str) -> None:
@@ -103,10 +78,14 @@ def refusal(
     e: ValueError | TypeError, kind: str, prompt_field: str, max_tokens_field: str = "max_tokens"
 ) -> APIError:
     """A 400 for what the engine or `SamplingParams` refused: ``param`` the field `ParamError` /
-    `ParamTypeError` names, the prompt's field for an error about the prompt, else None."""
+    `ParamTypeError` names (and the message with it: ``top_logprobs`` for ``logprobs``), the
+    prompt's field for an error about the prompt, else None."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ParamError | ParamTypeError):
-        return bad(text, request_field(kind, e.param, max_tokens_field))
+        field = request_field(kind, e.param, max_tokens_field)
+        if field != e.param and text.startswith(e.param):
+            text = field + text[len(e.param) :]
+        return bad(text, field)
     return bad(text, prompt_field if text.startswith("prompt") else None)
 
 
@@ -148,34 +127,32 @@ def sampling_params(
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    values: dict[str, Any] = {  # OpenAI's defaults where they are not infer's
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_k": 0 if body.top_k == -1 else body.top_k or 0,  # vLLM's -1: off
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "seed": body.seed,
+        "stop": body.stop,
+        "logprobs": logprobs,
+        "ignore_eos": body.ignore_eos,
+        "constraint": constraint,
+        "logit_bias": body.logit_bias,  # ids past the vocabulary: the engine's check
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+    }
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=top_k,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-            stop=stops(body.stop),
-            logprobs=logprobs,
-            ignore_eos=body.ignore_eos,
-            constraint=constraint,
-            logit_bias=check_logit_bias(body.logit_bias, state.model.vocab_size),
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        )
+        return SamplingParams(**values)
     except (ParamError, ParamTypeError) as e:
         raise refusal(e, kind, prompt_field, field_name) from None
 
 
 __all__ = [
     "DEFAULT_COMPLETION_TOKENS",
-    "MAX_STOPS",
     "compile_constraint",
     "prompt_ids",
     "refusal",
     "request_field",
     "sampling_params",
-    "stops",
 ]

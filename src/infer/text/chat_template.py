@@ -37,6 +37,8 @@ from typing import Any
 
 from jinja2.utils import Namespace as _Namespace
 
+from infer.params import check_unicode
+
 MARK_OPEN = "\ufdd0"  # noncharacters: never in real text; stripped from messages before marking
 MARK_CLOSE = "\ufdd1"
 MAX_INT_BITS = 1 << 16  # integer results of template arithmetic (about 20,000 digits)
@@ -74,17 +76,6 @@ def _plain(value: Any, where: str) -> Any:
     raise TypeError(
         f"{where}: expected JSON data (str, number, bool, list, dict), found {type(value).__name__}"
     )
-
-
-def check_unicode(what: str, text: str) -> None:
-    """`ValueError` when ``text`` holds a lone surrogate (``"\\ud800"``): not encodable as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{what}: holds {text[e.start]!r} at index {e.start}, a lone surrogate, which is not valid "
-            "Unicode: text must be encodable as UTF-8 (decode bytes with errors='replace')"
-        ) from None
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -581,7 +572,6 @@ __all__ = [
     "ChatTemplateError",
     "RenderLimits",
     "check_messages",
-    "check_unicode",
     "control_token_pattern",
     "mark_control_tokens",
     "render_chat_template",

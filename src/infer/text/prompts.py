@@ -1,6 +1,9 @@
-"""How a user's text becomes a prompt: the one place `infer generate`, `infer chat` and `infer serve` share.
+"""How a user's text becomes a prompt: the one place `infer.LLM`, `infer generate`, `infer chat` and
+`infer serve` share.
 
-An instruct model (its tokenizer has a chat template) gets its text as a user message
+A prompt (a string, or token ids) is checked and encoded by `encode_prompt`, a conversation
+rendered by `chat_prompt` (`LLM.encode`, `LLM.chat_prompt` and the server call them). An
+instruct model (its tokenizer has a chat template) gets a user's text as a user message
 rendered by that template, with the assistant's turn opened, as mlx-lm and llama.cpp's CLI
 do; ``raw=True`` (``--raw``), or a model without a template, encodes the text as it is.
 
@@ -11,15 +14,59 @@ the constraint ``tool_choice`` asks for; `read_reply` takes the calls out of the
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from infer.text.chat_template import check_unicode
+from infer.params import check_unicode
 from infer.text.structured import Constraint
 from infer.text.tools import Tool, ToolCall, ToolFormat, check_tools, tool_choice_of, tool_format
 
+if TYPE_CHECKING:
+    from infer.loader.tokenizer import Tokenizer
+
 Message = dict[str, Any]
+
+
+def encode_prompt(tokenizer: Tokenizer, vocab_size: int, prompt: Any, what: str = "prompt") -> list[int]:
+    """One prompt (a string, or a list of token ids) as checked token ids (``what`` names it in errors):
+    a string non-empty, valid Unicode and encoding to some tokens; ids ints in [0, vocab_size)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{what} is empty (an empty string)")
+        check_unicode(what, prompt)
+        ids: list[int] = tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError(f"{what} encodes to no tokens")
+        return ids
+    if not isinstance(prompt, list | tuple):
+        raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError(f"{what} is empty (an empty list of token ids)")
+    for t in prompt:
+        if isinstance(t, bool) or not hasattr(type(t), "__index__"):
+            raise TypeError(f"{what}: token ids must be ints, found {t!r} ({type(t).__name__})")
+        if not 0 <= operator.index(t) < vocab_size:
+            raise ValueError(f"{what}: token id {t} is out of range [0, {vocab_size})")
+    return [operator.index(t) for t in prompt]
+
+
+def chat_prompt(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    *,
+    parse_special_in_content: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The token ids of ``messages`` (and ``tools``' definitions) rendered by ``tokenizer``'s chat
+    template, with the assistant's turn opened."""
+    if not isinstance(parse_special_in_content, bool):
+        raise TypeError(f"parse_special_in_content must be a bool, got {parse_special_in_content!r}")
+    ids: list[int] = tokenizer.encode_chat(
+        messages, add_generation_prompt=True, parse_special_in_content=parse_special_in_content, tools=tools
+    )
+    return ids
 
 
 def has_chat_template(llm: Any) -> bool:
@@ -41,8 +88,7 @@ def chat_ids(llm: Any, messages: Sequence[Message]) -> list[int]:
     """
     if not has_chat_template(llm):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt (completions)")
-    ids: list[int] = llm.chat_prompt(list(messages))
-    return ids
+    return chat_prompt(llm.tokenizer, messages)
 
 
 def prompt_ids(llm: Any, text: str, *, raw: bool = False, system: str | None = None) -> str | list[int]:
@@ -53,15 +99,15 @@ def prompt_ids(llm: Any, text: str, *, raw: bool = False, system: str | None = N
     """
     if not isinstance(text, str):
         raise TypeError(f"prompt must be a string, got {type(text).__name__}")
-    if not text:
-        raise ValueError("prompt is empty (an empty string)")
-    check_unicode("prompt", text)
     if raw or not has_chat_template(llm):
         if system:
             raise ValueError(
                 "--system needs a chat template; this is a plain completion (--raw or no template)"
             )
-        return text
+        return text  # checked where it is encoded (`encode_prompt`)
+    if not text:
+        raise ValueError("prompt is empty (an empty string)")
+    check_unicode("prompt", text)
     return chat_ids(llm, user_messages(text, system))
 
 
@@ -108,13 +154,11 @@ def tool_chat(
     fmt = tool_format(tokenizer.chat_template)
     if choice == "none":  # no tools shown; earlier calls and results in the history still render
         prepared = fmt.prepare(messages, [])
-        ids = llm.chat_prompt(prepared, parse_special_in_content=parse_special_in_content)
+        ids = chat_prompt(tokenizer, prepared, parse_special_in_content=parse_special_in_content)
         return ToolChat(ids, constraint)
     prepared = fmt.prepare(messages, offered)
     shown = [t.openai() for t in offered] if fmt.renders_tools else None
-    ids = tokenizer.encode_chat(
-        prepared, add_generation_prompt=True, parse_special_in_content=parse_special_in_content, tools=shown
-    )
+    ids = chat_prompt(tokenizer, prepared, parse_special_in_content=parse_special_in_content, tools=shown)
     specials = tokenizer.special_tokens
 
     def lit(text: str) -> str:
@@ -164,6 +208,8 @@ def read_reply(llm: Any, chat: ToolChat, token_ids: Sequence[int], text: str) ->
 __all__ = [
     "ToolChat",
     "chat_ids",
+    "chat_prompt",
+    "encode_prompt",
     "has_chat_template",
     "prompt_ids",
     "read_reply",
