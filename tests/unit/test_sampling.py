@@ -191,10 +191,11 @@ def test_sampling_params_refuse_bad_values(
 def test_stop_errors_name_the_string() -> None:
     """The server answers 400 naming ``stop[1]``: `ParamError.param` carries the index."""
     with pytest.raises(ParamError) as info:
-        SamplingParams(stop=["ok", ""])
+        SamplingParams(stop=["ok", ""])  # type: ignore[arg-type]
     assert info.value.param == "stop[1]"
-    assert SamplingParams(stop="ok").stop == SamplingParams(stop=["ok"]).stop == ("ok",)
-    assert SamplingParams(stop=None).stop == ()
+    # A string, a list or None, as the Python keyword and the server's body give them:
+    assert SamplingParams(stop="ok").stop == SamplingParams(stop=["ok"]).stop == ("ok",)  # type: ignore[arg-type]
+    assert SamplingParams(stop=None).stop == ()  # type: ignore[arg-type]
 
 
 def test_each_row_of_a_seeded_batch_draws_its_own_seed() -> None:

@@ -24,7 +24,6 @@ kernel assumes of its operands, `infer.quant.int8`'s.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 
@@ -67,7 +66,19 @@ _CALIBRATION_COLUMNS = 1024  # the columns of a weight its route is measured on 
 _CONVERT_ROWS = 4096  # rows converted at a time when packing (bounds the temporaries)
 
 
-@functools.cache
+def _cpu_has_bf16_gemm() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    try:
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return True  # unknown: keep bfloat16 tiles, as before this was asked
+
+
+# Read once, at import: a compiled graph (or a nested compile region, where dynamo refuses torch's
+# CPU queries) takes it as a constant.
+_NATIVE_BF16_GEMM = _cpu_has_bf16_gemm()
+
+
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX).
 
@@ -75,11 +86,7 @@ def native_bf16_gemm() -> bool:
     a 128 x 1,536 by 1,536 x 2,048 product took 2,628 ms against 20.6 ms in float32 (one
     thread, Zen 3), so the dequantizing path (prefill) multiplies float32 tiles there instead.
     """
-    cpu = getattr(torch, "cpu", None)
-    try:
-        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):
-        return True  # unknown: keep bfloat16 tiles, as before this was asked
+    return _NATIVE_BF16_GEMM
 
 
 def _round_up(n: int, m: int) -> int:
