@@ -116,7 +116,8 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     """A default (``compile="auto"``) stepper whose packages exist: a first run notes the decode
     shapes it misses, they are built here (`infer.aot.build`), and the stepper is returned."""
     import infer.aot as aot
-    from infer.runtime.step import Sampling, Stepper
+    from infer.runtime.step import Stepper
+    from infer.sampling import Sampling
 
     aot.settings.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
     if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built below, not queued

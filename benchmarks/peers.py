@@ -142,7 +142,8 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
 
     import infer
     from infer.models.cache import KVCache
-    from infer.runtime.step import Sampling, StepFeed
+    from infer.runtime.step import StepFeed
+    from infer.sampling import Sampling
 
     t_load = time.perf_counter()
     llm = infer.load(path, compile=True) if compiled else infer.load(path)  # the default: no flags

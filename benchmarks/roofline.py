@@ -35,7 +35,8 @@ import torch
 import infer
 from infer.quant import QuantizedLinear, routes
 from infer.quant.linear import native_bf16_gemm
-from infer.runtime.step import Sampling, StepFeed, model_step
+from infer.runtime.step import StepFeed, model_step
+from infer.sampling import Sampling
 
 
 def timed(fn: Callable[[], object], reps: int = 5, budget_s: float = 3.0) -> float:

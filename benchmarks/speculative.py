@@ -232,7 +232,8 @@ def use_packages(
     """Plain decode steps (and, with ``spec``, verify passes) from ahead-of-time packages in
     ``directory``; those the runs of ``prompts`` miss are built first (kept there for the next run)."""
     import infer.aot as aot
-    from infer.runtime.step import Sampling, Stepper
+    from infer.runtime.step import Stepper
+    from infer.sampling import Sampling
 
     aot.settings.CACHE_DIR = Path(directory)
     if aot.settings.setting() != "on":  # INFER_AOT as unset: note what is missing; built here, not queued

@@ -29,7 +29,8 @@ import infer.aot as aot
 from infer.aot import builder
 from infer.engine import SamplingParams
 from infer.models.cache import KVCache
-from infer.runtime.step import Sampling, StepFeed
+from infer.runtime.step import StepFeed
+from infer.sampling import Sampling
 
 BUILD_TIMEOUT_S = 600
 

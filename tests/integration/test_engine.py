@@ -28,7 +28,7 @@ from infer.engine import (
     Runner,
     SamplingParams,
 )
-from infer.runtime.step import Sampling, sampling_inputs
+from infer.sampling import Sampling, sampling_inputs
 
 TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
 PROMPT = [5, 9, 200, 31, 7, 44, 3]

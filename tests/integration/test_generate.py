@@ -114,7 +114,7 @@ def test_sampling_is_reproducible_with_seed(llm_factory: Callable[[str], infer.L
 
 
 def test_sample_filters() -> None:
-    from infer.runtime.step import gumbel_noise, sample, sampling_inputs
+    from infer.sampling import gumbel_noise, sample, sampling_inputs
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)

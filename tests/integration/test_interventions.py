@@ -22,7 +22,8 @@ from infer.interventions import Intervention
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
 from infer.models.projections import Fusable
-from infer.runtime.step import Sampling, StepFeed, StepOutput, Stepper, model_step
+from infer.runtime.step import StepFeed, StepOutput, Stepper, model_step
+from infer.sampling import Sampling
 
 PROMPT = [5, 9, 200, 31, 7, 64, 12]
 N = 20

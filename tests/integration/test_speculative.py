@@ -24,13 +24,13 @@ import torch
 import infer
 from infer.cli import main
 from infer.engine import Engine, SamplingParams
+from infer.sampling import probabilities
 from infer.serve.metrics import Metrics
 from infer.speculative import (
     NgramIndex,
     PassCost,
     Speculative,
     Speculator,
-    probabilities,
     rejection_sample,
 )
 from infer.speculative.settings import PROBE_EVERY

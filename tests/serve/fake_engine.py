@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from infer.engine import Delta, ServedModel
 from infer.params import SamplingParams
-from infer.runtime.step import Sampling
+from infer.sampling import Sampling
 from infer.text.structured import Grammars
 
 if TYPE_CHECKING:

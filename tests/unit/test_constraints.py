@@ -110,31 +110,3 @@ def test_logit_bias_is_checked() -> None:
             check_logit_bias(bad)
     with pytest.raises(ValueError, match=r"token id 300 is out of range \[0, 272\)"):
         check_logit_bias({300: 1}, vocab_size=272)
-
-
-@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (40, 1.0), (40, 0.8), (0, 1.0)])
-def test_narrowed_draws_equal_the_full_row_draws(top_k: int, top_p: float) -> None:
-    """`narrow` lets a top-k / top-p draw sort its candidates, not the vocabulary: the same tokens."""
-    from infer.runtime.generate import SamplingParams
-    from infer.runtime.step import gumbel_noise, sample, sampling_inputs
-    from infer.text.structured import narrow
-
-    gen = torch.Generator().manual_seed(0)
-    V, temperature = 20_000, 0.7
-    same = narrowed_count = 0
-    for _ in range(50):
-        row = torch.randn(V, generator=gen) * 4.0  # peaked: the nucleus is a few hundred tokens at most
-        noise = gumbel_noise(1, V, gen, torch.device("cpu"))[0]
-        mode, values = sampling_inputs([SamplingParams(temperature, top_k, top_p)], row.device)
-        full = int(sample(row[None], mode, values, noise[None])[0])
-        got = narrow(row, temperature, top_k, top_p)
-        if got is None:
-            continue
-        narrowed_count += 1
-        positions, adjusted = got
-        assert positions.numel() < V and (top_k or adjusted > top_p)
-        mode, values = sampling_inputs([SamplingParams(temperature, top_k, min(adjusted, 1.0))], row.device)
-        pick = int(sample(row[positions][None], mode, values, noise[positions][None])[0])
-        same += int(positions[pick]) == full
-    assert narrowed_count == (0 if (top_k, top_p) == (0, 1.0) else 50)
-    assert same == narrowed_count

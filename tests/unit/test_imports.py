@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, ...]] = [
     (
         "infer.host",
         "infer.params",
+        "infer.sampling",
         "infer.aot.idle",
         "infer.aot.builder",
         "infer.quant",

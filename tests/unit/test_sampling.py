@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from infer.params import NonFiniteLogitsError, ParamError, SamplingParams
-from infer.runtime.step import gumbel_noise, sample, sampling_inputs
+from infer.sampling import gumbel_noise, narrow, probabilities, sample, sample_row, sampling_inputs
 from infer.testing import reference_sampling_probs as reference_probs
 
 DRAWS = 200_000
@@ -30,7 +30,7 @@ DRAWS = 200_000
 def draw(
     logits: torch.Tensor, params: SamplingParams | list[SamplingParams], generator: torch.Generator | None
 ) -> torch.Tensor:
-    """`infer.runtime.step.sample` of ``logits [B, V]`` with ``params`` for every row (or one per row),
+    """`infer.sampling.sample` of ``logits [B, V]`` with ``params`` for every row (or one per row),
     the noise from one ``generator``."""
     rows = params if isinstance(params, list) else [params] * logits.shape[0]
     mode, values = sampling_inputs(rows, logits.device)
@@ -151,6 +151,48 @@ def test_a_rows_token_does_not_depend_on_its_neighbours_settings() -> None:
     greedy_row = [SamplingParams(), SamplingParams(temperature=3.0, top_k=2), SamplingParams(temperature=0.5)]
     mode, values = sampling_inputs(greedy_row, logits.device)
     assert int(sample(logits, mode, values, noises[0])[0]) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize(("logits", "temperature", "top_k", "top_p"), CASES)
+def test_probabilities_are_the_distribution(
+    logits: list[float], temperature: float, top_k: int, top_p: float
+) -> None:
+    """`probabilities` (what rejection sampling compares) is the reference distribution: the same
+    tokens filtered out (exactly 0), the kept ones within float32 rounding."""
+    expected = reference_probs(logits, temperature, top_k, top_p)
+    got = probabilities(torch.tensor([logits, logits[::-1]]), temperature, top_k, top_p).double().numpy()
+    err = max(np.abs(got[0] - expected).max(), np.abs(got[1] - expected[::-1]).max())
+    print(f"\nT={temperature} top_k={top_k} top_p={top_p}: max |p - reference| {err:.2e}")
+    assert np.array_equal(got[0] > 0, expected > 0) and np.array_equal(got[1] > 0, expected[::-1] > 0)
+    assert err < 1e-6
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (40, 1.0), (40, 0.8), (0, 1.0)])
+def test_narrowed_draws_equal_the_full_row_draws(top_k: int, top_p: float) -> None:
+    """`narrow` lets a top-k / top-p draw sort its candidates, not the vocabulary: the same tokens;
+    the host sampler (`sample_row`, which narrows) draws what `sample` draws from the whole row."""
+    gen = torch.Generator().manual_seed(0)
+    V, temperature = 20_000, 0.7
+    same = narrowed_count = host_same = 0
+    for _ in range(50):
+        row = torch.randn(V, generator=gen) * 4.0  # peaked: the nucleus is a few hundred tokens at most
+        noise = gumbel_noise(1, V, gen, torch.device("cpu"))[0]
+        params = SamplingParams(temperature, top_k, top_p)
+        mode, values = sampling_inputs([params], row.device)
+        full = int(sample(row[None], mode, values, noise[None])[0])
+        host_same += sample_row(row, params, noise) == full
+        got = narrow(row, temperature, top_k, top_p)
+        if got is None:
+            continue
+        narrowed_count += 1
+        positions, adjusted = got
+        assert positions.numel() < V and (top_k or adjusted > top_p)
+        mode, values = sampling_inputs([SamplingParams(temperature, top_k, min(adjusted, 1.0))], row.device)
+        pick = int(sample(row[positions][None], mode, values, noise[positions][None])[0])
+        same += int(positions[pick]) == full
+    assert narrowed_count == (0 if (top_k, top_p) == (0, 1.0) else 50)
+    assert same == narrowed_count
+    assert host_same == 50
 
 
 # ---- argument checks ----------------------------------------------------------------

@@ -26,7 +26,8 @@ from torch.export import Dim
 from infer.aot.keys import MULTI_ROWS, VERIFY_WIDTHS, all_modules_named, named_tensors, rows_kind, width_kind
 from infer.models.base import DecoderLM, layer_regions
 from infer.models.cache import KVCache, round_up
-from infer.runtime.step import Sampling, SamplingValues, StepFeed, model_step
+from infer.runtime.step import StepFeed, model_step
+from infer.sampling import Sampling, SamplingValues
 
 
 class _DecodeStep(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 from infer.aot import builder
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
-from infer.runtime.step import Sampling
+from infer.sampling import Sampling
 
 PACKAGE_VERSION = 4  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state
 # out; 4: verify passes (every fed token through the head)

@@ -30,7 +30,7 @@ from infer.aot import builder, settings
 from infer.aot.keys import VERIFY_WIDTHS, fingerprint, shape_key
 from infer.aot.settings import cache_dir
 from infer.models.base import DecoderLM
-from infer.runtime.step import Sampling
+from infer.sampling import Sampling
 
 if TYPE_CHECKING:
     from infer.aot.worker import Recipe
@@ -105,7 +105,7 @@ class BuildQueue:
         bad_modes = [m for m in modes if not isinstance(m, Sampling)]
         if bad_modes:
             raise TypeError(
-                f"prepare: modes must be Sampling values (infer.runtime.step), got {bad_modes[0]!r}"
+                f"prepare: modes must be Sampling values (infer.sampling), got {bad_modes[0]!r}"
             )
         if not self.builds_allowed:
             return []

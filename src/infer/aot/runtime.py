@@ -31,7 +31,8 @@ from infer.aot.queue import BuildQueue
 from infer.aot.settings import cache_dir
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
-from infer.runtime.step import Sampling, StepFeed, StepOutput
+from infer.runtime.step import StepFeed, StepOutput
+from infer.sampling import Sampling
 
 if TYPE_CHECKING:
     from infer.aot.worker import Recipe

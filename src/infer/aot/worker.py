@@ -25,7 +25,7 @@ from infer.aot.prune import prune
 from infer.loader.checkpoint import open_checkpoint
 from infer.loading import build_model
 from infer.models.base import DecoderLM
-from infer.runtime.step import Sampling
+from infer.sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ from infer.engine.served import ServedModel
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
-from infer.runtime.step import Sampling, Stepper
+from infer.runtime.step import Stepper
+from infer.sampling import Sampling
 from infer.speculative import Drafter, NoiseQueue, Speculative, Speculator
 from infer.text.structured import Grammars, RowProcessor, check_logit_bias
 

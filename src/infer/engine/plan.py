@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from infer.runtime.step import Sampling, SamplingValues, StepOutput
+from infer.runtime.step import StepOutput
+from infer.sampling import Sampling, SamplingValues
 
 if TYPE_CHECKING:
     from infer.engine.request import Request, TokenLogprob

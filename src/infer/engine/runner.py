@@ -20,7 +20,8 @@ from infer.engine.plan import Draw, Plan, Ran
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache
-from infer.runtime.step import Sampling, SamplingValues, StepFeed, StepOutput, Stepper
+from infer.runtime.step import StepFeed, StepOutput, Stepper
+from infer.sampling import Sampling, SamplingValues
 
 
 class Runner:

@@ -1,11 +1,12 @@
 """The sampling stage: what each forward of a plan samples with (`Sampler.draws`) and what its
 rows get from its output (`Sampler.sample`).
 
-Inside the step each row is sampled with its own values and noise (`infer.runtime.step.sample`).
+Inside the step each row is sampled with its own values and noise (`infer.sampling.sample`).
 After it, the host reads the step's tokens once; a row with a `RowProcessor` (a constraint, a bias,
-a penalty) is drawn again from its processed logits (`resample_processed`); a verify pass's rows
-keep the proposals the target agrees with (`infer.speculative.verified_tokens`). Which head a
-forward needs (`exact_head`) is policy the scheduler asks here when it plans the forward."""
+a penalty) is drawn again from its processed logits (`resample_processed`, by the host sampler
+`infer.sampling.sample_row`); a verify pass's rows keep the proposals the target agrees with
+(`infer.speculative.verified_tokens`). Which head a forward needs (`exact_head`) is policy the
+scheduler asks here when it plans the forward. How a row is sampled is `infer.sampling`'s."""
 
 from __future__ import annotations
 
@@ -16,16 +17,9 @@ import torch
 from infer.engine.plan import Draw, Forward, Plan, Ran, Row, Sampled
 from infer.engine.request import Request
 from infer.params import SamplingParams
-from infer.runtime.step import (
-    Sampling,
-    StepOutput,
-    gumbel_noise,
-    sample,
-    sampling_inputs,
-    stack_noise,
-)
+from infer.runtime.step import StepOutput
+from infer.sampling import Sampling, gumbel_noise, sample_row, sampling_inputs, stack_noise
 from infer.speculative import verified_tokens
-from infer.text.structured import narrow
 
 RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`resample_processed`)
 # Greedy processed rows in a step up to which they re-score their candidates; with more, the step
@@ -148,8 +142,8 @@ def resample_processed(
 ) -> None:
     """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
     exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
-    with `sample`, the row's own values and the noise the step drew for it (so a seeded row
-    draws as it would alone).
+    with `infer.sampling.sample_row`, the row's own values and the noise the step drew for it (so
+    a seeded row draws as it would alone).
 
     A greedy step's logits (``exact`` false) are exact at each row's own argmax only (a packed
     head scans fewer bytes: `infer.quant.linear.QuantizedLinear.greedy`), so a greedy processed
@@ -179,20 +173,10 @@ def resample_processed(
             tokens[j] = int(ids[int(scores.argmax())])
             continue
         row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
-        p = r.params
         drawn = None
-        if not p.greedy and noise is not None:
+        if not r.params.greedy and noise is not None:
             drawn = noise[j] if allowed is None else noise[j, allowed]
-        top_p = p.top_p
-        narrowed = None if p.greedy else narrow(row, p.temperature, p.top_k, p.top_p)
-        if narrowed is not None:  # a top-k / top-p draw: sort its candidates, not the vocabulary
-            positions, top_p = narrowed
-            row = row[positions]
-            drawn = None if drawn is None else drawn[positions]
-            allowed = positions if allowed is None else allowed[positions]
-        values = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=top_p)
-        mode, sampled = sampling_inputs([values], row.device)
-        pick = int(sample(row[None], mode, sampled, None if drawn is None else drawn[None])[0])
+        pick = sample_row(row, r.params, drawn)
         tokens[j] = pick if allowed is None else int(allowed[pick])
 
 

@@ -2,9 +2,9 @@
 
 `model_step` is plain tensor code with fixed shapes for a given ``(batch, capacity,
 tokens)``: positions, masks and cache writes come from tensors (`infer.models.cache`), the
-head runs on each row's last real token only, and sampling (`sample`, the one sampling
-function of infer) takes per-row values and its randomness as inputs (Gumbel noise drawn
-outside the step from each row's own ``torch.Generator``), so nothing in it reads a
+head runs on each row's last real token only, and sampling (`infer.sampling.sample`, the one
+sampling function of infer) takes per-row values and its randomness as inputs (Gumbel noise
+drawn outside the step from each row's own ``torch.Generator``), so nothing in it reads a
 tensor on the host. `Stepper` runs it eagerly (the exact reference) or compiled whole
 with ``torch.compile(fullgraph=True)`` per bucket: the same code either way.
 
@@ -33,32 +33,13 @@ import torch
 
 from infer.models.base import DecoderLM
 from infer.models.cache import KVCache, bucket, round_up
-from infer.params import SamplingParams
+from infer.sampling import Sampling, SamplingValues, gumbel_noise, sample, sampling_inputs, stack_noise
 
 MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
 # Dynamo's per-function recompile limits while infer's compiled step runs: every bucket
 # (batch x capacity x tokens x sampling mode) is one graph of that one function.
 RECOMPILE_LIMIT, ACCUMULATED_RECOMPILE_LIMIT = 64, 512
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The static part of a step's sampling (it selects the compiled graph); values are `SamplingValues`."""
-
-    greedy: bool = True  # every row is greedy: argmax only
-    filtered: bool = False  # some row uses top-k and/or top-p
-    exact_head: bool = False  # every logit must be exact (logprobs), not only each row's argmax
-    every_token: bool = False  # a verify pass: every fed token goes through the head, not each row's last
-
-
-@dataclass
-class SamplingValues:
-    """Per-row sampling values, ``[B]`` each."""
-
-    temperature: torch.Tensor  # [B] float32, 0 = greedy row
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32, 1 = off
 
 
 class StepFeed(NamedTuple):
@@ -90,73 +71,6 @@ class StepOutput:
     logits: torch.Tensor  # [B, V] float32 (a greedy step's: exact at each row's argmax only)
     nonfinite: torch.Tensor  # [B] bool: a row's logits held NaN or +inf, or were all -inf
     hidden: torch.Tensor | None = None  # [B, D] each row's last hidden state before the final norm
-
-
-def sampling_inputs(
-    rows: Sequence[SamplingParams], device: torch.device, exact_head: bool = False
-) -> tuple[Sampling, SamplingValues | None]:
-    """The static mode and the per-row values of ``rows`` (None when every row is greedy)."""
-    greedy = all(r.temperature == 0.0 for r in rows)
-    if greedy:
-        return Sampling(greedy=True, exact_head=exact_head), None
-    filtered = any(r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
-    values = SamplingValues(
-        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
-        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
-        top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
-    )
-    return Sampling(greedy=False, filtered=filtered, exact_head=exact_head), values
-
-
-def sample(
-    logits: torch.Tensor, mode: Sampling, values: SamplingValues | None, noise: torch.Tensor | None
-) -> torch.Tensor:
-    """One token per row of ``logits [B, V]`` (float32) -> ``[B]``, each row by its own values.
-
-    A row with temperature 0 is greedy (``argmax``). Otherwise the Gumbel-max trick:
-    ``argmax(logits / temperature + noise)`` with ``noise = -log(Exp(1))`` samples from
-    ``softmax(logits / temperature)``, restricted to the row's ``top_k`` highest and to the
-    smallest set reaching its ``top_p`` (the first always kept) when the row filters. A
-    row's token depends on its own logits, values and noise only: the other rows'
-    settings select which of the per-row results are computed, never change one.
-    """
-    greedy = logits.argmax(dim=-1)  # [B]
-    if mode.greedy:
-        return greedy
-    assert values is not None and noise is not None
-    t = values.temperature[:, None]  # [B, 1]
-    scores = logits / torch.where(t > 0, t, 1.0)
-    drawn = (scores + noise).argmax(dim=-1)  # [B]
-    if mode.filtered:
-        V = scores.shape[-1]
-        ordered, order = torch.sort(scores, dim=-1, descending=True)  # [B, V]
-        rank = torch.arange(V, device=scores.device)
-        top_k = values.top_k[:, None]  # [B, 1]
-        keep = rank < torch.where(top_k > 0, top_k, V)
-        ordered = ordered.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(ordered, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        keep = (probs.cumsum(dim=-1) - probs) < values.top_p[:, None]
-        ordered = ordered.masked_fill(~keep, float("-inf"))
-        pick = (ordered + noise.gather(-1, order)).argmax(dim=-1, keepdim=True)  # [B, 1]
-        filters = (values.top_k > 0) | (values.top_p < 1.0)  # [B]
-        drawn = torch.where(filters, order.gather(-1, pick)[:, 0], drawn)
-    return torch.where(values.temperature > 0, drawn, greedy)
-
-
-def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``-log(E)``, ``E ~ Exp(1)``, ``[batch, vocab]`` float32 from ``generator`` (outside any graph)."""
-    e = torch.empty(batch, vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
-    return -torch.log(e.clamp_min(torch.finfo(torch.float32).tiny))
-
-
-def stack_noise(rows: Sequence[torch.Tensor | None], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """Gumbel noise ``[B, vocab]`` from each row's ``[1, vocab]`` (zeros for a greedy row, None);
-    None when no row samples. The one place a step's noise is assembled."""
-    if all(r is None for r in rows):
-        return None
-    zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-    return torch.cat([zeros if r is None else r for r in rows])
 
 
 def row_noise(
@@ -335,16 +249,13 @@ __all__ = [
     "MIN_PREFILL",
     "PackagedStep",
     "Packages",
-    "Sampling",
+    "Sampling",  # (with SamplingValues and sampling_inputs: infer.sampling's, for runtime/generate.py)
     "SamplingValues",
     "StepFeed",
     "StepOutput",
     "Stepper",
-    "gumbel_noise",
     "head_and_sample",
     "model_step",
     "row_noise",
-    "sample",
     "sampling_inputs",
-    "stack_noise",
 ]

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from infer.engine import Delta, ServedModel
 from infer.params import SamplingParams
-from infer.runtime.step import Sampling
+from infer.sampling import Sampling
 from infer.text.structured import Grammars
 
 

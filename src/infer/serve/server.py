@@ -76,7 +76,7 @@ def prepare_packages(engine: EngineClient) -> list[str]:
     requests and the engine picks each one up as it lands, so a server steps compiled code
     within minutes of starting, with nothing to wait for. The keys queued ([] where packages
     are off, or every one exists)."""
-    from infer.runtime.step import Sampling
+    from infer.sampling import Sampling
 
     rows = [1] + ([2] if engine.max_batch > 1 else [])
     modes = [Sampling(), Sampling(greedy=False), Sampling(greedy=False, filtered=True)]

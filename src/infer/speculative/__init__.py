@@ -48,7 +48,6 @@ from infer.speculative.acceptance import (
     PassCost,
     expected_tokens,
     keep_matching,
-    probabilities,
     rejection_sample,
     verified_tokens,
 )
@@ -73,7 +72,6 @@ __all__ = [
     "check_draft",
     "expected_tokens",
     "keep_matching",
-    "probabilities",
     "rejection_sample",
     "verified_tokens",
 ]

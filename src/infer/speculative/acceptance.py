@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.runtime.step import sample, sampling_inputs
+from infer.sampling import probabilities, sample, sampling_inputs
 from infer.speculative.settings import DECAY, KNEE_TOKENS
 from infer.speculative.state import Speculating
 
@@ -150,24 +150,6 @@ def keep_matching(targets: Sequence[int], proposals: Sequence[int]) -> list[int]
             return out
     out.append(targets[len(proposals)])
     return out
-
-
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution `infer.runtime.step.sample` draws from for one row's settings: ``softmax(logits /
-    temperature)`` restricted to the ``top_k`` highest and to the smallest set reaching ``top_p``
-    (the first always kept), renormalized. ``logits [n, V]`` -> ``[n, V]`` float32."""
-    scores = logits.float() / temperature
-    V = scores.shape[-1]
-    if top_k <= 0 and top_p >= 1.0:
-        return torch.softmax(scores, dim=-1)
-    ordered, order = torch.sort(scores, dim=-1, descending=True)
-    keep = torch.arange(V, device=scores.device) < (top_k if top_k > 0 else V)
-    ordered = ordered.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    keep = (probs.cumsum(dim=-1) - probs) < top_p
-    ordered = ordered.masked_fill(~keep, float("-inf"))
-    out = torch.zeros_like(scores)
-    return out.scatter(-1, order, torch.softmax(ordered, dim=-1))
 
 
 def rejection_sample(

@@ -11,15 +11,9 @@ import torch
 
 from infer.params import SamplingParams
 from infer.runtime.prefix import common_prefix
-from infer.runtime.step import (
-    Sampling,
-    SamplingValues,
-    StepOutput,
-    gumbel_noise,
-    sampling_inputs,
-    stack_noise,
-)
-from infer.speculative.acceptance import PassCost, probabilities
+from infer.runtime.step import StepOutput
+from infer.sampling import Sampling, SamplingValues, gumbel_noise, probabilities, sampling_inputs, stack_noise
+from infer.speculative.acceptance import PassCost
 from infer.speculative.state import Speculating
 
 GREEDY = SamplingParams()  # an idle row of a draft step

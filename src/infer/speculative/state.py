@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from infer.params import SamplingParams
-from infer.runtime.step import gumbel_noise
+from infer.sampling import gumbel_noise
 from infer.speculative.settings import DECAY
 
 
@@ -116,7 +116,7 @@ class SpecState:
 
 class NoiseQueue:
     """A sampled request's randomness: one Gumbel noise row ``[V]`` per generated token, drawn
-    from its own generator in token order (`infer.runtime.step.gumbel_noise`, as the plain step draws).
+    from its own generator in token order (`infer.sampling.gumbel_noise`, as the plain step draws).
 
     A plain step `take`s the next row; a verify pass `peek`s the rows of the positions it
     samples and `drop`s those of the tokens it kept: the rows of rejected positions stay for

@@ -10,8 +10,8 @@ docs/structured.md) and caches the compiled grammars per constraint.
 ``logit_bias`` or a penalty. Each step the engine hands it that row's exact logits (``[V]``
 float32) to change in place — repetition penalty, presence / frequency penalties, logit bias,
 then the grammar's token mask (a packed bitmask, one bit per token, computed by llguidance) —
-and resamples the row with `infer.runtime.step.sample` and the row's own noise, so constrained and free
-rows share a batch and a seeded request draws the same tokens whatever its neighbours. The
+and resamples the row with `infer.sampling.sample_row` and the row's own noise, so constrained and
+free rows share a batch and a seeded request draws the same tokens whatever its neighbours. The
 sampled token is then `RowProcessor.accept`-ed (the matcher advances; the counts grow).
 """
 
@@ -38,7 +38,6 @@ Kind = Literal["json_schema", "regex", "grammar"]
 # and no other whitespace: a model cannot spend its tokens on blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
-CANDIDATES = 512  # a filtered row is resampled among its best this many tokens when they hold the nucleus
 
 
 class ConstraintError(ValueError):
@@ -305,39 +304,11 @@ class RowProcessor:
         return bool(self.matcher.is_stopped())
 
 
-def narrow(
-    row: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> tuple[torch.Tensor, float] | None:
-    """The few tokens a top-k / top-p draw from ``row [n]`` can pick, so `infer.runtime.step.sample` sorts
-    `CANDIDATES` tokens instead of the vocabulary: ``(positions [K] in row, the top_p to use on them)``,
-    or None when the whole row is needed (or is small).
-
-    With ``top_k`` the draw is among the top k (normalized over them), which the candidates hold.
-    Without it, the nucleus is the smallest prefix reaching ``top_p`` of the mass over the *whole*
-    row: when the candidates hold that much (share ``S_K / S >= top_p``), it lies inside them, and
-    over the candidates the same prefix reaches ``top_p * S / S_K`` — the same tokens, kept with the
-    same Gumbel noise (the same draw up to float32 rounding of the sums)."""
-    n = row.numel()
-    k = top_k if 0 < top_k < n else 0
-    size = max(CANDIDATES, k)
-    if n <= 2 * size or (k == 0 and top_p >= 1.0):
-        return None
-    positions = torch.topk(row, size).indices
-    if k:
-        return positions, top_p
-    scores = row / temperature
-    share = float(torch.exp(torch.logsumexp(scores[positions], 0) - torch.logsumexp(scores, 0)))
-    adjusted = top_p / share if share > 0 else 2.0
-    return (positions, adjusted) if adjusted <= 1.0 else None
-
-
 __all__ = [
-    "CANDIDATES",
     "Constraint",
     "ConstraintError",
     "Grammars",
     "RowProcessor",
     "check_logit_bias",
     "constraint_of",
-    "narrow",
 ]
