@@ -17,14 +17,14 @@ import json
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infer.params import check_unicode
 from infer.text.structured import Constraint
 from infer.text.tools import Tool, ToolCall, ToolFormat, check_tools, tool_choice_of, tool_format
 
-if TYPE_CHECKING:
-    from infer.loader.tokenizer import Tokenizer
+# A tokenizer is `infer.loader.tokenizer.Tokenizer` (a floor above: typed loosely here).
+Tokenizer = Any
 
 Message = dict[str, Any]
 
