@@ -115,7 +115,7 @@ def test_logit_bias_is_checked() -> None:
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (40, 1.0), (40, 0.8), (0, 1.0)])
 def test_narrowed_draws_equal_the_full_row_draws(top_k: int, top_p: float) -> None:
     """`narrow` lets a top-k / top-p draw sort its candidates, not the vocabulary: the same tokens."""
-    from infer.runtime.generate import SamplingParams
+    from infer.params import SamplingParams
     from infer.runtime.step import gumbel_noise, sample, sampling_inputs
     from infer.text.structured import narrow
 
