@@ -257,7 +257,7 @@ def reference_sampling_probs(logits: list[float], temperature: float, top_k: int
 
     ``softmax(logits / temperature)`` over the ``top_k`` largest (0: all), then only the
     most likely tokens until their probability reaches ``top_p`` (the first always),
-    renormalized. For tests of `infer.runtime.generate.sample`; independent of its code.
+    renormalized. For tests of `infer.runtime.step.sample`; independent of its code.
     """
     import numpy as np
 
