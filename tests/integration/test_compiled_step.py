@@ -6,8 +6,8 @@ the compiled step must give the same greedy tokens and seeded samples as with th
 and the logits it samples from (`infer.testing.trace`) within
 float32 rounding at the logits' scale: ``max |compiled - eager| <= REL_BOUND * max |logit|``
 (docs/numerics.md; inductor sums in its own order and has its own exp / tanh, and keeps
-in float32 what eager rounds to bfloat16), and reuse its graph and cache for a second
-request of the same bucket. This is the CPU build of what runs on CUDA with CUDA graphs on top
+in float32 what eager rounds to bfloat16), and reuse its graphs for a second run of the same
+buckets (on KV rows of its own). This is the CPU build of what runs on CUDA with CUDA graphs on top
 (``mode="reduce-overhead"``); no GPU runs here.
 
 Inductor's on-disk cache is the user's (``~/.cache/infer/inductor``), so a second

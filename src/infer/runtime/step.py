@@ -32,10 +32,9 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache, bucket, round_up
+from infer.models.cache import KVCache
 from infer.params import SamplingParams
 
-MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
 # Dynamo's per-function recompile limits while infer's compiled step runs: every bucket
 # (batch x capacity x tokens x sampling mode) is one graph of that one function.
@@ -226,9 +225,9 @@ class Stepper:
     """Runs `model_step` for one resident model: eagerly, compiled whole per bucket, or from packages.
 
     ``compile=True``: ``torch.compile(model_step, fullgraph=True, dynamic=False)``; every
-    distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. Capacities are
-    rounded to powers of two (from `MIN_CAPACITY`) and prefill lengths to powers of two
-    (from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
+    distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. The engine steps such a
+    stepper in buckets (`bucketed`: rows and capacities in powers of two, prefill lengths in
+    powers of two from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
     ``packages``: a decode step whose shape has an ahead-of-time compiled package runs it,
     any other step runs eagerly (`infer.aot`). The stepper holds no cache: each caller passes
     its own (the engine owns its KV slots), so two generations never share one.
@@ -274,24 +273,6 @@ class Stepper:
         capacity: no buckets."""
         return self.compiled
 
-    def capacity(self, needed: int) -> int:
-        """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""
-        if not self.compiled:
-            return needed
-        slots = bucket(needed, MIN_CAPACITY)
-        return max(needed, min(slots, round_up(self.model.config.max_position_embeddings, 64)))
-
-    def prefill_length(self, longest: int) -> int:
-        """Tokens per row of a prefill step (prompts are right-padded to it): the longest
-        prompt when eager, a power of two from `MIN_PREFILL` when compiled."""
-        if not self.compiled:
-            return longest
-        return bucket(longest, MIN_PREFILL)
-
-    def cache(self, batch: int, capacity: int) -> KVCache:
-        """A new empty cache of ``batch`` rows (never shared between generations)."""
-        return self.model.make_cache(batch, capacity)
-
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         """One step of ``feed`` on ``cache``: eagerly, or through the compiled function. A decode
         step or a verify pass (``feed.mode.every_token``) runs its package when there is one; a
@@ -331,7 +312,6 @@ class Stepper:
 
 
 __all__ = [
-    "MIN_CAPACITY",
     "MIN_PREFILL",
     "PackagedStep",
     "Packages",
