@@ -4,7 +4,9 @@
     uv run python benchmarks/compiled_parity.py --models smollm2 --dtypes float32 --steps 24
     uv run python benchmarks/compiled_parity.py --against package   # the default's packages (infer.aot)
 
-`infer.runtime.step.model_step` run eagerly is the reference; the same code compiled with
+The prompts are submitted together to the engine (a fresh one per run: `infer.testing.trace`,
+which keeps the logits each token was drawn from). `infer.runtime.step.model_step` run eagerly
+is the reference; the same code compiled with
 ``torch.compile(fullgraph=True)`` must give identical greedy tokens and logits within
 ``1e-5 * max |logit|`` (docs/numerics.md; the tests check this on tiny models; compiling
 the real ones takes minutes, so it is measured here). ``--against package``: the
@@ -52,8 +54,12 @@ def main() -> None:
 
     import infer
     import infer.realmodels as rm
-    from infer.runtime.generate import SamplingParams, step_outputs
+    from infer.engine import SamplingParams
     from infer.runtime.step import Stepper
+    from infer.testing.trace import trace
+
+    # logprobs: the engine computes every logit exactly for the rows that ask for them
+    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, logprobs=0 if args.exact_head else None)
 
     paths = {"smollm2": rm.smollm2_path, "gemma3": rm.gemma3_270m_path}
     for name in args.models.split(","):
@@ -64,18 +70,8 @@ def main() -> None:
             def run(
                 stepper: Stepper, llm: infer.LLM = llm, prompts: list[list[int]] = prompts
             ) -> tuple[torch.Tensor, ...]:
-                with torch.inference_mode():
-                    outs = list(
-                        step_outputs(
-                            llm.model,
-                            prompts,
-                            max_new_tokens=args.steps,
-                            params=SamplingParams(),
-                            stepper=stepper,
-                            exact_head=args.exact_head,
-                        )
-                    )
-                return torch.stack([o.tokens for o in outs], 1), torch.stack([o.logits for o in outs], 1)
+                traced = trace(llm, prompts, params, stepper=stepper)
+                return torch.tensor([t.tokens for t in traced]), torch.stack([t.logits for t in traced])
 
             t0 = time.perf_counter()
             eager_tokens, eager_logits = run(Stepper(llm.model))

@@ -4,7 +4,8 @@
     uv run python benchmarks/deterministic.py --models smollm2 --steps 16
 
 For each model and mode: greedy decode of ``--steps`` tokens after a 64-token prompt, at
-batch 1 and at batch 16 (16 different prompts), median of ``--reps``. Prints tokens per
+batch 1 and at batch 16 (16 different prompts submitted together to a fresh engine: they are
+prefilled in one forward, then decode in lockstep), median of ``--reps``. Prints tokens per
 second per row and in total, the deterministic / default ratio at batch 1, and the time of
 a batch-16 step over a batch-1 step: a step that reads each weight once for the whole batch
 costs far less than 16 batch-1 steps. Wall time and process CPU time are both printed (CPU
@@ -33,23 +34,30 @@ def cpu_name() -> str:
 
 
 def step_times(llm: object, batch: int, steps: int, reps: int) -> tuple[float, float]:
-    """Median (wall, cpu) seconds per decode step of a batch of ``batch`` rows."""
+    """Median (wall, cpu) seconds per decode step of a batch of ``batch`` rows, through the engine."""
     from infer.api import LLM
-    from infer.runtime.generate import SamplingParams, step_outputs
+    from infer.engine import Engine, SamplingParams
 
     assert isinstance(llm, LLM)
     text = "The history of the city begins in the Roman era when a small settlement grew"
     words = text.split()
     prompts = [llm.tokenizer.encode(" ".join(words[i % 5 :] * 8))[:64] for i in range(batch)]
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     walls, cpus = [], []
     for _ in range(reps + 1):
-        out = step_outputs(llm.model, prompts, max_new_tokens=steps + 1, params=SamplingParams())
-        next(out)  # the prefill
-        w0, c0 = time.perf_counter(), time.process_time()
-        for _ in out:
-            pass
-        walls.append((time.perf_counter() - w0) / steps)
-        cpus.append((time.process_time() - c0) / steps)
+        engine = Engine(llm, max_batch=batch)  # a fresh one: nothing of the last run's prompts kept
+        try:
+            handles = engine.submit_many(prompts, [params] * batch, text=False, wait=True, drive=True)
+            next(iter(handles[0]))  # the prefill: every row's first token (one forward)
+            w0, c0 = time.perf_counter(), time.process_time()
+            for h in handles:
+                for _ in h:
+                    pass
+                assert len(h.token_ids) == steps + 1
+            walls.append((time.perf_counter() - w0) / steps)
+            cpus.append((time.process_time() - c0) / steps)
+        finally:
+            engine.close(drain=False)
     return statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 

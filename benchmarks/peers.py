@@ -141,8 +141,8 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
-    from infer.models.cache import KVCache
-    from infer.runtime.step import StepFeed
+    from infer.models.cache import KVCache, bucket
+    from infer.runtime.step import MIN_PREFILL, StepFeed
     from infer.sampling import Sampling
 
     t_load = time.perf_counter()
@@ -154,12 +154,15 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     greedy = Sampling()
 
     def prefill(n: int) -> Any:
-        length = stepper.prefill_length(n)  # right-padded as generation pads it
+        # Right-padded and sized as the engine buckets a compiled stepper's steps (`Stepper.bucketed`).
+        length = bucket(n, MIN_PREFILL) if stepper.bucketed else n
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
         # The engine's kind of cache (`infer.engine.KVSlots`: no ring buffers, which packages
-        # never serve): `stepper.cache` would give Gemma 3's sliding-window layers rings.
+        # never serve): `model.make_cache` would give Gemma 3's sliding-window layers rings.
         m = llm.model
-        capacity = stepper.capacity(length + DECODE + 1)
+        capacity = needed = length + DECODE + 1
+        if stepper.bucketed:
+            capacity = max(needed, min(bucket(needed), m.config.max_position_embeddings))
         cache = KVCache(m.config, 1, capacity, dtype=m.cache_dtype, device=m.device, layers=m.kv_layers,
                         rings=False)  # fmt: skip
         out = stepper(cache, StepFeed(ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None))

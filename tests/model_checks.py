@@ -1,10 +1,22 @@
-"""Checks a test runs on any `DecoderLM`."""
+"""Checks a test runs on any `DecoderLM`, and the inputs they feed it."""
 
 from __future__ import annotations
 
 import torch
 
 from infer.models.base import DecoderLM
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [B, T]`` left-padded with ``pad_id``, and the pad count per row ``[B]`` (for
+    ``model.make_cache(..., pad=pad)``)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    pad = torch.zeros(len(prompts), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = torch.tensor(p, dtype=torch.long)
+        pad[b] = T - len(p)
+    return ids, pad
 
 
 def assert_cache_and_padding_match(model: DecoderLM, ids: torch.Tensor, prefill: int, pad: int) -> None:

@@ -163,9 +163,8 @@ class SamplingParams:
     0.7, top-k 40):
     ``temperature`` finite and >= 0 (0 is greedy), ``top_k`` in [0, 2**63 - 1] (0: off), ``top_p``
     in (0, 1] (1: off), ``seed`` None or in [0, 2**64 - 1]. The rest are what the engine honours
-    per request; the free function `infer.runtime.generate.generate_steps` reads the first four only.
-    What depends on the model (a biased token id below the vocabulary, a constraint that compiles)
-    is the engine's check.
+    per request beside them. What depends on the model (a biased token id below the vocabulary, a
+    constraint that compiles) is the engine's check.
     """
 
     temperature: float = 0.0

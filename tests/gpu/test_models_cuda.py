@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import infer
-from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
+from infer.engine import SamplingParams
+from infer.testing.trace import trace
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,10 +60,10 @@ def test_cuda_cached_decode_and_greedy(arch: str, tiny_ckpt_factory: Callable[..
     print(f"\n{arch} cuda cached decode vs full forward: {err:.3e}")
     assert err <= 1e-4
     prompt = llm.tokenizer.encode("Hello there, general")
-    params = SamplingParams()
-    on_gpu = run_to_end(generate_steps(llm.model, [prompt], max_new_tokens=32, params=params, eos_ids=[]))
-    on_cpu = run_to_end(generate_steps(cpu.model, [prompt], max_new_tokens=32, params=params, eos_ids=[]))
-    assert on_gpu[0].tokens == on_cpu[0].tokens
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    on_gpu = trace(llm, [prompt], params)[0].tokens  # through the engine, past any EOS id
+    on_cpu = trace(cpu, [prompt], params)[0].tokens
+    assert len(on_gpu) == 32 and on_gpu == on_cpu
     batch = llm.generate(["Hi", "A longer prompt here"], max_new_tokens=16)
     assert [b.token_ids for b in batch] == [
         llm.generate(p, max_new_tokens=16).token_ids for p in ["Hi", "A longer prompt here"]

@@ -18,15 +18,16 @@ from typing import Any
 
 import pytest
 import torch
+from model_checks import left_pad
 
 from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.runtime.generate import left_pad
 from infer.streaming import StreamingConfig, build_streamed
 from infer.streaming.stats import TimelineEntry
+from infer.testing import build_tokenizer
 from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 
@@ -123,12 +124,16 @@ def test_cuda_streamed_head_and_bfloat16(tiny_ckpt_factory: Any, tmp_path: Path)
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic-cuda"), BIG, dtype=torch.bfloat16)
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic-cuda"), BIG, dtype=torch.bfloat16)
+    build_tokenizer(path)  # `infer.load` needs one (ids past its 262 tokens decode to nothing)
+    return path
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "sync"])
 def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None:
-    from infer.runtime.generate import SamplingParams, generate_steps
+    import infer
+    from infer.engine import SamplingParams
+    from infer.testing.trace import trace
 
     budget = 160 * 10**6
     size = BIG.nbytes(torch.bfloat16)
@@ -139,19 +144,13 @@ def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = build_streaming_model(
-        big_checkpoint,
-        StreamingConfig(
-            layer_group_size=2,
-            memory_budget=budget,
-            prefetch=prefetch,
-            max_context=256,
-            max_prefill_tokens=128,
-        ),
+    streaming = StreamingConfig(
+        layer_group_size=2, memory_budget=budget, prefetch=prefetch, max_context=256, max_prefill_tokens=128
     )
-    prompt = [[(7 * i + 3) % BIG.vocab_size for i in range(100)]]
-    steps = list(generate_steps(model, prompt, max_new_tokens=32, params=SamplingParams(), eos_ids=[]))
-    rows = steps[-1]
+    llm = infer.load(big_checkpoint, device="cuda", dtype=torch.bfloat16, streaming=streaming)
+    model = llm.model
+    prompt = [(7 * i + 3) % BIG.vocab_size for i in range(100)]
+    (traced,) = trace(llm, [prompt], SamplingParams(max_tokens=32, ignore_eos=True))  # through the engine
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     stats = model.executor.stats
@@ -159,10 +158,10 @@ def test_cuda_memory_within_budget(big_checkpoint: Path, prefetch: bool) -> None
         f"\ncheckpoint {size / 1e6:.0f} MB bf16, budget {budget / 1e6:.0f} MB, "
         f"planned {stats.planned_bytes / 1e6:.1f} MB,"
         f" max_memory_allocated {peak / 1e6:.1f} MB above the {base / 1e6:.1f} MB before loading; "
-        f"{stats.bytes_loaded / 1e6:.0f} MB streamed for {len(rows[0].tokens)} tokens\n"
+        f"{stats.bytes_loaded / 1e6:.0f} MB streamed for {len(traced.tokens)} tokens\n"
         f"{model.executor.plan.describe()}"  # type: ignore[attr-defined]
     )
-    assert size > 4 * budget and len(rows[0].tokens) == 32
+    assert size > 4 * budget and len(traced.tokens) == 32
     assert peak <= budget
 
 

@@ -1,12 +1,12 @@
 """In the deterministic mode a prompt's outputs do not depend on what else is in its batch
 or on how its prompt is chunked, on every load path.
 
-Each prompt is generated alone and inside batches of different sizes and orders (so
-with a different batch size, longest prompt, prefill length and cache capacity), and
-prefilled in chunks; the logits of every step must be *bitwise* equal, which the greedy
-tokens then are too. This holds by construction (docs/numerics.md): generation
-right-pads (a prompt's keys sit at the same cache slots in any batch), and every
-product — weights and attention alike — is a tile of one fixed shape
+Each prompt is generated through the engine alone and inside batches of different sizes and
+orders (so with a different batch size, longest prompt, prefill forward and KV capacity), and
+prefilled in chunks; the logits of every step (those the engine sampled from:
+`infer.testing.trace`) must be *bitwise* equal, which the greedy tokens then are too. This
+holds by construction (docs/numerics.md): a row's keys sit at its own slots from slot 0 in any
+batch, and every product — weights and attention alike — is a tile of one fixed shape
 (`infer.host.rows`, `infer.models.common.attend_tiled`), whatever the batch.
 """
 
@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import infer
+from infer.engine import SamplingParams
 from infer.gguf.writer import write_gguf
 from infer.models.base import DecoderLM
-from infer.models.common import set_deterministic
 from infer.realmodels import smollm2_path
-from infer.runtime.generate import SamplingParams, step_outputs
 from infer.testing import build_tokenizer, tiny_hf_model
+from infer.testing.trace import trace
 
 LENGTHS = [5, 17, 1, 9, 40]  # one prompt longer than the tiny Gemma's window (8): its rings wrap
 STEPS = 12
@@ -36,19 +35,20 @@ def prompts(vocab: int, lengths: list[int] = LENGTHS) -> list[list[int]]:
     return [torch.randint(0, min(vocab, 256), (n,), generator=gen).tolist() for n in lengths]
 
 
-@torch.inference_mode()
-def step_logits(model: DecoderLM, batch: list[list[int]]) -> torch.Tensor:
-    """``[B, STEPS, V]``: the logits of every greedy step of ``batch`` generated together."""
-    outs = step_outputs(model, batch, max_new_tokens=STEPS, params=SamplingParams())
-    return torch.stack([o.logits for o in outs], dim=1)
+def step_logits(llm: infer.LLM, batch: list[list[int]]) -> torch.Tensor:
+    """``[B, STEPS, V]``: the logits of every greedy step of ``batch`` submitted together to the engine."""
+    traced = trace(llm, batch, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    assert all(t.tokens == t.logits.argmax(-1).tolist() for t in traced)  # each step's greedy token
+    return torch.stack([t.logits for t in traced])
 
 
-def assert_batch_invariant(model: DecoderLM, label: str) -> None:
+def assert_batch_invariant(llm: infer.LLM, label: str) -> None:
+    model = llm.model
     ps = prompts(model.config.vocab_size)
-    alone = [step_logits(model, [p])[0] for p in ps]
+    alone = [step_logits(llm, [p])[0] for p in ps]
     orders = {"all": list(range(len(ps))), "reversed": list(range(len(ps)))[::-1], "pair": [3, 1]}
     for name, order in orders.items():
-        together = step_logits(model, [ps[i] for i in order])
+        together = step_logits(llm, [ps[i] for i in order])
         for row, i in enumerate(order):
             diff = (together[row] - alone[i]).abs().max().item()
             assert torch.equal(together[row], alone[i]), (
@@ -87,22 +87,16 @@ def prefill_logits(model: DecoderLM, prompt: list[int], chunk: int) -> torch.Ten
         ("gemma3", torch.bfloat16),
     ],
 )
-def test_safetensors_float(
-    arch: str, dtype: torch.dtype, tiny_ckpt_factory: Callable[..., Path], our_model_factory: Any
-) -> None:
-    model = our_model_factory(tiny_ckpt_factory(arch), dtype=dtype)  # shared with other tests: switched back
-    set_deterministic(model)
-    try:
-        assert_batch_invariant(model, f"{arch} {dtype}")
-    finally:
-        set_deterministic(model, False)
+def test_safetensors_float(arch: str, dtype: torch.dtype, tiny_ckpt_factory: Callable[..., Path]) -> None:
+    llm = infer.load(tiny_ckpt_factory(arch), dtype=dtype, deterministic=True)
+    assert_batch_invariant(llm, f"{arch} {dtype}")
 
 
 @pytest.mark.parametrize("quantize", ["q4_0", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_quantize_at_load(arch: str, quantize: str, tiny_ckpt_factory: Callable[..., Path]) -> None:
     llm = infer.load(tiny_ckpt_factory(arch), quantize=quantize, deterministic=True)
-    assert_batch_invariant(llm.model, f"{arch} quantize={quantize}")
+    assert_batch_invariant(llm, f"{arch} quantize={quantize}")
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q5_0"])
@@ -112,7 +106,7 @@ def test_gguf_packed(qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     hf = tiny_hf_model("gemma3", query_pre_attn_scalar=32, final_logit_softcapping=None)
     path = write_gguf(tmp_path / f"gemma3-{qtype}.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype=qtype)
     llm = infer.load(path, deterministic=True)
-    assert_batch_invariant(llm.model, f"gemma3 GGUF {qtype}")
+    assert_batch_invariant(llm, f"gemma3 GGUF {qtype}")
 
 
 @pytest.mark.slow
@@ -129,4 +123,4 @@ def test_smollm2_real() -> None:
     assert [r.token_ids for r in together] == alone
     reversed_ = llm.generate(ps[::-1], max_new_tokens=40)
     assert [r.token_ids for r in reversed_] == alone[::-1]
-    assert_batch_invariant(llm.model, "SmolLM2 Q4_1")
+    assert_batch_invariant(llm, "SmolLM2 Q4_1")

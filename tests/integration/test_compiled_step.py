@@ -1,12 +1,13 @@
 """The compiled step (`infer.runtime.step.Stepper(compile=True)`) against the same code run eagerly.
 
 One code path: `model_step` runs eagerly (the reference) or through
-``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the
-compiled step must give the same greedy tokens and seeded samples, and logits within
+``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the engine with
+the compiled step must give the same greedy tokens and seeded samples as with the eager one,
+and the logits it samples from (`infer.testing.trace`) within
 float32 rounding at the logits' scale: ``max |compiled - eager| <= REL_BOUND * max |logit|``
 (docs/numerics.md; inductor sums in its own order and has its own exp / tanh, and keeps
-in float32 what eager rounds to bfloat16), and reuse its graph and cache for a second
-request of the same bucket. This is the CPU build of what runs on CUDA with CUDA graphs on top
+in float32 what eager rounds to bfloat16), and reuse its graphs for a second run of the same
+buckets (on KV rows of its own). This is the CPU build of what runs on CUDA with CUDA graphs on top
 (``mode="reduce-overhead"``); no GPU runs here.
 
 Inductor's on-disk cache is the user's (``~/.cache/infer/inductor``), so a second
@@ -15,6 +16,7 @@ run of this file is faster than the first.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,29 +25,32 @@ import pytest
 import torch
 
 import infer
+from infer.engine import SamplingParams
 from infer.gguf.writer import write_gguf
-from infer.models.base import DecoderLM
 from infer.realmodels import smollm2_path
-from infer.runtime.generate import SamplingParams, step_outputs
 from infer.runtime.step import StepFeed, Stepper
 from infer.testing import build_tokenizer, tiny_hf_model
+from infer.testing.trace import trace
 
 PROMPTS = [[5, 9, 200, 31, 7], [44, 3, 17, 90, 12, 64, 8, 8, 120, 2, 33, 19]]  # the second passes the window
 STEPS = 10
 REL_BOUND = 1e-5  # the numerical contract's compiled-vs-eager bound, relative to max |logit|
 
 
-@torch.inference_mode()
-def run(model: DecoderLM, stepper: Stepper, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``[B, STEPS]`` and logits ``[B, STEPS, V]`` of one generation."""
-    outs = list(step_outputs(model, PROMPTS, max_new_tokens=STEPS, params=params, stepper=stepper))
-    return torch.stack([o.tokens for o in outs], 1), torch.stack([o.logits for o in outs], 1)
+def run(llm: infer.LLM, stepper: Stepper, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[B, STEPS]`` and logits ``[B, STEPS, V]`` of `PROMPTS` submitted together to a fresh
+    engine whose steps ``stepper`` runs (the prompts seeded apart when sampled)."""
+    params = dataclasses.replace(params, max_tokens=STEPS, ignore_eos=True)
+    rows = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            for i in range(len(PROMPTS))]  # fmt: skip
+    traced = trace(llm, PROMPTS, rows, stepper=stepper)
+    return torch.tensor([t.tokens for t in traced]), torch.stack([t.logits for t in traced])
 
 
-def compare(model: DecoderLM, label: str, params: SamplingParams) -> Stepper:
-    compiled = Stepper(model, compile=True)
-    eager_tokens, eager_logits = run(model, Stepper(model), params)
-    tokens, logits = run(model, compiled, params)
+def compare(llm: infer.LLM, label: str, params: SamplingParams) -> Stepper:
+    compiled = Stepper(llm.model, compile=True)
+    eager_tokens, eager_logits = run(llm, Stepper(llm.model), params)
+    tokens, logits = run(llm, compiled, params)
     err = (logits - eager_logits).abs().max().item()
     rows = f"{STEPS} steps x {len(PROMPTS)} rows"
     scale = eager_logits.abs().max().item()
@@ -60,22 +65,22 @@ def compare(model: DecoderLM, label: str, params: SamplingParams) -> Stepper:
 
 
 @pytest.fixture(scope="module")
-def gemma(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[DecoderLM]:
-    yield infer.load(tiny_ckpt_factory("gemma3"), dtype=torch.float32).model
+def gemma(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[infer.LLM]:
+    yield infer.load(tiny_ckpt_factory("gemma3"), dtype=torch.float32)
 
 
 @pytest.mark.slow
-def test_greedy_float32(gemma: DecoderLM) -> None:
-    """Sliding-window rings, QK-norm, a tied head, soft-capping: greedy, float32."""
+def test_greedy_float32(gemma: infer.LLM) -> None:
+    """A sliding window, QK-norm, a tied head, soft-capping: greedy, float32."""
     compiled = compare(gemma, "tiny gemma3 float32 greedy", SamplingParams())
     before = compiled.compile_seconds
-    again, _ = run(gemma, compiled, SamplingParams())  # the same bucket: no new graph (a cache of its own)
+    again, _ = run(gemma, compiled, SamplingParams())  # the same buckets: no new graph (KV rows of its own)
     assert compiled.compile_seconds == before
-    assert torch.equal(again, run(gemma, Stepper(gemma), SamplingParams())[0])
+    assert torch.equal(again, run(gemma, Stepper(gemma.model), SamplingParams())[0])
 
 
 @pytest.mark.slow
-def test_seeded_sampling(gemma: DecoderLM) -> None:
+def test_seeded_sampling(gemma: infer.LLM) -> None:
     """Temperature, top-k and top-p inside the step; the noise comes from the seeded generator."""
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11)
     compare(gemma, "tiny gemma3 float32 sampling", params)
@@ -91,7 +96,7 @@ def test_packed_gguf_default_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path = write_gguf(tmp_path / "llama-q8.gguf", hf, build_tokenizer(tmp_path / "tok"), qtype="Q8_0")
     llm = infer.load(path)
     assert getattr(llm.model.lm_head, "split", False)  # the greedy scan reads the high plane alone
-    compare(llm.model, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams())
+    compare(llm, "tiny llama GGUF Q8_0 default dtype greedy", SamplingParams())
 
 
 @pytest.mark.slow
@@ -164,7 +169,7 @@ def gguf_with_fused_projections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_gguf_from_the_repack_cache_float32(gguf_with_fused_projections: Path, tmp_path: Path) -> None:
     """A GGUF model mapped from its repack cache compiles: the eager step's greedy tokens, float32."""
     llm = from_repack_cache(gguf_with_fused_projections, tmp_path / "cache", dtype=torch.float32)
-    compare(llm.model, "tiny gemma3 GGUF Q8_0 from the repack cache, float32 greedy", SamplingParams())
+    compare(llm, "tiny gemma3 GGUF Q8_0 from the repack cache, float32 greedy", SamplingParams())
 
 
 @pytest.mark.slow
@@ -195,4 +200,4 @@ def test_smollm2_from_the_repack_cache_float32(tmp_path: Path, monkeypatch: pyte
     float32's dequantizing products is the slow part: ~450 s on 2 busy cores)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     llm = from_repack_cache(smollm2_path(), tmp_path / "cache", dtype=torch.float32)
-    compare(llm.model, "SmolLM2 Q4_1 from the repack cache, float32 greedy", SamplingParams())
+    compare(llm, "SmolLM2 Q4_1 from the repack cache, float32 greedy", SamplingParams())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 import infer
+from infer.engine import SamplingParams
 from infer.models.base import DecoderLM
-from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
+from infer.testing.trace import trace
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def llm_factory(tiny_ckpt_factory: Callable[..., Path]) -> Callable[[str], infer
     return make
 
 
-def _greedy(model: DecoderLM, ids: list[int], n: int) -> list[int]:
-    steps = generate_steps(model, [ids], max_new_tokens=n, params=SamplingParams(), eos_ids=[])
-    return run_to_end(steps)[0].tokens
+def _greedy(llm: infer.LLM, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of ``ids`` through the engine, past any EOS id."""
+    return trace(llm, [ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].tokens
 
 
 @pytest.mark.slow
@@ -41,7 +43,7 @@ def test_greedy_matches_transformers_generate(
     hf = hf_model_factory(tiny_ckpt_factory(arch), dtype=torch.float32)
     for prompt in ("Hello there", "A much longer prompt that runs past the sliding window of eight tokens"):
         ids = llm.tokenizer.encode(prompt)
-        ours = _greedy(llm.model, ids, 40)
+        ours = _greedy(llm, ids, 40)
         out = hf.generate(  # type: ignore[attr-defined]
             torch.tensor([ids]),
             do_sample=False,
@@ -143,13 +145,15 @@ def test_sample_filters() -> None:
 def test_stops_on_any_eos_id(llm_factory: Callable[[str], infer.LLM]) -> None:
     llm = llm_factory("qwen3")
     ids = llm.tokenizer.encode("Hello")
-    free = _greedy(llm.model, ids, 12)
-    # Declare the 4th generated token an EOS id (the second of a list): generation must stop there.
-    eos_ids = [999_999, free[3]]
-    steps = generate_steps(llm.model, [ids], max_new_tokens=12, params=SamplingParams(), eos_ids=eos_ids)
-    rows = run_to_end(steps)
-    assert rows[0].tokens == free[: free.index(free[3]) + 1]
-    assert rows[0].finish_reason == "eos"
+    free = _greedy(llm, ids, 12)
+    assert not set(free[:4]) & set(llm.eos_ids)
+    # Declare the 4th generated token an EOS id (the last of a list): generation must stop there.
+    config = dataclasses.replace(llm.config, eos_token_id=[999_999, free[3]])
+    other = infer.LLM(config, llm.tokenizer, llm.model, llm.source, llm.stepper)
+    assert other.eos_ids == [257, 258, 999_999, free[3]]
+    got = other.generate(ids, max_new_tokens=12)
+    assert got.token_ids == free[: free.index(free[3]) + 1]
+    assert got.finish_reason == "eos"
     assert llm.tokenizer.eos_token_ids == [257, 258]  # both from generation_config.json
 
 

@@ -1,9 +1,9 @@
 """The memory budget holds (FR-005, T-005, IT-004): a model several times larger than the budget runs in it.
 
-A subprocess imports torch and measures its fixed overhead (after starting its thread
+A subprocess imports torch and infer and measures its fixed overhead (after starting its thread
 pools and its lazily imported meta-device machinery, which any model build pulls in), loads a ~335 MB
-generated checkpoint with a budget about 4x smaller, generates with the public
-generation loop, and samples its anonymous memory (``RssAnon`` in
+generated checkpoint with a budget about 4x smaller (`infer.load(..., streaming=...)`), generates
+through its engine, and samples its anonymous memory (``RssAnon`` in
 ``/proc/self/status``: on CPU that is the device memory) every few milliseconds.
 The peak must stay under the overhead plus the budget. A budget that cannot work
 is refused at load with a message saying what would fit.
@@ -19,12 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import infer
+from infer.engine import SamplingParams
 from infer.loader.build import ModelBuilder
 from infer.loader.config import load_config
 from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, StreamingExecutor, build_streamed
+from infer.testing import build_tokenizer
 from infer.testing.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from infer.testing.trace import trace
 
 SPEC = SyntheticSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=24, vocab_size=8192)
 BUDGET = 80 * 10**6
@@ -37,13 +41,13 @@ def anon_bytes():
         return int(re.search(r"RssAnon:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 import dataclasses
+import tokenizers  # what infer.load imports on its way: part of the fixed overhead
 import torch
-from infer.runtime.generate import SamplingParams, generate_steps
-from infer.loader.build import ModelBuilder, build_empty
+import infer.api
+from infer.engine import SamplingParams, collect
+from infer.loader.build import build_empty
 from infer.loader.config import load_config
-from infer.loader.weights import SafetensorsSource
-from infer.loader.options import LoadOptions
-from infer.streaming import StreamingConfig, build_streamed
+from infer.streaming import StreamingConfig
 
 path, budget, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 config = load_config(path)
@@ -67,18 +71,18 @@ sampler.start()
 streaming = StreamingConfig(
     layer_group_size=2, memory_budget=budget, prefetch=prefetch, max_context=128, max_prefill_tokens=64
 )
-source = SafetensorsSource(path)
-model = build_streamed(ModelBuilder(source, config, LoadOptions(dtype=torch.float32, streaming=streaming)))
-prompt = [[(7 * i + 3) % config.vocab_size for i in range(48)]]
-rows = None
-for rows in generate_steps(model, prompt, max_new_tokens=16, params=SamplingParams(), eos_ids=[]):
-    pass
+llm = infer.api.load(path, dtype=torch.float32, streaming=streaming)
+prompt = [(7 * i + 3) % config.vocab_size for i in range(48)]
+params = SamplingParams(max_tokens=16, ignore_eos=True)
+(handle,) = llm.engine.submit_many([prompt], [params], wait=True, drive=True)
+tokens, _ = collect(handle)
 running = False
 sampler.join()
 peak = max(peak, anon_bytes())
+model = llm.model
 stats = model.executor.stats
 print(json.dumps({
-    "base": base, "peak": peak, "tokens": len(rows[0].tokens), "planned": stats.planned_bytes,
+    "base": base, "peak": peak, "tokens": len(tokens), "planned": stats.planned_bytes,
     "bytes_loaded": stats.bytes_loaded, "resident_layers": stats.resident_layers,
     "plan": model.executor.plan.describe(),
 }))
@@ -87,7 +91,9 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic-335MB"), SPEC)
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic-335MB"), SPEC)
+    build_tokenizer(path)  # `infer.load` needs one (ids past its 262 tokens decode to nothing)
+    return path
 
 
 @pytest.mark.slow
@@ -137,27 +143,16 @@ def test_impossible_budget_refused_at_load(big_checkpoint: Path) -> None:
 
 def test_default_settings_find_a_way(big_checkpoint: Path) -> None:
     """Only a budget, a quarter of the model: the plan chooses group size, prefetch, prefill chunk."""
-    from infer.runtime.generate import SamplingParams, generate_steps, run_to_end
-
     size = SPEC.nbytes(torch.float32)
     budget = size // 4
-    model = build_streamed(
-        ModelBuilder(
-            SafetensorsSource(big_checkpoint),
-            load_config(big_checkpoint),
-            LoadOptions(
-                device=torch.device("cpu"),
-                dtype=torch.float32,
-                streaming=StreamingConfig(memory_budget=budget),
-            ),
-        ),
-    )
+    llm = infer.load(big_checkpoint, dtype=torch.float32, streaming=StreamingConfig(memory_budget=budget))
+    model = llm.model
     assert isinstance(model.executor, StreamingExecutor)
     plan = model.executor.plan
     print(
         f"\n{size / 1e6:.0f} MB model, budget {budget / 1e6:.0f} MB: {plan.describe()}; notes: {plan.notes}"
     )
     assert plan.total <= budget and plan.units
-    prompt = [[(5 * i + 1) % SPEC.vocab_size for i in range(40)]]
-    rows = run_to_end(generate_steps(model, prompt, max_new_tokens=4, params=SamplingParams(), eos_ids=[]))
-    assert len(rows[0].tokens) == 4
+    prompt = [(5 * i + 1) % SPEC.vocab_size for i in range(40)]
+    (traced,) = trace(llm, [prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(traced.tokens) == 4

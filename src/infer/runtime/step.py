@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache, bucket, round_up
-from infer.sampling import Sampling, SamplingValues, gumbel_noise, sample, sampling_inputs, stack_noise
+from infer.models.cache import KVCache
+from infer.sampling import Sampling, SamplingValues, sample
 
-MIN_CAPACITY = 256  # compiled steps: cache capacities are powers of two from here
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
 # Dynamo's per-function recompile limits while infer's compiled step runs: every bucket
 # (batch x capacity x tokens x sampling mode) is one graph of that one function.
@@ -71,14 +70,6 @@ class StepOutput:
     logits: torch.Tensor  # [B, V] float32 (a greedy step's: exact at each row's argmax only)
     nonfinite: torch.Tensor  # [B] bool: a row's logits held NaN or +inf, or were all -inf
     hidden: torch.Tensor | None = None  # [B, D] each row's last hidden state before the final norm
-
-
-def row_noise(
-    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
-) -> torch.Tensor | None:
-    """Gumbel noise ``[B, vocab]``, row ``b`` from ``generators[b]`` (zeros for a greedy row, None)."""
-    rows = [None if g is None else gumbel_noise(1, vocab, g, device) for g in generators]
-    return stack_noise(rows, vocab, device)
 
 
 def model_step(
@@ -140,9 +131,9 @@ class Stepper:
     """Runs `model_step` for one resident model: eagerly, compiled whole per bucket, or from packages.
 
     ``compile=True``: ``torch.compile(model_step, fullgraph=True, dynamic=False)``; every
-    distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. Capacities are
-    rounded to powers of two (from `MIN_CAPACITY`) and prefill lengths to powers of two
-    (from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
+    distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. The engine steps such a
+    stepper in buckets (`bucketed`: rows and capacities in powers of two, prefill lengths in
+    powers of two from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
     ``packages``: a decode step whose shape has an ahead-of-time compiled package runs it,
     any other step runs eagerly (`infer.aot`). The stepper holds no cache: each caller passes
     its own (the engine owns its KV slots), so two generations never share one.
@@ -188,24 +179,6 @@ class Stepper:
         capacity: no buckets."""
         return self.compiled
 
-    def capacity(self, needed: int) -> int:
-        """KV slots for a request that needs ``needed``: exact when eager, a power-of-two bucket compiled."""
-        if not self.compiled:
-            return needed
-        slots = bucket(needed, MIN_CAPACITY)
-        return max(needed, min(slots, round_up(self.model.config.max_position_embeddings, 64)))
-
-    def prefill_length(self, longest: int) -> int:
-        """Tokens per row of a prefill step (prompts are right-padded to it): the longest
-        prompt when eager, a power of two from `MIN_PREFILL` when compiled."""
-        if not self.compiled:
-            return longest
-        return bucket(longest, MIN_PREFILL)
-
-    def cache(self, batch: int, capacity: int) -> KVCache:
-        """A new empty cache of ``batch`` rows (never shared between generations)."""
-        return self.model.make_cache(batch, capacity)
-
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput:
         """One step of ``feed`` on ``cache``: eagerly, or through the compiled function. A decode
         step or a verify pass (``feed.mode.every_token``) runs its package when there is one; a
@@ -245,17 +218,12 @@ class Stepper:
 
 
 __all__ = [
-    "MIN_CAPACITY",
     "MIN_PREFILL",
     "PackagedStep",
     "Packages",
-    "Sampling",  # (with SamplingValues and sampling_inputs: infer.sampling's, for runtime/generate.py)
-    "SamplingValues",
     "StepFeed",
     "StepOutput",
     "Stepper",
     "head_and_sample",
     "model_step",
-    "row_noise",
-    "sampling_inputs",
 ]
