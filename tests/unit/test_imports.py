@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, ...]] = [
     (
         "infer.host",
         "infer.params",
+        "infer.combinations",
         "infer.aot.idle",
         "infer.aot.builder",
         "infer.quant",
