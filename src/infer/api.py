@@ -10,6 +10,7 @@ import torch
 
 from infer.aot import PackageCache, Recipe
 from infer.aot import pays as aot_pays
+from infer.combinations import check_load
 from infer.distributed.runtime import agree
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
@@ -118,12 +119,8 @@ def load(
     if compile is not None and not isinstance(compile, bool) and compile != "auto":
         error = ValueError if isinstance(compile, str) else TypeError
         raise error(f"compile must be True, False, 'auto' or None, got {compile!r}")
-    if compile is True and streaming is not None:
-        raise ValueError("compile=True applies to resident models; a streamed model runs eagerly")
-    if compile is True and parallel:
-        raise ValueError(
-            "compile=True applies to one process; tensor- and pipeline-parallel models run eagerly"
-        )
+    check_load(compile=compile, streaming=streaming, tensor_parallel=tensor_parallel,
+               pipeline_parallel=pipeline_parallel, quantize=quantize)  # fmt: skip
     use_compile = compile_by_default(device) if compile is None else compile
     if streaming is not None or parallel:
         use_compile = False

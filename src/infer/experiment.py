@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from infer.combinations import check_intervention
 from infer.interventions import Intervention, Interventions, Positions, intervene
 from infer.scores import LogitLens, TokenScores, logit_lens, score
 
@@ -107,7 +108,7 @@ class Experimenting:
         step runs hooks) and never reuse K/V computed without them. ``positions``: whole-sequence
         forwards only."""
         if self.parallel is not None:
-            raise ValueError("interventions run in one process, not under tensor/pipeline parallelism")
+            check_intervention(self.parallel.tensor_parallel, self.parallel.pipeline_parallel)
         items = list(interventions)
         if layer is not None:
             items.append(

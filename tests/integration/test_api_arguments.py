@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -169,6 +170,60 @@ def test_bad_compile_values_are_refused(
 ) -> None:
     with pytest.raises(error, match="compile must be True, False, 'auto' or None"):
         infer.load(tiny_ckpt_factory("llama"), compile=value)
+
+
+STREAMED = infer.StreamingConfig(memory_budget="1GB")
+STREAMED_EMBEDDINGS = infer.StreamingConfig(
+    memory_budget="1GB", max_resident_layers=0, resident_embeddings=False
+)
+EMBEDDINGS = "StreamingConfig(resident_embeddings=False) cannot combine with"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"compile": True, "streaming": STREAMED},
+            "compile=True cannot combine with streaming: compile=True applies",
+        ),
+        ({"compile": True, "tensor_parallel": 2}, "compile=True cannot combine with tensor_parallel=2"),
+        ({"compile": True, "pipeline_parallel": 2}, "compile=True cannot combine with pipeline_parallel=2"),
+        (
+            {"quantize": "int8", "streaming": STREAMED_EMBEDDINGS},
+            f"{EMBEDDINGS} quantize='int8': a quantized head",
+        ),
+        (
+            {"tensor_parallel": 2, "streaming": STREAMED_EMBEDDINGS},
+            f"{EMBEDDINGS} tensor_parallel=2: a rank keeps",
+        ),
+        ({"pipeline_parallel": 2, "streaming": STREAMED_EMBEDDINGS}, f"{EMBEDDINGS} pipeline_parallel=2"),
+    ],
+    ids=[
+        "compile-streaming",
+        "compile-tp",
+        "compile-pp",
+        "embeddings-quantize",
+        "embeddings-tp",
+        "embeddings-pp",
+    ],
+)
+def test_options_that_cannot_combine_are_refused_naming_both(
+    tiny_ckpt_factory: Callable[..., Path], kwargs: dict[str, Any], message: str
+) -> None:
+    """Before anything is read, or any process group made (`infer.combinations.REFUSED`)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        infer.load(tiny_ckpt_factory("llama"), **kwargs)
+
+
+def test_quantize_is_refused_for_a_gguf_file(tmp_path: Path) -> None:
+    from infer.gguf.writer import write_gguf
+    from infer.testing import build_tokenizer, tiny_hf_model
+
+    path = write_gguf(tmp_path / "llama.gguf", tiny_hf_model("llama"), build_tokenizer(tmp_path / "tok"))
+    with pytest.raises(
+        ValueError, match=re.escape(f"quantize='q4_0' cannot combine with a GGUF file ({path})")
+    ):
+        infer.load(path, quantize="q4_0")
 
 
 def test_dtype_of_the_wrong_type_is_refused(tiny_ckpt_factory: Callable[..., Path]) -> None:

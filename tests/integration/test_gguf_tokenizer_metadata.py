@@ -181,3 +181,22 @@ def test_config_refuses_out_of_range_special_ids(good: Path, tmp_path: Path) -> 
     bad = with_metadata(good, tmp_path / "bad.gguf", {"tokenizer.ggml.eot_token_id": (V.UINT32, n, None)})
     with pytest.raises(ValueError, match="eot_token_id"):
         config_from_gguf(GGUFFile(bad))
+
+
+@pytest.mark.parametrize("cache", ["written", "unwritable"])
+def test_the_tokenizer_holds_the_files_tokens_only(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: str
+) -> None:
+    """transformers' byte-level builder adds GPT-2's ``<|endoftext|>`` to a vocabulary without it (as
+    Llama 3's is): one id past the model's rows, which made llguidance refuse every constraint
+    ("vocab size too small; 272 vs 273"). The tokenizer holds the file's tokens, as llama.cpp's,
+    also where no cache can be written (its directory's parent is a file)."""
+    if cache == "unwritable":
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    n, tokens = vocab_of(good)
+    assert "<|endoftext|>" not in tokens
+    llm = infer.load(good, cache=False)
+    assert llm.tokenizer.vocab_size == n == llm.model.vocab_size
+    result = llm.generate("Hi", max_new_tokens=4, json_schema={"type": "object"})
+    assert result.text.startswith("{"), result.text

@@ -33,6 +33,7 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.host",
         "infer.params",
         "infer.sampling",
+        "infer.combinations",
         "infer.aot.idle",
         "infer.aot.builder",
         "infer.quant",

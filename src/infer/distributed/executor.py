@@ -30,7 +30,10 @@ from infer.models.base import DecoderLM, Executor, ExecutorLimits, ResidentExecu
 
 
 class Wrapping:
-    """An executor around ``inner``: its ``limits``, ``stats`` and layers are the inner executor's."""
+    """An executor around ``inner``: its ``limits``, ``stats`` and layers are the inner executor's.
+    A parallel model copies a shared prefix into each row (`Executor.shares_prefixes`)."""
+
+    shares_prefixes = False
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner

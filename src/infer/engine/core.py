@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from infer.combinations import check_request
 from infer.engine.driver import Driver
 from infer.engine.output import Outputs
 from infer.engine.request import Request, RequestHandle
@@ -196,6 +197,7 @@ class Engine:
         if len(toks) + 1 > self.context:
             where = "prompt" if n == 1 else f"prompt {i}"
             raise ValueError(f"{where} has {len(toks)} tokens; the model's context is {self.context} tokens")
+        check_request(p, speculative=self.scheduler.speculator is not None)
         processor = self._processor(toks, p) if p.processed else None
         handle = RequestHandle(f"req-{next(self._ids)}", len(toks), self.driver, p, self.llm.tokenizer, text)
         generator = None

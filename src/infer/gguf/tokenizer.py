@@ -13,6 +13,7 @@ file misses it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -25,7 +26,7 @@ from infer.gguf.reader import GGUFFile
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import SPECIAL_TOKENS, FastTokenizer, Tokenizer
 
-CACHE_VERSION = 2  # 2: BPE merges saved as strings (`_compact_merges`)
+CACHE_VERSION = 3  # 2: BPE merges saved as strings (`_compact_merges`); 3: no token past the file's
 _MARKER = "infer-tokenizer.json"
 
 TOKENS = "tokenizer.ggml.tokens"
@@ -148,14 +149,31 @@ def _compact_merges(tokenizer_json: Path) -> None:
     tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
-def _save(hf_tok: Any, target: Path) -> None:
+def _drop_tokens_past(tokenizer_json: Path, vocab_size: int) -> set[str]:
+    """Remove the added tokens whose ids are past the file's ``vocab_size`` tokens; their texts.
+
+    transformers' byte-level builder gives a vocabulary that lacks ``<|endoftext|>`` (Llama 3's,
+    the test files') GPT-2's default special token as one more id, which no row of the model
+    produces and llguidance refuses ("vocab size too small"): llama.cpp's vocabulary is the file's.
+    """
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    added = data.get("added_tokens") or []
+    past = {t["content"] for t in added if t["id"] >= vocab_size}
+    if past:
+        data["added_tokens"] = [t for t in added if t["id"] < vocab_size]
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return past
+
+
+def _save(hf_tok: Any, target: Path, vocab_size: int) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         hf_tok.save_pretrained(str(tmp))
         _compact_merges(tmp / "tokenizer.json")
+        dropped = _drop_tokens_past(tmp / "tokenizer.json", vocab_size)
         special = {name: getattr(hf_tok, name, None) for name in SPECIAL_TOKENS}
-        special = {k: v for k, v in special.items() if v is not None}
+        special = {k: v for k, v in special.items() if v is not None and v not in dropped}
         marker = {"class": type(hf_tok).__name__, "special": special}
         (tmp / _MARKER).write_text(json.dumps(marker))
         with contextlib.suppress(OSError):  # another process may have won the race
@@ -190,8 +208,11 @@ def gguf_tokenizer(gguf: GGUFFile, config: ModelConfig, *, cache_dir: Path | Non
     if hf_tok is None:
         built = build_hf_tokenizer(gguf, config.model_type)
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
-            _save(built, directory)
+            _save(built, directory, config.vocab_size)
         hf_tok = _load_cached(directory)  # the same object a later hit returns
-        if hf_tok is None:
-            hf_tok = built
+        if hf_tok is None:  # no cache to write: the same files, in a directory of this process's
+            private = Path(tempfile.mkdtemp(prefix="infer-tokenizer-"))
+            atexit.register(shutil.rmtree, private, True)
+            _save(built, private / "tokenizer", config.vocab_size)
+            hf_tok = _load_cached(private / "tokenizer") or built
     return Tokenizer.from_hf(hf_tok, eos_token_id=config.eos_token_id)

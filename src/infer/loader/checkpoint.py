@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import infer.models  # noqa: F401  (registers every architecture's config rules with the reader)
+from infer.combinations import check_load
 from infer.loader.config import ModelConfig, load_config
 from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
@@ -141,11 +142,7 @@ class Checkpoint:
         Safetensors: ``dtype`` defaults to the config's ``torch_dtype``.
         """
         if self.gguf is not None:
-            if fields.get("quantize") is not None:
-                raise ValueError(
-                    f"{self.path}: quantize= applies to safetensors checkpoints; "
-                    "a GGUF file is already quantized"
-                )
+            check_load(quantize=fields.get("quantize"), gguf=str(self.path))
             run = torch.float32 if dtype is None else resolve_dtype(dtype)
             compute = GGUF_COMPUTE_DTYPE if dtype is None else run
             self.config.torch_dtype = str(run).removeprefix("torch.")

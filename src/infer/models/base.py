@@ -85,10 +85,15 @@ class Executor(Protocol):
     executor planned its memory for `ExecutorLimits` and generation respects them.
     ``stats``: the layer-streaming counters (`infer.streaming.StreamingStats`) of the
     layers it streams, also through a wrapping executor; None when nothing streams.
+    ``shares_prefixes``: whether its attention may read one copy of a prefix that several rows
+    share (`infer.runtime.prefix`): the resident default only; the other modes copy it per row.
     """
 
     @property
     def limits(self) -> ExecutorLimits | None: ...
+
+    @property
+    def shares_prefixes(self) -> bool: ...
 
     @property
     def stats(self) -> Any: ...  # StreamingStats | None
@@ -116,6 +121,7 @@ class ResidentExecutor:
     """
 
     layers: range | None = None
+    shares_prefixes = True  # a mode built on this one sets False (`Executor.shares_prefixes`)
 
     def __init__(self, layers: range | None = None) -> None:
         self.layers = layers

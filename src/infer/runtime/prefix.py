@@ -52,9 +52,7 @@ def shares_prefixes(model: DecoderLM) -> bool:
     resident default mode); otherwise prefixes are copied into each row."""
     from infer.models.common import Attention
 
-    if model.deterministic or model.executor.limits is not None or model.kv_layers is not None:
-        return False
-    if type(model.executor).__name__ != "ResidentExecutor":
+    if model.deterministic or not model.executor.shares_prefixes or model.kv_layers is not None:
         return False
     attentions = [m for m in model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "o_proj")]
     return bool(attentions) and all(isinstance(m, Attention) for m in attentions)

@@ -106,7 +106,8 @@ class StreamingConfig:
         max_resident_layers: cap on the layers kept resident (``None``: as many as fit;
             ``0`` streams every layer, for debugging and tests).
         resident_embeddings: keep the embedding and ``lm_head`` on the device
-            (``None``: when they fit; ``False``: always stream them).
+            (``None``: when they fit; ``False``: always stream them: float ones only, in one
+            process, `infer.combinations.REFUSED`).
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
         read_timeout: seconds a forward waits for one unit's weights before raising
             ``TimeoutError`` (a stalled disk or network file system); ``None`` waits forever.

@@ -80,6 +80,8 @@ class StreamingExecutor(ResidentExecutor):
     resident); the head streams when the plan keeps it off the device.
     """
 
+    shares_prefixes = False  # a streamed model copies a shared prefix into each row
+
     def __init__(
         self,
         model: DecoderLM,
