@@ -52,6 +52,7 @@ STREAMED_EMBEDDINGS = "StreamingConfig(resident_embeddings=False)"
 TENSOR = "tensor_parallel > 1"
 PIPELINE = "pipeline_parallel > 1"
 QUANTIZE = "quantize"
+INT8 = "quantize='int8'"
 GGUF = "a GGUF file"
 INTERVENTION = "an intervention"
 SPECULATION = "lookup or draft"
@@ -82,6 +83,14 @@ REFUSED: tuple[Refused, ...] = (
         GGUF,
         "load",
         "quantize= applies to safetensors checkpoints; a GGUF file is already quantized",
+    ),
+    Refused(
+        INT8,
+        TENSOR,
+        "load",
+        "int8's scale is one per output row, over the row's whole input, which tensor parallelism splits "
+        "across ranks in o_proj and down_proj: each rank would quantize a model other than one process's "
+        "(q4_0's 32-value groups stay within a rank)",
     ),
     Refused(
         STREAMED_EMBEDDINGS,
@@ -170,6 +179,8 @@ def check_load(
             given[STREAMED_EMBEDDINGS] = STREAMED_EMBEDDINGS
     if quantize is not None:
         given[QUANTIZE] = f"quantize={quantize!r}"
+        if quantize == "int8":
+            given[INT8] = f"quantize={quantize!r}"
     if gguf is not None:
         given[GGUF] = f"{GGUF} ({gguf})"
     check(given, "load")

@@ -76,6 +76,8 @@ def refusal(fmt: str, combo: tuple[str, ...]) -> str | None:
         return "compile=True cannot combine with streaming"
     if "compile=True" in given and parallel:
         return f"compile=True cannot combine with {parallel}"
+    if "quantize" in given and "tp2" in given:  # int8's per-row scales span the split rows
+        return "quantize='int8' cannot combine with tensor_parallel=2"
     if "quantize" in given and fmt == "gguf":
         return "quantize='int8' cannot combine with a GGUF file"
     if "intervention" in given and parallel:
