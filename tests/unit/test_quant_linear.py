@@ -365,6 +365,27 @@ def test_top_indices_are_topk(rows: int, n: int, k: int) -> None:
     assert torch.equal(y.gather(-1, got).sort(dim=-1, descending=True).values, want)
 
 
+@pytest.mark.parametrize("k", [96, 128, 576, 1])
+def test_fixed_order_dots_give_a_row_the_same_bits_among_any_rows(k: int) -> None:
+    """`infer.quant.head.fixed_order_dots` (a processed row's exact logits, `DecoderLM.exact_logits`):
+    a row's dot product is the same bits computed alone, among a few rows in any order, or in the
+    whole matrix, and within float32 rounding of float64's."""
+    from infer.quant.head import fixed_order_dots
+
+    gen = torch.Generator().manual_seed(k)
+    rows = torch.randn(3000, k, generator=gen) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=gen)]
+    x = torch.randn(k, generator=gen)
+    whole = fixed_order_dots(rows, x)  # [3000]
+    for ids in (torch.randperm(3000, generator=gen)[:64], torch.tensor([2999, 0, 17]), torch.tensor([5])):
+        assert torch.equal(fixed_order_dots(rows[ids], x), whole[ids])
+    assert torch.equal(fixed_order_dots(rows[1:], x), whole[1:])  # rows shifted against the vector lanes
+    want = rows.double() @ x.double()
+    scale = rows.double().abs() @ x.double().abs()
+    err = ((whole.double() - want).abs() / scale).max().item()
+    print(f"\nK={k}: fixed-order float32 vs float64, error {err:.1e} of sum|x w|")
+    assert err <= (k.bit_length() + 1) * 2.0**-24  # a pairwise tree's rounding, nothing more
+
+
 def _linears() -> dict[str, nn.Module]:
     """One module per product path: float (float32 / bfloat16), packed int4 (one and two planes),
     int8, dense bfloat16 GGUF, and packed weights with float32 compute."""

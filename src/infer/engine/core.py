@@ -140,7 +140,8 @@ class Engine:
         policy = Policy(max_batch, limit, prefill_chunk, idle_prefill_chunk, per_forward,
                         self.runner.stepper.bucketed, self.runner.exact_logits_allowed)  # fmt: skip
         self.scheduler = Scheduler(self.slots, policy, speculator)
-        self.sampler = Sampler(model.vocab_size, model.device, self.runner.exact_logits)
+        exact_logits = self.runner.exact_logits if self.runner.exact_logits_allowed else None
+        self.sampler = Sampler(model.vocab_size, model.device, exact_logits)
         self.outputs = Outputs()
         self.driver = Driver(self)
         self.eos = frozenset(llm.eos_ids)

@@ -22,8 +22,8 @@ from infer.sampling import Sampling, gumbel_noise, sample_row, sampling_inputs, 
 from infer.speculative import verified_tokens
 
 RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`resample_processed`)
-# Greedy processed rows in a step up to which they re-score their candidates; with more, the step
-# computes the exact head (one product for every row costs less than many rows' re-scoring).
+# Greedy processed rows up to which a step keeps its greedy head; with more, the exact head (its cost
+# grows less with the rows than the greedy scan's). Each re-scores its candidates with either head.
 RESCORED_ROWS = 2
 GREEDY = SamplingParams()
 
@@ -32,9 +32,9 @@ ExactLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def exact_head(requests: Sequence[Request], exact_allowed: bool, verify: bool = False) -> bool:
     """Whether a forward of ``requests`` needs every logit exact, not only each row's argmax (which
-    a packed head computes scanning less): logprobs, sampled processed rows, more greedy processed
-    rows than re-score their candidates (`resample_processed`; none when ``exact_allowed`` is false:
-    a parallel run's head is whole anyway); a verify pass of any sampled row (its tokens are drawn
+    a packed head computes scanning less): logprobs, sampled processed rows, more than `RESCORED_ROWS`
+    greedy processed rows (any when ``exact_allowed`` is false: a parallel run does not re-score,
+    its head is whole anyway); a verify pass of any sampled row (its tokens are drawn
     from every position's logits on the host)."""
     if verify:
         return any(r.params.logprobs is not None or not r.params.greedy for r in requests)
@@ -47,9 +47,10 @@ def exact_head(requests: Sequence[Request], exact_allowed: bool, verify: bool = 
 
 class Sampler:
     """The sampling stage of one engine over ``model`` (its vocabulary and device); ``exact_logits``:
-    a few vocabulary rows of the head, exactly (`Runner.exact_logits`), for greedy processed rows."""
+    a few vocabulary rows of the head, exactly (`Runner.exact_logits`), for greedy processed rows
+    (None where the runner cannot: a parallel run's head is whole instead)."""
 
-    def __init__(self, vocab: int, device: torch.device, exact_logits: ExactLogits) -> None:
+    def __init__(self, vocab: int, device: torch.device, exact_logits: ExactLogits | None) -> None:
         self.vocab = vocab
         self.device = device
         self.exact_logits = exact_logits
@@ -103,8 +104,7 @@ class Sampler:
         tokens: list[int] = out.tokens.tolist()  # the step's host read
         bad: list[bool] = out.nonfinite.tolist()
         requests = [forward.requests.get(row) for row in range(forward.lo, forward.hi)]
-        resample_processed(self.exact_logits, out, forward.lo, forward.feeds, requests, draw.noise, tokens,
-                           exact=draw.mode.exact_head)  # fmt: skip
+        resample_processed(self.exact_logits, out, forward.lo, forward.feeds, requests, draw.noise, tokens)
         rows: dict[int, Row] = {}
         for row, r in forward.requests.items():
             j = row - forward.lo
@@ -131,28 +131,30 @@ class Sampler:
 
 
 def resample_processed(
-    exact_logits: ExactLogits,
+    exact_logits: ExactLogits | None,
     out: StepOutput,
     lo: int,
     feeds: dict[int, list[int]],
     requests: list[Request | None],
     noise: torch.Tensor | None,
     tokens: list[int],
-    exact: bool = True,
 ) -> None:
     """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
     exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
     with `infer.sampling.sample_row`, the row's own values and the noise the step drew for it (so
     a seeded row draws as it would alone).
 
-    A greedy step's logits (``exact`` false) are exact at each row's own argmax only (a packed
-    head scans fewer bytes: `infer.quant.linear.QuantizedLinear.greedy`), so a greedy processed
-    row takes its `RESCORED` best allowed tokens by those logits, computes their logits
-    exactly from the step's hidden state (``exact_logits``: `Runner.exact_logits`), processes them again, and
-    picks the best: exact arithmetic's choice whenever it is among those candidates (the head's
-    own greedy scan ranks the exact winner within its first 51 on real text), at the cost of
-    64 rows of the head instead of every one (Gemma 3: 262,144). With more than
-    `RESCORED_ROWS` such rows the step's head is exact instead (`exact_head`)."""
+    A step's logits are exact at each row's top few only (a packed head's greedy scan: its argmax,
+    `infer.quant.linear.QuantizedLinear.greedy`; the exact head: its top 16, the rest bfloat16
+    products whose rounding depends on the kernel), so a greedy processed row, whichever head the
+    step ran, takes its `RESCORED` best allowed tokens by those logits, computes their logits
+    exactly from the step's hidden state (``exact_logits``: `Runner.exact_logits`, each logit the
+    same bits whichever candidates it is computed with), processes them again, and picks the best,
+    the lowest id among equals: exact arithmetic's choice over the whole vocabulary whenever it is
+    among those candidates (the head's own greedy scan ranks the exact winner within its first 51
+    on real text), at the cost of 64 rows of the head instead of every one (Gemma 3: 262,144).
+    Without ``exact_logits`` (a parallel run) the step's head is exact (`exact_head`) and the row
+    takes its best processed logit."""
     picked = [
         (j, r, r.processor) for j, r in enumerate(requests)
         if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)
@@ -165,12 +167,12 @@ def resample_processed(
         allowed = processor.apply(logits[k])
         if processor.error is not None:
             continue  # the output stage ends the request
-        if r.params.greedy and not exact and out.hidden is not None:
+        if r.params.greedy and exact_logits is not None and out.hidden is not None:
             pool = logits[k] if allowed is None else logits[k, allowed]
             best = pool.topk(min(RESCORED, pool.shape[0])).indices
-            ids = best if allowed is None else allowed[best]  # [K] candidates
+            ids = (best if allowed is None else allowed[best]).sort().values  # [K] candidates, ascending
             scores = processor.adjust(ids, exact_logits(out.hidden[j], ids))
-            tokens[j] = int(ids[int(scores.argmax())])
+            tokens[j] = int(ids[int(scores.argmax())])  # the first best: the lowest id, as in the vocabulary
             continue
         row = logits[k] if allowed is None else logits[k, allowed]  # [n]: the tokens it may pick
         drawn = None

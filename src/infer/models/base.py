@@ -24,6 +24,7 @@ from infer.models.cache import KVCache, StepKV, slot_mask
 from infer.models.common import Linear, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
 from infer.models.record import record_forward
+from infer.quant.head import fixed_order_dots
 from infer.quant.linear import QuantizedLinear
 
 
@@ -409,9 +410,11 @@ class DecoderLM(nn.Module):
 
     def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
-        (before the final norm, as `infer.runtime.step.model_step` returns it): what the full head would
-        give them, without computing the rest of the vocabulary where the head can help (a packed
-        head's rows, dequantized with their exact scales: `QuantizedLinear.exact_rows`)."""
+        (before the final norm, as `infer.runtime.step.model_step` returns it), without computing the
+        rest of the vocabulary where the head can help (a packed head's rows, dequantized with their
+        exact scales: `QuantizedLinear.exact_rows`). A token's logit is the same bits whichever
+        ``ids`` it is computed with (`infer.quant.head.fixed_order_dots`; another head: the whole
+        head's product, indexed), so a few candidates rank as they do in the whole vocabulary."""
         x = self.norm(h[None, None, :])[0, 0].float()  # [D]
         head = self.lm_head
         if (
@@ -420,7 +423,7 @@ class DecoderLM(nn.Module):
             and not head.packed.is_meta
             and not calls_hooks(head)  # a hooked head runs as a module (`infer.models.hooks`)
         ):
-            values = head.exact_rows(ids) @ x  # [K]
+            values = fixed_order_dots(head.exact_rows(ids), x)  # [K]
             if head.bias is not None:
                 values = values + head.bias.float()[ids]
         else:

@@ -1,5 +1,6 @@
 """An output head's exact re-scoring (`QuantizedLinear.rescore` and `.greedy`): how many
-candidates a row re-scores and which (`top_indices`)."""
+candidates a row re-scores and which (`top_indices`); a processed row's exact logits
+(`fixed_order_dots`, for `infer.models.base.DecoderLM.exact_logits`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ def top_indices(y: torch.Tensor, k: int) -> torch.Tensor:
     entries = blocks.gather(1, top_blocks[..., None].expand(M, k, block)).view(M, k * block)
     pos = entries.topk(k, dim=-1).indices  # [M, k] within the chosen blocks
     return top_blocks.gather(1, pos // block) * block + pos % block
+
+
+def fixed_order_dots(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's dot product with ``x``: ``rows [R, K] @ x [K] -> [R]`` (float32), every entry by
+    the same float32 operations whatever the other rows.
+
+    The products, then their sum in a fixed pairwise tree (``K`` zero-padded to a power of two):
+    each level is one element-wise add, exactly rounded per element on every CPU, so an entry
+    depends only on its row and ``x``, not on how many rows are computed with it, where it lies
+    among them or the CPU's vector width (a matrix-vector product blocks its sums by all three).
+    So a few candidates' logits equal the same tokens' in the whole vocabulary's, bit for bit.
+    """
+    p = rows.float() * x.float()  # [R, K]
+    k = p.shape[-1]
+    n = 1 << max(k - 1, 0).bit_length()
+    if n != k:
+        p = torch.nn.functional.pad(p, (0, n - k))  # [R, n]: + 0 is exact
+    while n > 1:
+        n //= 2
+        p = p[:, :n] + p[:, n:]
+    return p[:, 0]
