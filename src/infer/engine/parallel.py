@@ -43,6 +43,7 @@ from infer.engine.plan import Done, Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
 from infer.engine.slots import KVSlots
 from infer.models.base import DecoderLM
+from infer.models.cache import KVModel
 from infer.runtime.step import Stepper
 
 KEEPALIVE_S = 60.0  # a server's idle rank 0 tells the others it is alive this often
@@ -82,7 +83,7 @@ def _outcome(error: BaseException | None) -> str | None:
 class Broadcasting(Runner):
     """Rank 0's runner: each plan is sent to the other ranks, then run (see the module's docstring)."""
 
-    def __init__(self, parallel: Parallel, slots: KVSlots, stepper: Stepper | None = None) -> None:
+    def __init__(self, parallel: Parallel, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
         super().__init__(slots, stepper)
         self.parallel = parallel
         self._lock = threading.Lock()  # one broadcast at a time (plans, keep-alives)
@@ -183,7 +184,7 @@ class Follower:
             how = f"it went through on rank {rank} and failed on rank 0 ({there})"
         return DivergenceError(f"rank {rank}'s KV slots diverged from rank 0's at {what}: {how}")
 
-    def apply(self, slots: KVSlots, ops: list[Done]) -> None:
+    def apply(self, slots: KVSlots[KVModel], ops: list[Done]) -> None:
         """Make rank 0's KV operations; `DivergenceError` where one goes otherwise than on rank 0."""
         for done in ops:
             here = None

@@ -26,7 +26,7 @@ from infer.runtime.step import Sampling, SamplingValues, StepFeed, StepOutput, S
 class Runner:
     """Runs steps of ``slots``' rows with ``stepper`` (eager, compiled or packaged: `infer.runtime.step`)."""
 
-    def __init__(self, slots: KVSlots, stepper: Stepper | None = None) -> None:
+    def __init__(self, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
         self.slots = slots
         self.model: DecoderLM = slots.model
         self.stepper = stepper if stepper is not None else Stepper(slots.model)

@@ -25,7 +25,7 @@ from infer.engine.plan import Forward, Plan, Reserve, Rollback, SetBound, ShareP
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.sampling import exact_head
 from infer.engine.slots import KVSlots
-from infer.models.cache import bucket
+from infer.models.cache import KVModel, bucket
 from infer.runtime.prefix import common_prefix
 from infer.runtime.step import MIN_PREFILL
 from infer.speculative import Speculator
@@ -59,7 +59,7 @@ class Scheduler:
     docstring), planning by ``policy``; ``speculator``: proposals for verify passes, None when
     speculation is off."""
 
-    def __init__(self, slots: KVSlots, policy: Policy, speculator: Speculator | None = None) -> None:
+    def __init__(self, slots: KVSlots[KVModel], policy: Policy, speculator: Speculator | None = None) -> None:
         self.slots = slots
         self.policy = policy
         self.speculator = speculator

@@ -10,26 +10,25 @@ ranks make the same operations on their slots.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 import torch
 
 from infer.engine.plan import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.host.pages import release_freed_memory
-from infer.models.base import DecoderLM
-from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, bucket, round_up
+from infer.models.cache import KEY_CHUNK, KVCache, KVModel, LayerKV, SharedPrefix, bucket, round_up
 from infer.params import MAX_SPECULATIVE
-
-if TYPE_CHECKING:
-    from infer.runtime.prefix import Segment
+from infer.runtime.prefix import PrefixStore, Segment
 
 MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
 # Slots a row gets beyond its request's prompt + max_tokens (`KVSlots.bound`): a speculative
 # verify pass writes its whole draft before the rejected tokens are rolled back.
 BOUND_MARGIN = MAX_SPECULATIVE
 
+M = TypeVar("M", bound=KVModel, covariant=True)  # the model the slots hold K/V for
 
-class KVSlots:
+
+class KVSlots(Generic[M]):
     """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
     demand, and the prefixes rows share (`infer.runtime.prefix.PrefixStore`).
 
@@ -45,15 +44,13 @@ class KVSlots:
 
     def __init__(
         self,
-        model: DecoderLM,
+        model: M,
         max_rows: int,
         context: int,
         bucketed: bool = False,
         share: bool | None = None,
         record: bool = False,
     ) -> None:
-        from infer.runtime.prefix import PrefixStore, shares_prefixes
-
         self.model = model
         self.max_rows = max_rows
         self.context = context
@@ -66,7 +63,7 @@ class KVSlots:
         self.bounds: list[int] = []
         # Prefixes shared between rows are stored once (`infer.runtime.prefix`); where attention cannot
         # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
-        self.share = shares_prefixes(model) if share is None else share
+        self.share = model.shares_prefixes if share is None else share
         self.store = PrefixStore(model)
         self._views: dict[tuple[int, int], KVCache] = {}
         # The model's forward hooks when the held K/V were computed (`infer.models.hooks`); rows

@@ -21,7 +21,7 @@ from torch import nn
 
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.cache import KVCache, StepKV, slot_mask
-from infer.models.common import Linear, make_rotary_embeddings
+from infer.models.common import Attention, Linear, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
 from infer.models.record import record_forward
 from infer.quant.linear import QuantizedLinear
@@ -314,6 +314,18 @@ class DecoderLM(nn.Module):
         """The dtype of the K/V a cache holds: ``kv_dtype`` (set at load, `infer.load`'s ``kv_dtype``),
         else the model's; ``torch.int8`` is int8 values with a scale per token and head."""
         return self.kv_dtype if self.kv_dtype is not None else self.dtype
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether this model's attention reads a prefix stored once for several rows
+        (`infer.runtime.prefix`: every attention an `infer.models.common.Attention`, the resident
+        default mode); otherwise a prefix is copied into each row that continues it."""
+        if self.deterministic or self.executor.limits is not None or self.kv_layers is not None:
+            return False
+        if type(self.executor) is not ResidentExecutor:
+            return False
+        attentions = [m for m in self.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "o_proj")]
+        return bool(attentions) and all(isinstance(m, Attention) for m in attentions)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input ``[B, T, D]`` for ``input_ids [B, T]`` (the executor's lookup)."""

@@ -28,12 +28,44 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
 KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
+
+
+class HookState(Protocol):
+    """What KV memory reads of a model's forward hooks (`infer.models.hooks.HookWatch`)."""
+
+    def signature(self) -> tuple[int, ...]: ...
+
+
+class KVModel(Protocol):
+    """What KV memory (`infer.engine.slots.KVSlots`, `infer.runtime.prefix.PrefixStore`) needs of
+    the model it holds K/V for (`infer.models.base.DecoderLM`): the cache's shape, dtype and device,
+    the layers this process keeps, whether its attention reads a shared prefix, and its hooks'
+    state (K/V computed under other hooks are not reused)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def cache_dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kv_layers(self) -> Sequence[int] | None: ...
+
+    @property
+    def shares_prefixes(self) -> bool: ...
+
+    @property
+    def hooks(self) -> HookState: ...
 
 
 def round_up(n: int, m: int) -> int:
@@ -489,6 +521,6 @@ def slot_mask(
 
 
 __all__ = [
-    "KEY_CHUNK", "KV_DTYPES", "KVCache", "LayerKV", "SharedPrefix", "StepKV", "StepPlan", "bucket",
-    "dequantize_int8", "quantize_int8", "round_up", "slot_mask",
+    "KEY_CHUNK", "KV_DTYPES", "HookState", "KVCache", "KVModel", "LayerKV", "SharedPrefix", "StepKV",
+    "StepPlan", "bucket", "dequantize_int8", "quantize_int8", "round_up", "slot_mask",
 ]  # fmt: skip
