@@ -141,7 +141,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
-    from infer.models.cache import KVCache
+    from infer.kv.cache import KVCache
     from infer.runtime.step import Sampling, StepFeed
 
     t_load = time.perf_counter()
@@ -155,7 +155,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     def prefill(n: int) -> Any:
         length = stepper.prefill_length(n)  # right-padded as generation pads it
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
-        # The engine's kind of cache (`infer.engine.KVSlots`: no ring buffers, which packages
+        # The engine's kind of cache (`infer.kv.KVSlots`: no ring buffers, which packages
         # never serve): `stepper.cache` would give Gemma 3's sliding-window layers rings.
         m = llm.model
         capacity = stepper.capacity(length + DECODE + 1)

@@ -556,8 +556,8 @@ def test_lookup_over_shared_prefixes_stays_in_each_rows_own_tokens(
     on its own tokens after it. Every rollback of a verify pass stays within the row's own tokens
     (never into the segment: checked at each one), the segment still holds the whole prefix for
     every row at the end, and the tokens are plain decoding's with the same sharing, up to near-ties."""
-    from infer.engine import KVSlots
-    from infer.models.cache import KVModel
+    from infer.kv import KVSlots
+    from infer.kv.cache import KVModel
 
     llm = infer.load(gemma_path)
     prompts = _shared_prompts()

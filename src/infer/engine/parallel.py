@@ -2,7 +2,7 @@
 
 Rank 0's `Engine` runs with a `Broadcasting` runner: before each plan runs it sends the other ranks
 the plan as they need it (`infer.engine.plan.Plan.wire`): the KV operations the scheduler made
-since the last one, typed, each with how it went on rank 0 (`infer.engine.plan.Done`), and the
+since the last one, typed, each with how it went on rank 0 (`infer.kv.ops.Done`), and the
 forwards (rows, what each row is fed, the head; a speculative verify pass is a forward like any
 other). The other ranks `follow`: they keep KV slots of the same rows and capacity for their own part
 of the model (a tensor-parallel rank's heads, a pipeline stage's layers), make the same operations
@@ -39,11 +39,12 @@ from infer.distributed.runtime import (
     peer_failures,
     report_failure,
 )
-from infer.engine.plan import Done, Draw, Plan, Ran, Wired
+from infer.engine.plan import Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
-from infer.engine.slots import KVSlots
+from infer.kv.cache import KVModel
+from infer.kv.ops import Done
+from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.models.cache import KVModel
 from infer.runtime.step import Stepper
 
 KEEPALIVE_S = 60.0  # a server's idle rank 0 tells the others it is alive this often

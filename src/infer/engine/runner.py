@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from infer.engine.plan import Draw, Plan, Ran
-from infer.engine.slots import KVSlots
+from infer.kv.cache import KVCache
+from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.runtime.step import Sampling, SamplingValues, StepFeed, StepOutput, Stepper
 
 

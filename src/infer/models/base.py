@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from infer.kv.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.cache import KVCache, StepKV, slot_mask
 from infer.models.common import Attention, Linear, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
 from infer.models.record import record_forward
@@ -318,7 +318,7 @@ class DecoderLM(nn.Module):
     @property
     def shares_prefixes(self) -> bool:
         """Whether this model's attention reads a prefix stored once for several rows
-        (`infer.runtime.prefix`: every attention an `infer.models.common.Attention`, the resident
+        (`infer.kv.prefix`: every attention an `infer.models.common.Attention`, the resident
         default mode); otherwise a prefix is copied into each row that continues it."""
         if self.deterministic or self.executor.limits is not None or self.kv_layers is not None:
             return False

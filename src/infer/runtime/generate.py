@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.params import SEED_MAX, NonFiniteLogitsError, SamplingParams, check_max_new_tokens, row_seed
 from infer.runtime.step import (
     Sampling,

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from infer.kv.prefix import common_prefix
 from infer.params import SamplingParams
-from infer.runtime.prefix import common_prefix
 from infer.runtime.step import (
     Sampling,
     SamplingValues,
@@ -26,7 +26,7 @@ GREEDY = SamplingParams()  # an idle row of a draft step
 
 
 class DraftSlots(Protocol):
-    """What the drafter uses of its KV slots (`infer.engine.KVSlots`)."""
+    """What the drafter uses of its KV slots (`infer.kv.KVSlots`)."""
 
     @property
     def context(self) -> int: ...

@@ -2,7 +2,7 @@
 
 `KVSlots` never runs the model: `infer.engine.runner.Runner` asks it for a row range's view
 (`KVSlots.fit`, `KVSlots.bind`) and tells it what a step wrote (`KVSlots.advance`). The scheduler
-changes it only through typed operations (`KVSlots.apply`: `infer.engine.plan.KVOp`), which the
+changes it only through typed operations (`KVSlots.apply`: `infer.kv.ops.KVOp`), which the
 engine's slots record, with how each went, for the next plan (`take_ops`): under torchrun the other
 ranks make the same operations on their slots.
 """
@@ -14,11 +14,11 @@ from typing import Generic, TypeVar
 
 import torch
 
-from infer.engine.plan import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.host.pages import release_freed_memory
-from infer.models.cache import KEY_CHUNK, KVCache, KVModel, LayerKV, SharedPrefix, bucket, round_up
+from infer.kv.cache import KEY_CHUNK, KVCache, KVModel, LayerKV, SharedPrefix, bucket, round_up
+from infer.kv.ops import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
+from infer.kv.prefix import PrefixStore, Segment
 from infer.params import MAX_SPECULATIVE
-from infer.runtime.prefix import PrefixStore, Segment
 
 MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
 # Slots a row gets beyond its request's prompt + max_tokens (`KVSlots.bound`): a speculative
@@ -30,7 +30,7 @@ M = TypeVar("M", bound=KVModel, covariant=True)  # the model the slots hold K/V 
 
 class KVSlots(Generic[M]):
     """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
-    demand, and the prefixes rows share (`infer.runtime.prefix.PrefixStore`).
+    demand, and the prefixes rows share (`infer.kv.prefix.PrefixStore`).
 
     One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
     rolled back) grows as rows and lengths are needed: capacities a quarter above what the
@@ -61,7 +61,7 @@ class KVSlots(Generic[M]):
         # Per row, the most tokens it may hold while its request runs (0: no request; it holds
         # ``held``): the engine sets it at admission (prompt + max_tokens), so capacity stops there.
         self.bounds: list[int] = []
-        # Prefixes shared between rows are stored once (`infer.runtime.prefix`); where attention cannot
+        # Prefixes shared between rows are stored once (`infer.kv.prefix`); where attention cannot
         # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
         self.share = model.shares_prefixes if share is None else share
         self.store = PrefixStore(model)

@@ -44,7 +44,7 @@ class HookState(Protocol):
 
 
 class KVModel(Protocol):
-    """What KV memory (`infer.engine.slots.KVSlots`, `infer.runtime.prefix.PrefixStore`) needs of
+    """What KV memory (`infer.kv.slots.KVSlots`, `infer.kv.prefix.PrefixStore`) needs of
     the model it holds K/V for (`infer.models.base.DecoderLM`): the cache's shape, dtype and device,
     the layers this process keeps, whether its attention reads a shared prefix, and its hooks'
     state (K/V computed under other hooks are not reused)."""
@@ -272,7 +272,7 @@ class StepKV:
 
 @dataclass
 class SharedPrefix:
-    """The prefix keys a step's rows share: a region of a `infer.runtime.prefix.PrefixStore`.
+    """The prefix keys a step's rows share: a region of a `infer.kv.prefix.PrefixStore`.
 
     ``layers[i]``: layer ``i``'s region, ``[1, Hkv, R, hd]`` views (a `LayerKV` of one row);
     ``start [B]``: where row ``b``'s prefix begins in the region; ``length [B]``: how many of its

@@ -2,7 +2,7 @@
 
 Requests that run at the same time and begin with the same tokens (a system prompt, few-shot
 examples, a document asked several questions) would otherwise each prefill and keep their own
-copy. The engine (`infer.engine.KVSlots`) keeps such a prefix once, as a **segment** of a
+copy. The engine (`infer.kv.KVSlots`) keeps such a prefix once, as a **segment** of a
 `PrefixStore`, and each row that uses it holds only what follows (its private part). Attention
 then reads the segment once for all the rows of a step (`infer.models.common.attend_shared`:
 every row's queries against the one copy, merged with each row's private keys by their
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infer.host.pages import release_freed_memory
-from infer.models.cache import KVCache, KVModel
+from infer.kv.cache import KVCache, KVModel
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
 
