@@ -141,7 +141,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
-    from infer.models.cache import KVCache, bucket
+    from infer.kv.cache import KVCache, bucket
     from infer.runtime.step import MIN_PREFILL, StepFeed
     from infer.sampling import Sampling
 
@@ -157,7 +157,7 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
         # Right-padded and sized as the engine buckets a compiled stepper's steps (`Stepper.bucketed`).
         length = bucket(n, MIN_PREFILL) if stepper.bucketed else n
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
-        # The engine's kind of cache (`infer.engine.KVSlots`: no ring buffers, which packages
+        # The engine's kind of cache (`infer.kv.KVSlots`: no ring buffers, which packages
         # never serve): `model.make_cache` would give Gemma 3's sliding-window layers rings.
         m = llm.model
         capacity = needed = length + DECODE + 1

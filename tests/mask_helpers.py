@@ -1,5 +1,5 @@
 """Additive causal masks for tests that call blocks and attention directly (the models build
-their own boolean masks from the cache's slots, `infer.models.cache.slot_mask`)."""
+their own boolean masks from the cache's slots, `infer.kv.cache.slot_mask`)."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def load(
 
 def resolve_kv_dtype(kv_dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``load``'s ``kv_dtype`` as a torch dtype (None: `default_kv_dtype`); a clear error otherwise."""
-    from infer.models.cache import KV_DTYPES
+    from infer.kv.cache import KV_DTYPES
 
     if kv_dtype is None or kv_dtype == "auto":
         return None

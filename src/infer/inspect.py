@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from infer.kv.cache import KVCache
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.source import StoredTensor
-from infer.models.cache import KVCache
 from infer.realmodels import resolve_name
 
 

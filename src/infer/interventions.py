@@ -8,7 +8,7 @@ the same on a loaded model. Being hooks, they run wherever the model's modules r
   are the edited ones);
 * in generation (``generate``, ``stream``, ``chat``): while any hook is present the steps run
   eagerly (`infer.runtime.step.Stepper`: packages and compiled graphs run no Python), and K/V computed
-  under other hooks are never reused (`infer.engine.slots.KVSlots.check_hooks`).
+  under other hooks are never reused (`infer.kv.slots.KVSlots.check_hooks`).
 
 A block's edit applies to its output ``[B, T, D]`` (the residual stream after the block); a head's
 to that head's slice ``[B, T, hd]`` of the attention output, before the output projection (``o_proj``;

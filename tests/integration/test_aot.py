@@ -28,7 +28,7 @@ import infer
 import infer.aot as aot
 from infer.aot import builder
 from infer.engine import SamplingParams
-from infer.models.cache import KVCache
+from infer.kv.cache import KVCache
 from infer.runtime.step import StepFeed
 from infer.sampling import Sampling
 

@@ -69,6 +69,47 @@ def gemma(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[infer.LLM]:
     yield infer.load(tiny_ckpt_factory("gemma3"), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_blocks_share_one_traced_region_per_kind_of_layer(
+    tiny_ckpt_factory: Callable[..., Path], arch: str
+) -> None:
+    """Compiled, every block is a call of the one nested region (`infer.models.base`), traced by
+    dynamo once per kind of layer (Gemma 3: sliding-window and full) and stamped out for the others:
+    a layer's K/V crosses into it as one `StepKV`, a pytree node dynamo flattens and compares (an
+    object it cannot compare makes it trace every layer again). Dynamo's graph only (no inductor);
+    the step's tokens and logits are the eager ones."""
+    from infer.runtime.step import model_step
+    from infer.sampling import Sampling
+
+    model = infer.load(tiny_ckpt_factory(arch), dtype=torch.float32).model
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(model_step, backend=capture, fullgraph=True, dynamic=False)
+    # Dynamo times each stamped-out reuse of a traced region under this key (torch._dynamo.utils).
+    stamps = torch._dynamo.utils.compilation_time_metrics.setdefault("invoke_subgraph_reuse_stamp_out", [])
+    stamped = len(stamps)
+    ids, n_new, last = torch.tensor([[5], [9]]), torch.tensor([1, 1]), torch.tensor([0, 0])
+    feed = StepFeed(ids, n_new, last, Sampling(), None, None)
+    with torch.inference_mode():
+        cache = model.make_cache(2, 64)
+        got = step(model, cache, feed)
+        cache = model.make_cache(2, 64)
+        want = model_step(model, cache, feed)
+    stamped = len(stamps) - stamped
+    calls = [n for g in graphs for n in g.graph.nodes if "invoke_subgraph" in str(n.target)]
+    bodies = {n.args[0].target for n in calls}  # the get_attr of each call's traced body
+    kinds = set(model.layer_types)
+    print(f"\n{arch}: {len(calls)} region calls, {len(bodies)} bodies, {stamped} stamped out without a "
+          f"trace, {len(kinds)} kinds of layer")  # fmt: skip
+    assert len(graphs) == 1 and len(calls) == model.config.num_hidden_layers
+    assert len(bodies) == len(kinds) and stamped == len(calls) - len(kinds)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.slow
 def test_greedy_float32(gemma: infer.LLM) -> None:
     """A sliding window, QK-norm, a tied head, soft-capping: greedy, float32."""

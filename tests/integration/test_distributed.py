@@ -248,8 +248,8 @@ try:
 
     Speculator.plan = plan
     if args.get("diverge") and rank == 1:  # a KV operation that fails on this rank only
-        from infer.engine import KVSlots
-        from infer.engine.plan import SetBound
+        from infer.kv import KVSlots
+        from infer.kv.ops import SetBound
 
         apply = KVSlots.apply
 
@@ -404,8 +404,8 @@ def test_cli_lookup_under_tensor_parallelism_prints_one_process_text(
 PLANTED = """
 import os
 if os.environ.get("RANK") == "1":  # rank 1's KV slots refuse the first bound rank 0 sets
-    from infer.engine import KVSlots
-    from infer.engine.plan import SetBound
+    from infer.kv import KVSlots
+    from infer.kv.ops import SetBound
 
     apply = KVSlots.apply
 

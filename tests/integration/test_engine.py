@@ -18,16 +18,8 @@ import pytest
 import torch
 
 import infer
-from infer.engine import (
-    IDLE_EXIT_S,
-    Delta,
-    Engine,
-    EngineFull,
-    KVSlots,
-    RequestHandle,
-    Runner,
-    SamplingParams,
-)
+from infer.engine import IDLE_EXIT_S, Delta, Engine, EngineFull, RequestHandle, Runner, SamplingParams
+from infer.kv import KVSlots
 from infer.sampling import Sampling, sampling_inputs
 
 TIMEOUT = 120.0  # seconds any one request may take on a loaded 2-core machine
@@ -619,7 +611,7 @@ def test_kv_capacity_stops_at_what_a_running_request_may_hold(llama: infer.LLM, 
     """A row's capacity grows a quarter past what it needs, but not past its request's prompt +
     max_tokens (+ a speculative draft): the engine sets each row's bound at admission and clears
     it when the request ends; slots stepped without an engine keep the quarter."""
-    from infer.engine.slots import BOUND_MARGIN
+    from infer.kv.slots import BOUND_MARGIN
     from infer.speculative import MAX_TOKENS
 
     assert BOUND_MARGIN == MAX_TOKENS

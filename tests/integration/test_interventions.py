@@ -19,8 +19,8 @@ import torch
 
 import infer
 from infer.interventions import Intervention
+from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.models.projections import Fusable
 from infer.runtime.step import StepFeed, StepOutput, Stepper, model_step
 from infer.sampling import Sampling

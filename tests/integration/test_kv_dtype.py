@@ -16,7 +16,7 @@ import torch
 
 import infer
 from infer.api import resolve_kv_dtype
-from infer.models.cache import dequantize_int8, quantize_int8
+from infer.kv.cache import dequantize_int8, quantize_int8
 
 PROMPT = [5, 9, 200, 31, 7, 64, 3, 18, 77, 101, 42, 250, 6]
 

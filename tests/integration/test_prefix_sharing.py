@@ -1,4 +1,4 @@
-"""Prefixes stored once (`infer.runtime.prefix`, `infer.engine.KVSlots.share_prefix`).
+"""Prefixes stored once (`infer.kv.prefix`, `infer.kv.KVSlots.share_prefix`).
 
 Requests that run at the same time and begin with the same tokens share one copy of those
 tokens' K/V: a second request with the same system prompt prefills only its own part (while
@@ -107,7 +107,7 @@ def test_each_row_reads_only_its_own_prefix_and_slots(tiny_ckpt_factory: Callabl
     rows = slots.rows
     view = slots.bind(0, rows)
     assert view.shared is not None
-    from infer.models.cache import StepPlan
+    from infer.kv.cache import StepPlan
 
     plan = view.make_plan(1)
     mask = view.shared_mask("full_attention", plan)  # [B, 1, 1, R]
@@ -177,7 +177,7 @@ def test_a_fragmented_store_never_places_a_segment_over_a_live_one(
     import itertools
     import random
 
-    from infer.runtime.prefix import PrefixStore, Segment
+    from infer.kv.prefix import PrefixStore, Segment
 
     llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32)
     store = PrefixStore(llm.model)

@@ -556,7 +556,8 @@ def test_lookup_over_shared_prefixes_stays_in_each_rows_own_tokens(
     on its own tokens after it. Every rollback of a verify pass stays within the row's own tokens
     (never into the segment: checked at each one), the segment still holds the whole prefix for
     every row at the end, and the tokens are plain decoding's with the same sharing, up to near-ties."""
-    from infer.engine import KVSlots
+    from infer.kv import KVSlots
+    from infer.kv.cache import KVModel
 
     llm = infer.load(gemma_path)
     prompts = _shared_prompts()
@@ -565,7 +566,7 @@ def test_lookup_over_shared_prefixes_stays_in_each_rows_own_tokens(
     rollback = KVSlots.rollback
     cuts: list[tuple[int, int]] = []
 
-    def checked(self: KVSlots, row: int, length: int) -> None:
+    def checked(self: KVSlots[KVModel], row: int, length: int) -> None:
         if self is engine.slots and self.prefix[row] is not None:
             cuts.append((length, self.offset(row)))
         rollback(self, row, length)

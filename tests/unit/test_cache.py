@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from infer.kv.cache import KEY_CHUNK, KVCache, StepKV, StepPlan, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, config_from_dict
-from infer.models.cache import KEY_CHUNK, KVCache, StepKV, StepPlan, slot_mask
 from infer.testing import SLIDING_WINDOW
 
 ATOL = 1e-4  # logits reach ~40 in magnitude; float32 reorderings give ~1e-5

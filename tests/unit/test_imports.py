@@ -48,8 +48,10 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.distributed.runtime",
         "=infer.loader",  # an empty __init__
     ),
-    # 1: what a model runs on, and the stored checkpoint's readers
+    # 1: what a model runs on, and the stored checkpoint's readers; KV memory (the models write
+    # their K/V into its cache; it knows a model only as a Protocol, `infer.kv.cache.KVModel`)
     (
+        "infer.kv",
         "infer.loader.weights",
         "infer.loader.tokenizer",
         "infer.gguf.source",

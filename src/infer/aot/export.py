@@ -24,8 +24,8 @@ from torch import nn
 from torch.export import Dim
 
 from infer.aot.keys import MULTI_ROWS, VERIFY_WIDTHS, all_modules_named, named_tensors, rows_kind, width_kind
+from infer.kv.cache import KVCache, round_up
 from infer.models.base import DecoderLM, layer_regions
-from infer.models.cache import KVCache, round_up
 from infer.runtime.step import StepFeed, model_step
 from infer.sampling import Sampling, SamplingValues
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from infer.aot import builder
+from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.sampling import Sampling
 
 PACKAGE_VERSION = 4  # 2: one package per rows kind and mode, for every KV capacity; 3: the hidden state

@@ -29,8 +29,8 @@ from infer.aot.export import kv_inputs, sampling_inputs_of, state_inputs, tensor
 from infer.aot.keys import named_tensors, package_key
 from infer.aot.queue import BuildQueue
 from infer.aot.settings import cache_dir
+from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.runtime.step import StepFeed, StepOutput
 from infer.sampling import Sampling
 

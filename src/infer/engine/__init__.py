@@ -7,9 +7,8 @@ through them (docs/engine.md has the flow of one plan):
 * `scheduler` — `Scheduler`: the waiting queue, the running requests by row, admission (the
   prefix cache, shared prefixes), the plan of each iteration (and all its policy: budget, chunks,
   buckets), and what the output stage's result does to its tables (`Scheduler.update`); the counters;
-* `plan` — what flows: the `Plan` (typed KV operations, the forwards), and each stage's result;
-* `slots` — `KVSlots`: the KV memory (rows of slots, grown and shrunk; shared prefixes through
-  `infer.runtime.prefix.PrefixStore`), changed by the plan's typed operations; it never runs the model;
+* `plan` — what flows: the `Plan` (the typed KV operations of `infer.kv.ops`, the forwards), and each
+  stage's result;
 * `runner` — `Runner`: the one place that runs the model (a plan's forwards, exact logits);
 * `parallel` — under ``torchrun``: rank 0's runner sends every plan to the other ranks, which make
   its KV operations and run its forwards on their own part of the model (`Ranks`);
@@ -23,7 +22,8 @@ through them (docs/engine.md has the flow of one plan):
 * `driver` — `Driver`: which thread runs the iterations, and the hand-off between threads;
 * `served` — `ServedModel`: what a server shows of the model.
 
-Speculative decoding proposes in `infer.speculative`; a verify pass is a forward of the plan.
+The KV memory the plan's operations change is `infer.kv.KVSlots`; speculative decoding proposes
+in `infer.speculative`; a verify pass is a forward of the plan.
 """
 
 from infer.engine.core import Engine, Model
@@ -31,7 +31,6 @@ from infer.engine.driver import HANDOVER_S, IDLE_EXIT_S
 from infer.engine.request import Delta, EngineClosed, EngineFull, RequestHandle, TokenLogprob, collect
 from infer.engine.runner import Runner
 from infer.engine.served import ServedModel
-from infer.engine.slots import KVSlots
 from infer.params import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineFull",
-    "KVSlots",
     "Model",
     "RequestHandle",
     "Runner",

@@ -48,7 +48,7 @@ from infer.engine.runner import Runner
 from infer.engine.sampling import Sampler
 from infer.engine.scheduler import Policy, Scheduler
 from infer.engine.served import ServedModel
-from infer.engine.slots import KVSlots
+from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
 from infer.runtime.step import Stepper

@@ -2,7 +2,7 @@
 
 Rank 0's `Engine` runs with a `Broadcasting` runner: before each plan runs it sends the other ranks
 the plan as they need it (`infer.engine.plan.Plan.wire`): the KV operations the scheduler made
-since the last one, typed, each with how it went on rank 0 (`infer.engine.plan.Done`), and the
+since the last one, typed, each with how it went on rank 0 (`infer.kv.ops.Done`), and the
 forwards (rows, what each row is fed, the head; a speculative verify pass is a forward like any
 other). The other ranks `follow`: they keep KV slots of the same rows and capacity for their own part
 of the model (a tensor-parallel rank's heads, a pipeline stage's layers), make the same operations
@@ -39,9 +39,11 @@ from infer.distributed.runtime import (
     peer_failures,
     report_failure,
 )
-from infer.engine.plan import Done, Draw, Plan, Ran, Wired
+from infer.engine.plan import Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
-from infer.engine.slots import KVSlots
+from infer.kv.cache import KVModel
+from infer.kv.ops import Done
+from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.runtime.step import Stepper
 
@@ -82,7 +84,7 @@ def _outcome(error: BaseException | None) -> str | None:
 class Broadcasting(Runner):
     """Rank 0's runner: each plan is sent to the other ranks, then run (see the module's docstring)."""
 
-    def __init__(self, parallel: Parallel, slots: KVSlots, stepper: Stepper | None = None) -> None:
+    def __init__(self, parallel: Parallel, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
         super().__init__(slots, stepper)
         self.parallel = parallel
         self._lock = threading.Lock()  # one broadcast at a time (plans, keep-alives)
@@ -183,7 +185,7 @@ class Follower:
             how = f"it went through on rank {rank} and failed on rank 0 ({there})"
         return DivergenceError(f"rank {rank}'s KV slots diverged from rank 0's at {what}: {how}")
 
-    def apply(self, slots: KVSlots, ops: list[Done]) -> None:
+    def apply(self, slots: KVSlots[KVModel], ops: list[Done]) -> None:
         """Make rank 0's KV operations; `DivergenceError` where one goes otherwise than on rank 0."""
         for done in ops:
             here = None

@@ -1,13 +1,13 @@
 """One iteration's plan, the one object that flows through `infer.engine.Engine.step`.
 
-`Scheduler.schedule` makes a `Plan`: the KV operations made since the last plan, typed (`Reserve`,
-`Rollback`, `SharePrefix`, `Shrink`, `SetBound`: what `KVSlots.apply` does), and the forwards to
-run, in order (`Forward`: its rows, what each fed row is fed, the padding, the head's mode, and for
-a verify pass each row's proposals). `Runner.run` runs the forwards (`Ran`), the sampling stage
-reads their tokens (`Sampled`), the output stage takes them (`Update`), and the scheduler applies
-that. Under torchrun rank 0 sends `Plan.wire` to the other ranks: the operations (each with how it
-went on rank 0) and the forwards without the requests, which they apply and run on their own part
-of the model (`infer.engine.parallel`).
+`Scheduler.schedule` makes a `Plan`: the KV operations made since the last plan, typed
+(`infer.kv.ops`: what `KVSlots.apply` does), and the forwards to run, in order (`Forward`: its
+rows, what each fed row is fed, the padding, the head's mode, and for a verify pass each row's
+proposals). `Runner.run` runs the forwards (`Ran`), the sampling stage reads their tokens
+(`Sampled`), the output stage takes them (`Update`), and the scheduler applies that. Under
+torchrun rank 0 sends `Plan.wire` to the other ranks: the operations (each with how it went on
+rank 0) and the forwards without the requests, which they apply and run on their own part of the
+model (`infer.engine.parallel`).
 """
 
 from __future__ import annotations
@@ -17,65 +17,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from infer.kv.ops import Done
 from infer.runtime.step import StepOutput
 from infer.sampling import Sampling, SamplingValues
 
 if TYPE_CHECKING:
     from infer.engine.request import Request, TokenLogprob
     from infer.speculative import Proposal
-
-
-# ---- KV operations: every change the scheduler makes to the KV slots ---------------------------
-
-
-@dataclass(frozen=True)
-class Reserve:
-    """At least ``rows`` rows of ``capacity`` slots (`KVSlots.reserve`)."""
-
-    rows: int
-    capacity: int
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """Row ``row`` cut to the first ``length`` tokens of its sequence (`KVSlots.rollback`)."""
-
-    row: int
-    length: int
-
-
-@dataclass(frozen=True)
-class SharePrefix:
-    """Row ``dst`` continues the first ``count`` tokens of row ``src`` (`KVSlots.share_prefix`)."""
-
-    src: int
-    count: int
-    dst: int
-
-
-@dataclass(frozen=True)
-class Shrink:
-    """Slots no row needs given back (`KVSlots.shrink`)."""
-
-
-@dataclass(frozen=True)
-class SetBound:
-    """The most tokens row ``row`` may hold while its request runs, 0: none (`KVSlots.set_bound`)."""
-
-    row: int
-    bound: int
-
-
-KVOp = Reserve | Rollback | SharePrefix | Shrink | SetBound
-
-
-@dataclass(frozen=True)
-class Done:
-    """A KV operation as rank 0 made it: ``error`` is what it raised there (None: it went through).
-    Another rank making it must get the same outcome, else the ranks' KV slots diverged."""
-
-    op: KVOp
-    error: str | None = None
 
 
 # ---- the forwards ---------------------------------------------------------------------------------
@@ -227,22 +175,15 @@ class Update:
 
 
 __all__ = [
-    "Done",
     "Draw",
     "Ended",
     "Forward",
-    "KVOp",
     "Kind",
     "Pass",
     "Plan",
     "Ran",
-    "Reserve",
-    "Rollback",
     "Row",
     "Sampled",
-    "SetBound",
-    "SharePrefix",
-    "Shrink",
     "Update",
     "Wired",
 ]

@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from infer.engine.plan import Draw, Plan, Ran
-from infer.engine.slots import KVSlots
+from infer.kv.cache import KVCache
+from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.runtime.step import StepFeed, StepOutput, Stepper
 from infer.sampling import Sampling, SamplingValues
 
@@ -27,7 +27,7 @@ from infer.sampling import Sampling, SamplingValues
 class Runner:
     """Runs steps of ``slots``' rows with ``stepper`` (eager, compiled or packaged: `infer.runtime.step`)."""
 
-    def __init__(self, slots: KVSlots, stepper: Stepper | None = None) -> None:
+    def __init__(self, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
         self.slots = slots
         self.model: DecoderLM = slots.model
         self.stepper = stepper if stepper is not None else Stepper(slots.model)

@@ -7,7 +7,7 @@ or a running request's, shared), ends the cancelled ones, lets requests that wai
 prompt take it (`resolve_waits`), and makes the `infer.engine.plan.Plan`: the decode step of the
 decoding rows (a verify pass of proposed tokens when speculation pays: `infer.speculative`), then
 chunks of the prompts still being read within a token budget. The policy is here and only here:
-the budget, the chunks, the buckets of a compiled step's shapes (`infer.models.cache.bucket`).
+the budget, the chunks, the buckets of a compiled step's shapes (`infer.kv.cache.bucket`).
 After the plan ran, `update` applies what the output stage made of it (`infer.engine.plan.Update`):
 rows rolled back past the tokens their requests did not take, ended requests' rows freed (then
 their final events sent), the counters. It changes the KV slots only through typed operations
@@ -21,12 +21,13 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from infer.engine.plan import Forward, Plan, Reserve, Rollback, SetBound, SharePrefix, Shrink, Update
+from infer.engine.plan import Forward, Plan, Update
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.sampling import exact_head
-from infer.engine.slots import KVSlots
-from infer.models.cache import bucket
-from infer.runtime.prefix import common_prefix
+from infer.kv.cache import KVModel, bucket
+from infer.kv.ops import Reserve, Rollback, SetBound, SharePrefix, Shrink
+from infer.kv.prefix import common_prefix
+from infer.kv.slots import KVSlots
 from infer.runtime.step import MIN_PREFILL
 from infer.speculative import Speculator
 
@@ -59,7 +60,7 @@ class Scheduler:
     docstring), planning by ``policy``; ``speculator``: proposals for verify passes, None when
     speculation is off."""
 
-    def __init__(self, slots: KVSlots, policy: Policy, speculator: Speculator | None = None) -> None:
+    def __init__(self, slots: KVSlots[KVModel], policy: Policy, speculator: Speculator | None = None) -> None:
         self.slots = slots
         self.policy = policy
         self.speculator = speculator

@@ -1,6 +1,6 @@
 """Handing memory back to the system: the C heap's free pages, and file pages nothing reads.
 
-Floor 0 (no infer imports): the KV cache (`infer.models.cache`), the loader and the packed products
+Floor 0 (no infer imports): the KV cache (`infer.kv.cache`), the loader and the packed products
 (`infer.quant`) all call it.
 """
 

@@ -2,7 +2,7 @@
 
 `attend` (PyTorch's fused SDPA in query blocks), `attend_tiled` (the deterministic mode's fixed
 tiles), `attend_any` (the one of the two a layer asks for) and `attend_shared` (private keys
-plus a prefix stored once, `infer.runtime.prefix`); `recording_attention` (inspection: probabilities
+plus a prefix stored once, `infer.kv.prefix`); `recording_attention` (inspection: probabilities
 materialized, on the calling thread only). Masks are boolean (True = attend) or additive,
 broadcastable to ``[B, 1, T, S]``; None: every key is visible.
 """
@@ -264,7 +264,7 @@ def attend_shared(
     once, not 16 times. The two partial results are merged by their log-sum-exps (as flash
     attention merges key blocks): ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``.
     Within float32 rounding of attention over the keys laid end to end (the default mode's
-    contract); the deterministic mode does not share (`infer.runtime.prefix`).
+    contract); the deterministic mode does not share (`infer.kv.prefix`).
     """
     B, H, T, D = q.shape
     R = shared_k.shape[2]

@@ -17,11 +17,11 @@ from infer.models.rope import apply_rotary
 
 
 class KVStore(Protocol):
-    """What attention needs from a per-layer KV cache (see `infer.models.cache`)."""
+    """What attention needs from a per-layer KV cache (see `infer.kv.cache`)."""
 
     key_limit: int | None  # keys at or past ``key_limit + T`` are masked for every query (None: unknown)
     key_start: int | None  # query ``t`` sees no key before ``key_start + t`` (None: no such bound)
-    # A shared prefix (`infer.runtime.prefix`): keys/values ``[1, Hkv, R, hd]`` every row may read, and the
+    # A shared prefix (`infer.kv.prefix`): keys/values ``[1, Hkv, R, hd]`` every row may read, and the
     # mask ``[B, 1, T, R]`` of what each row's queries see of them.
     shared_k: torch.Tensor | None
     shared_v: torch.Tensor | None
@@ -116,7 +116,7 @@ class Attention(Fusable):
             key_limit, key_start = cache.key_limit, cache.key_start
             if cache.shared_k is not None:
                 shared = (cache.shared_k, cache.shared_v, cache.shared_mask)
-        if shared is not None:  # a prefix stored once for the rows that share it (`infer.runtime.prefix`)
+        if shared is not None:  # a prefix stored once for the rows that share it (`infer.kv.prefix`)
             sk, sv, smask = shared
             assert sv is not None and smask is not None and mask is not None
             out = attend_shared(q, k, v, mask, sk, sv, smask, self.scale, self.softcap, key_limit, key_start)

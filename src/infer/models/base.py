@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from infer.kv.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.cache import KVCache, StepKV, slot_mask
-from infer.models.common import Linear, make_rotary_embeddings
+from infer.models.common import Attention, Linear, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
 from infer.models.record import record_forward
 from infer.quant.head import fixed_order_dots
@@ -87,7 +87,7 @@ class Executor(Protocol):
     ``stats``: the layer-streaming counters (`infer.streaming.StreamingStats`) of the
     layers it streams, also through a wrapping executor; None when nothing streams.
     ``shares_prefixes``: whether its attention may read one copy of a prefix that several rows
-    share (`infer.runtime.prefix`): the resident default only; the other modes copy it per row.
+    share (`infer.kv.prefix`): the resident default only; the other modes copy it per row.
     """
 
     @property
@@ -173,36 +173,18 @@ class ResidentExecutor:
         return logits
 
 
-_NO_KV = (None, None, False, None, None, None, None, None, None, None, None)
-
-
 def _run_block(
     layer: nn.Module,
     x: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     mask: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    ring: bool,
-    slots: torch.Tensor | None,
-    n_new: torch.Tensor | None,
-    ring_write: torch.Tensor | None,
-    ring_src: torch.Tensor | None,
-    key_limit: int | None,
-    key_start: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv: StepKV | None,
 ) -> torch.Tensor:
-    """One block, everything it reads passed in. Compiled, the blocks of a model form one
-    region, traced and code-generated once per kind of layer and stamped out per layer
-    (eagerly a plain call). ``shared``: a shared prefix's keys, values and mask."""
-    kv = None
-    if k is not None and v is not None and slots is not None and n_new is not None:
-        kv = StepKV(k, v, ring, slots, n_new, ring_write, ring_src, key_limit, key_start, k_scale, v_scale)
-        if shared is not None:
-            kv.shared_k, kv.shared_v, kv.shared_mask = shared
+    """One block, everything it reads passed in (``kv``: its K/V bound to the step, None without a
+    cache; a pytree of tensors, so a compiled region takes them as inputs). Compiled, the blocks of
+    a model form one region, traced and code-generated once per kind of layer and stamped out per
+    layer (eagerly a plain call)."""
     out: torch.Tensor = layer(x, cos, sin, mask, kv)
     return out
 
@@ -322,6 +304,16 @@ class DecoderLM(nn.Module):
         else the model's; ``torch.int8`` is int8 values with a scale per token and head."""
         return self.kv_dtype if self.kv_dtype is not None else self.dtype
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether this model's attention reads a prefix stored once for several rows
+        (`infer.kv.prefix`: every attention an `infer.models.common.Attention`, the resident
+        default mode); otherwise a prefix is copied into each row that continues it."""
+        if self.deterministic or not self.executor.shares_prefixes or self.kv_layers is not None:
+            return False
+        attentions = [m for m in self.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "o_proj")]
+        return bool(attentions) and all(isinstance(m, Attention) for m in attentions)
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input ``[B, T, D]`` for ``input_ids [B, T]`` (the executor's lookup)."""
         return self.executor.embed(self, input_ids, positions)
@@ -377,28 +369,28 @@ class DecoderLM(nn.Module):
         cos, sin = step.rope.get(lt, (None, None))
         cache = step.cache
         if cache is None or cache.plan is None:
-            out: torch.Tensor = _block_fn()(layer, x, cos, sin, step.masks[lt], *_NO_KV)
+            out: torch.Tensor = _block_fn()(layer, x, cos, sin, step.masks[lt], None)
             return out
-        kv, plan = cache.layers[index], cache.plan
+        held, plan = cache.layers[index], cache.plan
         # Keys past the slots in use are masked for every query: attention may skip them
         # (eagerly: a host int; compiled, shapes stay static).
         # Keys before a sliding window's first visible slot likewise (eagerly, when the caller
         # knows where the step starts: `KVCache.first`).
         key_limit = key_start = None
-        if not (kv.ring or torch.compiler.is_compiling()):
+        if not (held.ring or torch.compiler.is_compiling()):
             key_limit = cache.length
             window = self.config.sliding_window
             if lt == SLIDING_ATTENTION and window is not None and cache.first is not None:
                 key_start = max(0, cache.first - window + 1)
-        shared = None
+        shared_k = shared_v = shared_mask = None
         if cache.shared is not None and step.shared_masks is not None:
-            sk, sv = cache.shared.kv(index)
-            shared = (sk, sv, step.shared_masks[lt])
-        out = _block_fn()(
-            layer, x, cos, sin, step.masks[lt], kv.k, kv.v, kv.ring,
-            plan.slots, plan.n_new, plan.ring_write, plan.ring_src, key_limit, key_start, kv.k_scale,
-            kv.v_scale, shared,
+            shared_k, shared_v = cache.shared.kv(index)
+            shared_mask = step.shared_masks[lt]
+        kv = StepKV(
+            held.k, held.v, held.ring, plan.slots, plan.n_new, plan.ring_write, plan.ring_src,
+            key_limit, key_start, held.k_scale, held.v_scale, shared_k, shared_v, shared_mask,
         )  # fmt: skip
+        out = _block_fn()(layer, x, cos, sin, step.masks[lt], kv)
         return out
 
     def head(self, h: torch.Tensor, greedy: bool = False) -> torch.Tensor:

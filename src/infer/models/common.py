@@ -14,7 +14,7 @@ Conventions:
   ``[B, H, T, hd]``;
 * masks passed to attention are either float additive (``0`` attend, ``-inf`` masked)
   or boolean (``True`` attend), broadcastable to ``[B, 1, T, S]``; ``None`` means every
-  key is visible (the models build boolean ones from the cache's slots: `infer.models.cache`);
+  key is visible (the models build boolean ones from the cache's slots: `infer.kv.cache`);
 * RoPE uses HF's ``rotate_half`` layout, so HF checkpoints need no Q/K permutation.
 """
 

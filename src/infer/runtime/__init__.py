@@ -1,2 +1,2 @@
-"""What the engine drives: one generation step, eager, compiled or from a package (`step`), and the
-prefixes rows share (`prefix`). Nothing is imported here: each module is imported by its own name."""
+"""What the engine drives: one generation step, eager, compiled or from a package (`step`).
+Nothing is imported here: each module is imported by its own name."""

@@ -1,7 +1,7 @@
 """One generation step — the model's walk on a static cache, the head, sampling — eager or compiled.
 
 `model_step` is plain tensor code with fixed shapes for a given ``(batch, capacity,
-tokens)``: positions, masks and cache writes come from tensors (`infer.models.cache`), the
+tokens)``: positions, masks and cache writes come from tensors (`infer.kv.cache`), the
 head runs on each row's last real token only, and sampling (`infer.sampling.sample`, the one
 sampling function of infer) takes per-row values and its randomness as inputs (Gumbel noise
 drawn outside the step from each row's own ``torch.Generator``), so nothing in it reads a
@@ -31,8 +31,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
 from infer.sampling import Sampling, SamplingValues, sample
 
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from infer.kv.prefix import common_prefix
 from infer.params import SamplingParams
-from infer.runtime.prefix import common_prefix
 from infer.runtime.step import StepOutput
 from infer.sampling import Sampling, SamplingValues, gumbel_noise, probabilities, sampling_inputs, stack_noise
 from infer.speculative.acceptance import PassCost
@@ -20,7 +20,7 @@ GREEDY = SamplingParams()  # an idle row of a draft step
 
 
 class DraftSlots(Protocol):
-    """What the drafter uses of its KV slots (`infer.engine.KVSlots`)."""
+    """What the drafter uses of its KV slots (`infer.kv.KVSlots`)."""
 
     @property
     def context(self) -> int: ...

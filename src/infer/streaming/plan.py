@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infer.host.rows import COLUMN_TILE
+from infer.kv.cache import KVCache
 from infer.loader.config import ModelConfig
 from infer.models.base import ExecutorLimits
-from infer.models.cache import KVCache
 from infer.streaming.config import StreamingConfig, format_bytes
 from infer.streaming.layout import Unit, align_up, head_units, layer_bytes, layer_unit
 from infer.streaming.store import TensorRef

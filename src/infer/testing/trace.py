@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from infer.engine import Engine, KVSlots, Model, Runner, SamplingParams
+from infer.engine import Engine, Model, Runner, SamplingParams
 from infer.engine.plan import Draw, Plan, Ran
+from infer.kv import KVSlots
 from infer.runtime.step import Stepper
 
 
@@ -32,7 +33,7 @@ class Traced:
 class Recording(Runner):
     """A `Runner` that keeps, by request id, the logits each of the request's tokens was drawn from."""
 
-    def __init__(self, slots: KVSlots, stepper: Stepper) -> None:
+    def __init__(self, slots: KVSlots[Any], stepper: Stepper) -> None:
         super().__init__(slots, stepper)
         self.logits: dict[str, list[torch.Tensor]] = {}
 

@@ -2,7 +2,7 @@
 
 `KVSlots` never runs the model: `infer.engine.runner.Runner` asks it for a row range's view
 (`KVSlots.fit`, `KVSlots.bind`) and tells it what a step wrote (`KVSlots.advance`). The scheduler
-changes it only through typed operations (`KVSlots.apply`: `infer.engine.plan.KVOp`), which the
+changes it only through typed operations (`KVSlots.apply`: `infer.kv.ops.KVOp`), which the
 engine's slots record, with how each went, for the next plan (`take_ops`): under torchrun the other
 ranks make the same operations on their slots.
 """
@@ -10,28 +10,27 @@ ranks make the same operations on their slots.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 import torch
 
-from infer.engine.plan import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.host.pages import release_freed_memory
-from infer.models.base import DecoderLM
-from infer.models.cache import KEY_CHUNK, KVCache, LayerKV, SharedPrefix, bucket, round_up
+from infer.kv.cache import KEY_CHUNK, KVCache, KVModel, LayerKV, SharedPrefix, bucket, round_up
+from infer.kv.ops import Done, KVOp, Reserve, Rollback, SetBound, SharePrefix, Shrink
+from infer.kv.prefix import PrefixStore, Segment
 from infer.params import MAX_SPECULATIVE
-
-if TYPE_CHECKING:
-    from infer.runtime.prefix import Segment
 
 MIN_SLOTS = 64  # the KV capacity grows from here (up to the context)
 # Slots a row gets beyond its request's prompt + max_tokens (`KVSlots.bound`): a speculative
 # verify pass writes its whole draft before the rejected tokens are rolled back.
 BOUND_MARGIN = MAX_SPECULATIVE
 
+M = TypeVar("M", bound=KVModel, covariant=True)  # the model the slots hold K/V for
 
-class KVSlots:
+
+class KVSlots(Generic[M]):
     """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
-    demand, and the prefixes rows share (`infer.runtime.prefix.PrefixStore`).
+    demand, and the prefixes rows share (`infer.kv.prefix.PrefixStore`).
 
     One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
     rolled back) grows as rows and lengths are needed: capacities a quarter above what the
@@ -45,15 +44,13 @@ class KVSlots:
 
     def __init__(
         self,
-        model: DecoderLM,
+        model: M,
         max_rows: int,
         context: int,
         bucketed: bool = False,
         share: bool | None = None,
         record: bool = False,
     ) -> None:
-        from infer.runtime.prefix import PrefixStore, shares_prefixes
-
         self.model = model
         self.max_rows = max_rows
         self.context = context
@@ -64,9 +61,9 @@ class KVSlots:
         # Per row, the most tokens it may hold while its request runs (0: no request; it holds
         # ``held``): the engine sets it at admission (prompt + max_tokens), so capacity stops there.
         self.bounds: list[int] = []
-        # Prefixes shared between rows are stored once (`infer.runtime.prefix`); where attention cannot
+        # Prefixes shared between rows are stored once (`infer.kv.prefix`); where attention cannot
         # read a shared prefix (the deterministic mode, ...), a prefix is copied into the row.
-        self.share = shares_prefixes(model) if share is None else share
+        self.share = model.shares_prefixes if share is None else share
         self.store = PrefixStore(model)
         self._views: dict[tuple[int, int], KVCache] = {}
         # The model's forward hooks when the held K/V were computed (`infer.models.hooks`); rows

@@ -28,12 +28,44 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
 KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
+
+
+class HookState(Protocol):
+    """What KV memory reads of a model's forward hooks (`infer.models.hooks.HookWatch`)."""
+
+    def signature(self) -> tuple[int, ...]: ...
+
+
+class KVModel(Protocol):
+    """What KV memory (`infer.kv.slots.KVSlots`, `infer.kv.prefix.PrefixStore`) needs of
+    the model it holds K/V for (`infer.models.base.DecoderLM`): the cache's shape, dtype and device,
+    the layers this process keeps, whether its attention reads a shared prefix, and its hooks'
+    state (K/V computed under other hooks are not reused)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def cache_dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kv_layers(self) -> Sequence[int] | None: ...
+
+    @property
+    def shares_prefixes(self) -> bool: ...
+
+    @property
+    def hooks(self) -> HookState: ...
 
 
 def round_up(n: int, m: int) -> int:
@@ -147,41 +179,40 @@ class LayerKV:
         return view
 
 
+@dataclass
 class StepKV:
     """One layer's buffers bound to a step's plan: what attention calls `update` on.
 
-    Built from plain tensors (no reference to the cache), so a compiled block can take
-    everything it touches as inputs.
+    Plain tensors and constants (no reference to the cache), the typed view of a step's K/V that
+    crosses into a block: a pytree node (`torch.utils._pytree`), so a compiled block (a nested
+    compile region, `infer.models.base`) takes it as one argument and its tensors as inputs.
+    ``k_scale``/``v_scale``: an int8 cache's scales (else None). ``shared_*``: a shared prefix
+    (`SharedPrefix`): its keys and values ``[1, Hkv, R, hd]`` and the mask ``[B, 1, T, R]`` of
+    what each row's queries see of them. ``key_limit``: the slots in use before the step (host
+    int, an upper bound for every row; None: unknown): a query ``t`` of the step sees no key at or
+    past ``key_limit + t + 1``. ``key_start``: a sliding window's lower bound (host int; None: none
+    or unknown): query ``t`` sees no key before slot ``key_start + t`` (every row's first query is
+    at slot >= the cache's `KVCache.first`, and sees ``window`` slots back). Both None in a ring.
     """
 
-    def __init__(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ring: bool,
-        slots: torch.Tensor,
-        n_new: torch.Tensor,
-        ring_write: torch.Tensor | None,
-        ring_src: torch.Tensor | None,
-        key_limit: int | None = None,
-        key_start: int | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None:
-        self.k, self.v, self.ring = k, v, ring
-        self.k_scale, self.v_scale = k_scale, v_scale  # an int8 cache's scales (else None)
-        # A shared prefix (`SharedPrefix`, set by `infer.models.base.DecoderLM.run_layer`).
-        self.shared_k: torch.Tensor | None = None
-        self.shared_v: torch.Tensor | None = None
-        self.shared_mask: torch.Tensor | None = None
-        self.slots, self.n_new, self.ring_write, self.ring_src = slots, n_new, ring_write, ring_src
-        # Slots in use before the step (host int, an upper bound for every row; None: unknown):
-        # a query ``t`` of the step sees no key at or past ``key_limit + t + 1``.
-        self.key_limit = None if ring else key_limit
-        # A sliding window's lower bound (host int; None: none or unknown): query ``t`` of the step
-        # sees no key before slot ``key_start + t`` (every row's first query is at slot >= the
-        # cache's `KVCache.first`, and sees ``window`` slots back).
-        self.key_start = None if ring else key_start
+    k: torch.Tensor
+    v: torch.Tensor
+    ring: bool
+    slots: torch.Tensor  # [B, T]
+    n_new: torch.Tensor  # [B]
+    ring_write: torch.Tensor | None
+    ring_src: torch.Tensor | None
+    key_limit: int | None = None
+    key_start: int | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    shared_k: torch.Tensor | None = None
+    shared_v: torch.Tensor | None = None
+    shared_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.ring:
+            self.key_limit = self.key_start = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, Hkv, T, hd]``; return the keys/values to attend to ``[B, Hkv, S, hd]``.
@@ -238,9 +269,12 @@ class StepKV:
         return keys, values
 
 
+torch.export.register_dataclass(StepKV, serialized_type_name="infer.kv.cache.StepKV")
+
+
 @dataclass
 class SharedPrefix:
-    """The prefix keys a step's rows share: a region of a `infer.runtime.prefix.PrefixStore`.
+    """The prefix keys a step's rows share: a region of a `infer.kv.prefix.PrefixStore`.
 
     ``layers[i]``: layer ``i``'s region, ``[1, Hkv, R, hd]`` views (a `LayerKV` of one row);
     ``start [B]``: where row ``b``'s prefix begins in the region; ``length [B]``: how many of its
@@ -489,6 +523,6 @@ def slot_mask(
 
 
 __all__ = [
-    "KEY_CHUNK", "KV_DTYPES", "KVCache", "LayerKV", "SharedPrefix", "StepKV", "StepPlan", "bucket",
-    "dequantize_int8", "quantize_int8", "round_up", "slot_mask",
+    "KEY_CHUNK", "KV_DTYPES", "HookState", "KVCache", "KVModel", "LayerKV", "SharedPrefix", "StepKV",
+    "StepPlan", "bucket", "dequantize_int8", "quantize_int8", "round_up", "slot_mask",
 ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 Requests that run at the same time and begin with the same tokens (a system prompt, few-shot
 examples, a document asked several questions) would otherwise each prefill and keep their own
-copy. The engine (`infer.engine.KVSlots`) keeps such a prefix once, as a **segment** of a
+copy. The engine (`infer.kv.KVSlots`) keeps such a prefix once, as a **segment** of a
 `PrefixStore`, and each row that uses it holds only what follows (its private part). Attention
 then reads the segment once for all the rows of a step (`infer.models.common.attend_shared`:
 every row's queries against the one copy, merged with each row's private keys by their
@@ -21,7 +21,7 @@ log-sum-exp), so a 2,000-token system prompt shared by 16 streams is read once p
 
 Not shared (each row keeps its own copy, as before): the deterministic mode (its bitwise
 guarantees are stated for attention over one contiguous buffer), streamed, parallel and
-GPT-2-style models (`shares_prefixes`).
+GPT-2-style models (`infer.models.base.DecoderLM.shares_prefixes`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infer.host.pages import release_freed_memory
-from infer.models.base import DecoderLM
-from infer.models.cache import KVCache
+from infer.kv.cache import KVCache, KVModel
 
 GROWTH = 1.5  # the store grows to at least this many times what is live when it must grow
 
@@ -45,17 +44,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def shares_prefixes(model: DecoderLM) -> bool:
-    """Whether ``model``'s attention reads a shared prefix (`infer.models.common.Attention`, the
-    resident default mode); otherwise prefixes are copied into each row."""
-    from infer.models.common import Attention
-
-    if model.deterministic or not model.executor.shares_prefixes or model.kv_layers is not None:
-        return False
-    attentions = [m for m in model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "o_proj")]
-    return bool(attentions) and all(isinstance(m, Attention) for m in attentions)
 
 
 @dataclass(eq=False)
@@ -81,7 +69,7 @@ class PrefixStore:
     """The shared prefixes of one engine: K/V buffers ``[1, Hkv, capacity, hd]`` per layer (a
     `KVCache` of one row, no rings) and the segments in them."""
 
-    model: DecoderLM
+    model: KVModel
     cache: KVCache | None = None
     segments: list[Segment] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -181,4 +169,4 @@ class PrefixStore:
         return min(s.start for s in segments), max(s.end for s in segments)
 
 
-__all__ = ["PrefixStore", "Segment", "common_prefix", "shares_prefixes"]
+__all__ = ["PrefixStore", "Segment", "common_prefix"]
