@@ -40,6 +40,7 @@ TEXT = (
 )
 GREEDY_PROMPT = "The capital of France is"
 GREEDY_TOKENS = 8
+ROUNDING = 1e-5  # float32 rounding at the logits' scale, relative to max |logit| (docs/numerics.md)
 DECODE_STEPS = 4  # float32 decode dequantizes every matrix per step: keep the steps few
 
 
@@ -102,13 +103,18 @@ def test_logits_match_transformers(real: dict[str, Any]) -> None:
         f"(logits up to {expected.abs().max():.1f})"
     )
     # Float32 rounding: ours and transformers' sum attention and products in different orders
-    # (other kernels, other blocks), so both are measured against the
-    # float64 logits of the same weights; ours must be as close as transformers' own, within 2x.
+    # (other kernels, other blocks), so both are measured against the float64 logits of the same
+    # weights. The contract (docs/numerics.md): ours as close as transformers' own, plus float32
+    # rounding at the logits' scale (`ROUNDING` x max |logit|). The ratio of the two errors is not
+    # a bound: it is two rounding walks through 30 layers, which move with the CPU's kernels
+    # (SmolLM2: 0.8x-1.45x on a Zen 3, 2.07x on a Zen 5).
     ours64 = (got.double() - ref["float64"]).abs().max().item()
     theirs64 = (expected.double() - ref["float64"]).abs().max().item()
-    print(f"vs float64: ours {ours64:.2e}, transformers' float32 {theirs64:.2e}")
+    scale = ref["float64"].abs().max().item()
+    print(f"vs float64: ours {ours64:.2e}, transformers' float32 {theirs64:.2e} ({ours64 / theirs64:.2f}x), "
+          f"bound {theirs64 + ROUNDING * scale:.2e}")  # fmt: skip
     assert agree == 1.0
-    assert ours64 <= max(2e-5, 2 * theirs64)  # two float32 rounding walks: measured 0.8x to 1.45x
+    assert ours64 <= theirs64 + ROUNDING * scale
 
 
 def test_cached_decode_matches_transformers(real: dict[str, Any]) -> None:

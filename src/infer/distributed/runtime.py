@@ -179,7 +179,8 @@ class Heartbeat:
     store must not stop it). A rank whose counter has not moved for `SILENT_S` has
     stopped answering; so has the store's host when the store itself stops answering.
     A rank that fails with an error of its own writes it to ``infer/failed/<rank>`` before it
-    exits (`report`), so the others tell that error rather than its silence (`reported`).
+    exits (`report`; ``infer/failures`` counts them); each beat reads any new ones, so the others
+    tell that error rather than its silence (`reported`).
     """
 
     def __init__(self, rank: int, world: int, store: Any, store_host: str) -> None:
@@ -189,6 +190,7 @@ class Heartbeat:
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in range(world) if r != rank}
         self.store_ok = now  # when the store last answered
+        self.failed: dict[int, str] = {}  # the errors other ranks reported (`report`), as last read
         self.lock = threading.Lock()
         self.store_lock = threading.Lock()  # one store call at a time (the thread's, a report's)
         self.stop = threading.Event()
@@ -218,11 +220,16 @@ class Heartbeat:
 
     def _run(self) -> None:
         keys = {r: f"infer/alive/{r}" for r in self.seen}
+        reports = 0  # the failures reported so far (`infer/failures`), as last read
         while not self.stop.is_set():
+            failed: dict[int, str] | None = None
             try:
                 with self.store_lock:
                     self.store.add(f"infer/alive/{self.rank}", 1)
                     counts = {r: int(self.store.add(key, 0)) for r, key in keys.items()}
+                    n = int(self.store.add("infer/failures", 0))
+                    if n != reports:
+                        reports, failed = n, self._read_failures()
             except Exception:  # the store stopped answering: its host is gone or stopped
                 time.sleep(HEARTBEAT_S)
                 continue
@@ -232,29 +239,33 @@ class Heartbeat:
                 for r, count in counts.items():
                     if count != self.seen[r][0]:
                         self.seen[r] = (count, now)
+                if failed is not None:
+                    self.failed = failed
             self.stop.wait(HEARTBEAT_S)
 
+    def _read_failures(self) -> dict[int, str]:
+        found = {}
+        for r in sorted(self.seen):
+            key = f"infer/failed/{r}"
+            if self.store.check([key]):
+                found[r] = bytes(self.store.get(key)).decode(errors="replace")
+        return found
+
     def report(self, error: BaseException) -> None:
-        """Leave this rank's own error where the other ranks look when it stops answering."""
+        """Leave this rank's own error where the other ranks' heartbeats read it (`reported`)."""
         text = f"{type(error).__name__}: {error}".strip()
         try:
             with self.store_lock:
                 self.store.set(f"infer/failed/{self.rank}", text[:2000])
+                self.store.add("infer/failures", 1)
         except Exception:  # no store to tell: the others will report this rank as silent
             pass
 
     def reported(self) -> dict[int, str]:
-        """The errors other ranks reported before they stopped (`report`), by rank."""
-        found: dict[int, str] = {}
-        try:
-            with self.store_lock:
-                for r in sorted(self.seen):
-                    key = f"infer/failed/{r}"
-                    if self.store.check([key]):
-                        found[r] = bytes(self.store.get(key)).decode(errors="replace")
-        except Exception:  # the store stopped answering: nothing reported that can be read
-            pass
-        return found
+        """The errors other ranks reported before they stopped (`report`), by rank, as this heartbeat
+        last read them (never a store call: a stopped store must not stop the caller)."""
+        with self.lock:
+            return dict(self.failed)
 
     def silent(self) -> tuple[list[int], float, bool]:
         """``(ranks silent for SILENT_S, the longest silence, whether the store is silent)``.
@@ -291,10 +302,10 @@ def lost_ranks() -> str | None:
     nobody known). A rank that reported its own error is named with it."""
     if _LATEST is None:
         return None
+    ranks, silence, store = _LATEST.silent()  # (time for the heartbeat to read what was reported)
     reported = _LATEST.reported()
     if reported:
         return _failed(reported)
-    ranks, silence, store = _LATEST.silent()
     if store:
         return f"{_LATEST.store_host} stopped answering (the rendezvous store silent for {silence:.1f} s)"
     if ranks:
@@ -309,10 +320,10 @@ def describe_failure(parallel: Parallel, error: BaseException) -> str:
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     beat = parallel.heartbeat
     if beat is not None:
+        ranks, silence, store = beat.silent()  # (time for the heartbeat to read what was reported)
         reported = beat.reported()
         if reported:
             return _failed(reported)
-        ranks, silence, store = beat.silent()
         if store:
             return (
                 f"{beat.store_host} stopped answering (the rendezvous store it holds has been silent "
