@@ -282,18 +282,26 @@ def test_speculation_under_parallelism_gives_one_process_tokens(
 ) -> None:
     """Deterministic mode: verify passes go to every rank in rank 0's plans (every pass proposes all
     it can), and each rank returns the greedy tokens one process gives without speculation."""
-    path = tiny_ckpt_factory("llama")
+    stats = _speculate_under_parallelism(tiny_ckpt_factory("llama"), mode, spec, SPEC_PROMPTS)
+    assert stats["spec_passes"] > 0 and stats["spec_accepted"] > 0
+
+
+def _speculate_under_parallelism(
+    path: Path, mode: str, spec: dict[str, Any], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """Two ranks (``mode``) generate ``prompts`` with ``spec``: each rank's tokens must be one
+    process's without speculation; rank 0's speculation counters."""
     tp, pp = (2, 1) if mode == "tp2" else (1, 2)
-    args = {"path": str(path), "tp": tp, "pp": pp, "spec": spec, "prompts": SPEC_PROMPTS, "new": 24}
+    args = {"path": str(path), "tp": tp, "pp": pp, "spec": spec, "prompts": prompts, "new": 24}
     results = run_ranks(2, args, child=SPEC_CHILD)
     plain = infer.load(path, dtype="float32", deterministic=True)
-    want = [r.token_ids for r in plain.generate(SPEC_PROMPTS, max_new_tokens=24)]
+    want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=24)]
     for r in results:
         assert "error" not in r, f"rank {r['rank']}: {r['error']}"
         assert r["tokens"] == want, f"rank {r['rank']}"
-    stats = results[0]["stats"]
+    stats: dict[str, Any] = results[0]["stats"]
     print(f"{mode} {spec}: {stats}")
-    assert stats["spec_passes"] > 0 and stats["spec_accepted"] > 0
+    return stats
 
 
 # A prompt longer than a prefill chunk and the first KV capacity (the cache grows inside a forward),
@@ -314,17 +322,7 @@ def test_rejected_proposals_under_parallelism_give_one_process_tokens(
 ) -> None:
     """Deterministic mode, proposals partly rejected (each rejection rolls every rank's KV slots
     back): each rank returns the greedy tokens one process gives without speculation."""
-    path = tiny_ckpt_factory("llama")
-    tp, pp = (2, 1) if mode == "tp2" else (1, 2)
-    args = {"path": str(path), "tp": tp, "pp": pp, "spec": spec, "prompts": REJECTED_PROMPTS, "new": 24}
-    results = run_ranks(2, args, child=SPEC_CHILD)
-    plain = infer.load(path, dtype="float32", deterministic=True)
-    want = [r.token_ids for r in plain.generate(REJECTED_PROMPTS, max_new_tokens=24)]
-    for r in results:
-        assert "error" not in r, f"rank {r['rank']}: {r['error']}"
-        assert r["tokens"] == want, f"rank {r['rank']}"
-    stats = results[0]["stats"]
-    print(f"{mode} {spec}: {stats}")
+    stats = _speculate_under_parallelism(tiny_ckpt_factory("llama"), mode, spec, REJECTED_PROMPTS)
     assert stats["spec_passes"] > 0 and stats["spec_proposed"] > stats["spec_accepted"]  # some rejected
 
 
