@@ -51,13 +51,13 @@ first = llm.generate(ids, max_new_tokens=1)
 t_first = time.perf_counter()
 out = llm.generate([i + 1 for i in ids], max_new_tokens=tokens)
 t_end = time.perf_counter()
-pcache = llm.stepper.packages
+pcache = llm.execution.packages
 builds = [p.pid for p in pcache.builds] if pcache is not None else []
 print(json.dumps({
     "ready_s": t_ready - t0, "ready_after_torch_s": t_ready - t_torch,
     "first_token_s": t_first - t_ready,
     "decode_tok_s": (len(out.token_ids) - 1) / max(1e-9, out.decode_seconds),
-    "tokens": len(out.token_ids), "packaged_steps": llm.stepper.packaged_steps, "builds": builds,
+    "tokens": len(out.token_ids), "packaged_steps": llm.execution.packaged_steps, "builds": builds,
 }))
 """
 

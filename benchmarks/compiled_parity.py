@@ -5,7 +5,7 @@
     uv run python benchmarks/compiled_parity.py --against package   # the default's packages (infer.aot)
 
 The prompts are submitted together to the engine (a fresh one per run: `infer.testing.trace`,
-which keeps the logits each token was drawn from). `infer.runtime.step.model_step` run eagerly
+which keeps the logits each token was drawn from). `infer.execution.model_step` run eagerly
 is the reference; the same code compiled with
 ``torch.compile(fullgraph=True)`` must give identical greedy tokens and logits within
 ``1e-5 * max |logit|`` (docs/numerics.md; the tests check this on tiny models; compiling
@@ -55,7 +55,7 @@ def main() -> None:
     import infer
     import infer.realmodels as rm
     from infer.engine import SamplingParams
-    from infer.runtime.step import Stepper
+    from infer.execution import Execution
     from infer.testing.trace import trace
 
     # logprobs: the engine computes every logit exactly for the rows that ask for them
@@ -68,19 +68,19 @@ def main() -> None:
             prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
 
             def run(
-                stepper: Stepper, llm: infer.LLM = llm, prompts: list[list[int]] = prompts
+                execution: Execution, llm: infer.LLM = llm, prompts: list[list[int]] = prompts
             ) -> tuple[torch.Tensor, ...]:
-                traced = trace(llm, prompts, params, stepper=stepper)
+                traced = trace(llm, prompts, params, execution=execution)
                 return torch.tensor([t.tokens for t in traced]), torch.stack([t.logits for t in traced])
 
             t0 = time.perf_counter()
-            eager_tokens, eager_logits = run(Stepper(llm.model))
+            eager_tokens, eager_logits = run(Execution(llm.model))
             t1 = time.perf_counter()
             if args.against == "package":
                 compiled = packaged_stepper(llm, dtype, run)
                 t1 = time.perf_counter()
             else:
-                compiled = Stepper(llm.model, compile=True)
+                compiled = Execution(llm.model, compile=True)
             tokens, logits = run(compiled)
             t2 = time.perf_counter()
             same = torch.equal(tokens, eager_tokens)
@@ -109,10 +109,10 @@ def main() -> None:
 
 
 def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
-    """A default (``compile="auto"``) stepper whose packages exist: a first run notes the decode
-    shapes it misses, they are built here (`infer.aot.build`), and the stepper is returned."""
+    """A default (``compile="auto"``) execution whose packages exist: a first run notes the decode
+    shapes it misses, they are built here (`infer.aot.build`), and the execution is returned."""
     import infer.aot as aot
-    from infer.runtime.step import Stepper
+    from infer.execution import Execution
     from infer.sampling import Sampling
 
     aot.settings.CACHE_DIR = Path(tempfile.mkdtemp(prefix="infer-parity-aot-"))
@@ -120,16 +120,16 @@ def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
         os.environ.pop("INFER_AOT", None)
     recipe = aot.Recipe(str(llm.source), None if dtype == "default" else dtype)
     cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
-    stepper = Stepper(llm.model, compile="auto", packages=cache)
-    run(stepper)
+    execution = Execution(llm.model, compile="auto", packages=cache)
+    run(execution)
     for request in cache.missing.values():
         t0 = time.perf_counter()
         aot.build(llm.model, request["batch"], Sampling(**request["mode"]), Path(request["out"]))
         print(f"  built {Path(request['out']).name} in {time.perf_counter() - t0:.0f} s", flush=True)
     cache.missing.clear()
     cache._looked.clear()
-    stepper.packaged_steps = 0
-    return stepper
+    execution.packaged_steps = 0
+    return execution
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ runs in its own fresh process (so peak RSS and ready time are honest) and report
   max_new_tokens=1)``, through the engine as a user's prompt goes (chunked, sliding windows
   trimmed); transformers: one forward;
 * decode: tokens/s of greedy one-token steps at depth 128 (after a 128-token prompt; infer:
-  ``llm.stepper``'s steps, the ones the engine runs);
+  ``llm.execution``'s steps, the ones the engine runs);
 * peak RSS of the process.
 
 Runtimes: "infer default" is what a user gets: ``infer.load(path)`` with no flags, generating
-through ``llm.stepper``, in a second process on the machine. Its caches (``XDG_CACHE_HOME``: the
+through ``llm.execution``, in a second process on the machine. Its caches (``XDG_CACHE_HOME``: the
 tokenizer, the repacked GGUF matrices, the ahead-of-time compiled decode steps of `infer.aot`)
 are a temporary directory that "infer first run" filled (with ``INFER_AOT=on``: the model is
 assembled under it, and a temporary checkpoint's shapes are built only when asked): that run
@@ -141,37 +141,37 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
     import torch.nn.functional as F
 
     import infer
+    from infer.execution import MIN_PREFILL, StepFeed
     from infer.kv.cache import KVCache, bucket
-    from infer.runtime.step import MIN_PREFILL, StepFeed
     from infer.sampling import Sampling
 
     t_load = time.perf_counter()
     llm = infer.load(path, compile=True) if compiled else infer.load(path)  # the default: no flags
     ready = time.perf_counter()
-    stepper = llm.stepper
+    execution = llm.execution
     vocab = llm.model.config.vocab_size
     ones, zeros = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     greedy = Sampling()
 
     def prefill(n: int) -> Any:
-        # Right-padded and sized as the engine buckets a compiled stepper's steps (`Stepper.bucketed`).
-        length = bucket(n, MIN_PREFILL) if stepper.bucketed else n
+        # Right-padded and sized as the engine buckets a compiled execution's steps (`Execution.bucketed`).
+        length = bucket(n, MIN_PREFILL) if execution.bucketed else n
         ids = F.pad(torch.tensor([prompt_ids(vocab, n)]), (0, length - n))
         # The engine's kind of cache (`infer.kv.KVSlots`: no ring buffers, which packages
         # never serve): `model.make_cache` would give Gemma 3's sliding-window layers rings.
         m = llm.model
         capacity = needed = length + DECODE + 1
-        if stepper.bucketed:
+        if execution.bucketed:
             capacity = max(needed, min(bucket(needed), m.config.max_position_embeddings))
         cache = KVCache(m.config, 1, capacity, dtype=m.cache_dtype, device=m.device, layers=m.kv_layers,
                         rings=False)  # fmt: skip
-        out = stepper(cache, StepFeed(ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None))
+        out = execution(cache, StepFeed(ids, torch.tensor([n]), torch.tensor([n - 1]), greedy, None, None))
         out.tokens.tolist()
         return cache, out
 
     def decode_step(state: Any) -> Any:
         cache, out = state
-        out = stepper(cache, StepFeed(out.tokens[:, None], ones, zeros, greedy, None, None))
+        out = execution(cache, StepFeed(out.tokens[:, None], ones, zeros, greedy, None, None))
         out.tokens.tolist()  # the host reads each token, as generation does
         return cache, out
 
@@ -193,8 +193,8 @@ def run_infer(path: Path, compiled: bool, prompts: list[int], reps: int) -> dict
         "load_s": ready - t_load,
         "first_token_s": ready - T_START + first_call,
         "compiled": llm.compiled,
-        "compile_s": stepper.compile_seconds,
-        "packaged_steps": stepper.packaged_steps,
+        "compile_s": execution.compile_seconds,
+        "packaged_steps": execution.packaged_steps,
         **result,
     }
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 import infer
+from infer.execution import StepFeed, model_step
 from infer.quant import QuantizedLinear, routes
 from infer.quant.linear import native_bf16_gemm
-from infer.runtime.step import StepFeed, model_step
 from infer.sampling import Sampling
 
 

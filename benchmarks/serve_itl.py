@@ -57,7 +57,7 @@ for i in range(requests):
     many = time.perf_counter() - t
     if len(out.token_ids) > 1:
         per.append((many - one) / (len(out.token_ids) - 1))
-print("RESULT " + json.dumps({"per_token": per, "packaged": llm.stepper.packaged_steps}))
+print("RESULT " + json.dumps({"per_token": per, "packaged": llm.execution.packaged_steps}))
 """
 
 

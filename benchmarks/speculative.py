@@ -232,7 +232,7 @@ def use_packages(
     """Plain decode steps (and, with ``spec``, verify passes) from ahead-of-time packages in
     ``directory``; those the runs of ``prompts`` miss are built first (kept there for the next run)."""
     import infer.aot as aot
-    from infer.runtime.step import Stepper
+    from infer.execution import Execution
     from infer.sampling import Sampling
 
     aot.settings.CACHE_DIR = Path(directory)
@@ -240,7 +240,7 @@ def use_packages(
         os.environ.pop("INFER_AOT", None)
     recipe = aot.Recipe(str(llm.source), None, None)
     cache = aot.PackageCache(llm.model, recipe, queue_missing=False)
-    llm.stepper = Stepper(llm.model, compile="auto", packages=cache)
+    llm.execution = Execution(llm.model, compile="auto", packages=cache)
     for ids in prompts:
         run_once(llm, ids, tokens, None)  # notes the shapes
         if spec is not None:
@@ -332,7 +332,7 @@ def mode_lookup(args: argparse.Namespace) -> None:
     run_once(llm, prompts["story"], 8, None)  # warm-up
     spec = Speculative(lookup=args.lookup, max_tokens=args.k)
     results = {w: compare(llm, ids, args.tokens, spec, args.reps) for w, ids in prompts.items()}
-    packaged = llm.stepper.packaged_steps > 0
+    packaged = llm.execution.packaged_steps > 0
     peers: dict[str, Any] = {}
     if args.llama_server and llama_tool("llama-server").is_file():
         peers["plain"] = llama_server_runs(path, prompts, args.tokens, args.reps, ["--spec-type", "none"])

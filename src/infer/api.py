@@ -12,13 +12,13 @@ from infer.aot import PackageCache, Recipe
 from infer.aot import pays as aot_pays
 from infer.combinations import check_load
 from infer.distributed.runtime import agree
+from infer.execution import Execution
 from infer.loader.checkpoint import open_checkpoint
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.loading import build_model
 from infer.models.base import DecoderLM
 from infer.realmodels import resolve_name
-from infer.runtime.step import Stepper
 
 if TYPE_CHECKING:
     from infer.speculative import Speculative
@@ -75,7 +75,7 @@ def load(
     part of the weights; generation then gives the same result on every rank. See
     docs/distributed.md.
 
-    ``compile`` (resident models only; `infer.runtime.step`): ``"auto"`` runs each decode step from an
+    ``compile`` (resident models only; `infer.execution`): ``"auto"`` runs each decode step from an
     ahead-of-time compiled package of its shape in the user's cache directory, and eagerly
     where there is none (`infer.aot`: the missing shapes are built after the process, while the
     machine is otherwise idle; CPU, outside the deterministic mode; prefill stays eager); ``True`` compiles
@@ -121,9 +121,6 @@ def load(
         raise error(f"compile must be True, False, 'auto' or None, got {compile!r}")
     check_load(compile=compile, streaming=streaming, tensor_parallel=tensor_parallel,
                pipeline_parallel=pipeline_parallel, quantize=quantize)  # fmt: skip
-    use_compile = compile_by_default(device) if compile is None else compile
-    if streaming is not None or parallel:
-        use_compile = False
     checkpoint = open_checkpoint(resolve_name(path_or_hub_id))
     options = checkpoint.options(
         dtype, quantize=quantize, validate=validate, device=device, streaming=streaming,
@@ -134,14 +131,19 @@ def load(
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
     model.kv_dtype = kv if kv is not None else default_kv_dtype(model)
-    packages = None
-    if use_compile == "auto" and device.type == "cpu" and not deterministic and aot_pays(model):
-        # Ahead-of-time compiled decode steps (infer.aot); the recipe rebuilds this model for a build.
+
+    def packages() -> PackageCache | None:  # the recipe rebuilds this model for a build (infer.aot)
+        if not aot_pays(model):
+            return None
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
         kv_name = str(model.cache_dtype).removeprefix("torch.")
-        packages = PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize, kv_dtype=kv_name))
-    stepper = Stepper(model, compile=use_compile, packages=packages)
-    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, stepper)
+        return PackageCache(model, Recipe(str(checkpoint.path), dtype_name, quantize, kv_dtype=kv_name))
+
+    execution = Execution.choose(
+        model, compile_by_default(device) if compile is None else compile, streamed=streaming is not None,
+        parallel=parallel, deterministic=deterministic, packages=packages,
+    )  # fmt: skip
+    llm = LLM(checkpoint.config, tokenizer, model, checkpoint.path, execution)
     llm.parallel = placed
     if lookup or draft is not None or speculative_tokens is not None:
         args = (lookup, draft, speculative_tokens, device, deterministic, kv_dtype)

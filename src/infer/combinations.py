@@ -116,13 +116,13 @@ GIVES_WAY: tuple[GivesWay, ...] = (
         'compile=True or "auto"',
         "an intervention (any forward hook on the model)",
         "every step eagerly while it is present: compiled graphs and packages run no Python",
-        "`infer.runtime.step.Stepper`",
+        "`infer.execution.Execution`",
     ),
     GivesWay(
         "compile=True",
         "lookup or draft",
         "verify passes eagerly (their widths change with every proposal); plain decode steps compiled",
-        "`infer.runtime.step.Stepper`",
+        "`infer.execution.Execution`",
     ),
     GivesWay(
         "lookup or draft",

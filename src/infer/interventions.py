@@ -7,7 +7,7 @@ the same on a loaded model. Being hooks, they run wherever the model's modules r
 * in a forward (``llm.model(ids)``, ``output_hidden_states=True`` included: the recorded states
   are the edited ones);
 * in generation (``generate``, ``stream``, ``chat``): while any hook is present the steps run
-  eagerly (`infer.runtime.step.Stepper`: packages and compiled graphs run no Python), and K/V computed
+  eagerly (`infer.execution.Execution`: packages and compiled graphs run no Python), and K/V computed
   under other hooks are never reused (`infer.kv.slots.KVSlots.check_hooks`).
 
 A block's edit applies to its output ``[B, T, D]`` (the residual stream after the block); a head's

@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
+from infer.execution import Execution
 from infer.experiment import Experimenting
 from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
@@ -19,7 +20,6 @@ from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
 from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
-from infer.runtime.step import Stepper
 from infer.text.prompts import chat_prompt, encode_prompt
 from infer.text.structured import Constraint, constraint_of
 from infer.text.tools import ToolCall
@@ -121,7 +121,7 @@ class LLM(Experimenting):
     notebooks (`infer.experiment.Experimenting`): `intervene`, `score`, `logit_lens`, a summary
     as its ``repr``; ``llm.model(ids, output_hidden_states=True, output_attentions=True)``.
 
-    ``stepper`` runs its steps (`infer.runtime.step.Stepper`: eager, compiled or from packages);
+    ``execution`` runs its steps (`infer.execution.Execution`: eager, compiled or from packages);
     ``parallel`` is this rank's place in a parallel run (`infer.distributed`), else None.
     """
 
@@ -129,7 +129,7 @@ class LLM(Experimenting):
     tokenizer: Tokenizer
     model: DecoderLM
     source: Path
-    stepper: Stepper
+    execution: Execution
     speculative: Speculative | None = None  # speculative decoding (`infer.speculative`; set by `load`)
     parallel: Parallel | None = field(default=None, init=False)
     _engine: Engine | None = field(default=None, init=False)
@@ -179,12 +179,12 @@ class LLM(Experimenting):
 
         if self.parallel is None:
             raise RuntimeError("this LLM runs in one process (no tensor/pipeline parallelism)")
-        return Ranks(self.parallel, self.model, self.stepper)
+        return Ranks(self.parallel, self.model, self.execution)
 
     @property
     def compiled(self) -> bool:
-        """Whether generation runs the compiled step (`infer.runtime.step.Stepper`)."""
-        return self.stepper.compiled
+        """Whether generation runs the compiled step (`infer.execution.Execution`)."""
+        return self.execution.compiled
 
     @property
     def deterministic(self) -> bool:

@@ -103,5 +103,5 @@ def test_cuda_default_and_auto_run_eagerly(tiny_ckpt_factory: Callable[..., Path
     want = eager.generate("Hi", max_new_tokens=24).token_ids
     for llm in (infer.load(path, device="cuda", dtype=torch.float32),
                 infer.load(path, device="cuda", dtype=torch.float32, compile="auto")):  # fmt: skip
-        assert llm.stepper.packages is None
+        assert llm.execution.packages is None
         assert llm.generate("Hi", max_new_tokens=24).token_ids == want

@@ -28,8 +28,8 @@ import infer
 import infer.aot as aot
 from infer.aot import builder
 from infer.engine import SamplingParams
+from infer.execution import StepFeed
 from infer.kv.cache import KVCache
-from infer.runtime.step import StepFeed
 from infer.sampling import Sampling
 
 BUILD_TIMEOUT_S = 600
@@ -97,9 +97,9 @@ def test_packaged_decode_steps_give_the_eager_tokens(
     step's tokens: greedy (Llama) and seeded sampling with Gemma 3's sliding-window layers."""
     path = tiny_ckpt_factory(arch)
     llm = infer.load(path)
-    assert llm.stepper.packages is not None  # the default on CPU: compile="auto" with packages
+    assert llm.execution.packages is not None  # the default on CPU: compile="auto" with packages
     eager = infer.load(path, compile=False)
-    assert eager.stepper.packages is None
+    assert eager.execution.packages is None
     prompt = [5, 9, 200, 31, 7]
     temperature, top_k = (0.8, 20) if seed is not None else (0.0, 0)
     mode = Sampling(greedy=False, filtered=True) if seed is not None else Sampling()
@@ -108,9 +108,11 @@ def test_packaged_decode_steps_give_the_eager_tokens(
     built = time.perf_counter() - t0
     want = eager.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
     got = llm.generate(prompt, 24, temperature=temperature, top_k=top_k, seed=seed).token_ids
-    print(f"\n{arch}: package built in {built:.1f} s; {llm.stepper.packaged_steps} packaged decode steps")
+    print(f"\n{arch}: package built in {built:.1f} s; {llm.execution.packaged_steps} packaged decode steps")
     assert got == want
-    assert llm.stepper.packaged_steps == len(got) - 1  # every decode step (the first token is the prefill's)
+    assert (
+        llm.execution.packaged_steps == len(got) - 1
+    )  # every decode step (the first token is the prefill's)
     if sys.platform.startswith("linux"):  # the extracted package is removed once its code is mapped
         lines = [line for line in Path("/proc/self/maps").read_text().splitlines() if "/aotinductor_" in line]
         mapped = {line.split("/aotinductor_")[1].split("/")[0] for line in lines}
@@ -141,11 +143,11 @@ def test_packaged_decode_steps_give_the_eager_tokens(
         _build_for(llm, prompt, mode, rows=2)
         prompts = [prompt, [7, 8] * 40, [3] * 150]  # rows grow past the first capacity
         handles = [llm.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
-        before = llm.stepper.packaged_steps
+        before = llm.execution.packaged_steps
         together = [[t for d in h for t in d.token_ids] for h in handles]
         alone = [[t for d in eager.engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True))
                   for t in d.token_ids] for p in prompts]  # fmt: skip
-        steps = llm.stepper.packaged_steps - before
+        steps = llm.execution.packaged_steps - before
         print(f"{steps} packaged steps for 3 streams; KV capacity {llm.engine.slots.capacity}")
         assert together == alone and steps >= 29
 
@@ -174,15 +176,15 @@ def test_packaged_verify_passes_give_the_eager_passes_tokens(
     prompts = [[5, 9, 200, 31, 7, 44, 3] * 3, [70, 71, 72, 73] * 4]
     for prompt in prompts:
         want = eager.generate(prompt, 40).token_ids
-        before = llm.stepper.packaged_steps
+        before = llm.execution.packaged_steps
         got = llm.generate(prompt, 40).token_ids
         passes = llm.engine.stats()["spec_passes"]
         print(
-            f"\nverify package built in {seconds:.1f} s; {llm.stepper.packaged_steps - before} packaged "
+            f"\nverify package built in {seconds:.1f} s; {llm.execution.packaged_steps - before} packaged "
             f"passes; {passes:.0f} passes in all"
         )
         assert got == want == plain.generate(prompt, 40).token_ids
-        assert llm.stepper.packaged_steps - before > 0
+        assert llm.execution.packaged_steps - before > 0
     package = aot.Package(built, llm.model)
     assert package.widths == aot.VERIFY_WIDTHS
     two = StepFeed(torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 2), torch.zeros(1, dtype=torch.long),
@@ -206,15 +208,15 @@ def test_a_background_build_serves_the_next_load(
     prompt = [11, 12, 13]
     first = infer.load(path)
     want = first.generate(prompt, max_new_tokens=12).token_ids
-    assert first.stepper.packaged_steps == 0
-    cache = first.stepper.packages
+    assert first.execution.packaged_steps == 0
+    cache = first.execution.packages
     assert isinstance(cache, aot.PackageCache) and len(cache.missing) == 1
     assert set(cache.queued) == set(cache.missing)
     (build,) = cache.builds  # queued on the step that missed it, and the builder started
     assert cache.build_missing() is None  # nothing new to queue, and the builder lives
     other = infer.load(path)
     other.generate(prompt, max_new_tokens=4)
-    assert not other.stepper.packages.builds  # type: ignore[union-attr]  # queued for the builder that lives
+    assert not other.execution.packages.builds  # type: ignore[union-attr]  # queued for the builder that lives
     build.wait(BUILD_TIMEOUT_S)
     log = (packages / builder.LOG).read_text()
     assert build.returncode == 0, log
@@ -222,10 +224,10 @@ def test_a_background_build_serves_the_next_load(
     assert log.count("building ") == 1 and "built after" in log, log  # the second ask built nothing
     second = infer.load(path)
     assert second.generate(prompt, max_new_tokens=12).token_ids == want
-    assert second.stepper.packaged_steps == 11
+    assert second.execution.packaged_steps == 11
     time.sleep(aot.PackageCache.RECHECK_S)  # the first process looks at the path again, finds it
     assert first.generate(prompt, max_new_tokens=12).token_ids == want
-    assert first.stepper.packaged_steps >= 11  # (its prompt is cached: it may decode one more step)
+    assert first.execution.packaged_steps >= 11  # (its prompt is cached: it may decode one more step)
     (built,) = [line for line in log.splitlines() if "built after" in line]
     print(f"\nbuilder log: {built}")
 
@@ -242,7 +244,7 @@ def test_prepare_queues_shapes_ahead_of_need(
     default. The first queueing says so in one line on stderr."""
     path = tiny_ckpt_factory("llama")
     llm = infer.load(path)
-    cache = llm.stepper.packages
+    cache = llm.execution.packages
     assert isinstance(cache, aot.PackageCache)
     assert cache.prepare([1, 2]) == []  # INFER_AOT=use
     monkeypatch.delenv("INFER_AOT")  # INFER_AOT unset: the default...
@@ -290,7 +292,7 @@ def test_a_running_process_queues_again_what_the_builder_dropped(
     try:
         llm = infer.load(tiny_ckpt_factory("llama"))
         llm.generate([1, 2, 3], max_new_tokens=4)
-        cache = llm.stepper.packages
+        cache = llm.execution.packages
         assert isinstance(cache, aot.PackageCache)
         (key,) = cache.queued
         assert builder.queued(packages) == [key]
@@ -393,7 +395,7 @@ def test_a_damaged_package_is_removed_and_the_step_stays_eager(
     want = infer.load(path, compile=False).generate([1, 2, 3], max_new_tokens=6).token_ids
     with pytest.warns(UserWarning, match="cannot load the compiled step"):
         got = llm.generate([1, 2, 3], max_new_tokens=6).token_ids
-    assert got == want and llm.stepper.packaged_steps == 0
+    assert got == want and llm.execution.packaged_steps == 0
     assert not damaged.exists()
 
 
@@ -410,12 +412,12 @@ def test_no_packages_where_they_do_not_apply(
     tiny_ckpt_factory: Callable[..., Path], packages: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tiny_ckpt_factory("llama")
-    assert infer.load(path, compile=False).stepper.packages is None
-    assert infer.load(path, deterministic=True).stepper.packages is None  # bitwise contract: eager kernels
+    assert infer.load(path, compile=False).execution.packages is None
+    assert infer.load(path, deterministic=True).execution.packages is None  # bitwise contract: eager kernels
     monkeypatch.setenv("INFER_AOT", "off")
     llm = infer.load(path)
     llm.generate([1, 2, 3], max_new_tokens=4)
-    assert llm.stepper.packaged_steps == 0 and not packages.exists()
+    assert llm.execution.packaged_steps == 0 and not packages.exists()
 
 
 def test_no_packages_where_compiling_does_not_pay(
@@ -429,18 +431,18 @@ def test_no_packages_where_compiling_does_not_pay(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tokenizer = build_tokenizer(tmp_path / "tok")
     path = write_gguf(tmp_path / "q8.gguf", tiny_hf_model("llama"), tokenizer, qtype="Q8_0")
-    assert infer.load(path).stepper.packages is not None
-    assert infer.load(path, dtype=torch.float32).stepper.packages is None
+    assert infer.load(path).execution.packages is not None
+    assert infer.load(path, dtype=torch.float32).execution.packages is None
 
 
 def test_use_builds_nothing(tiny_ckpt_factory: Callable[..., Path], packages: Path) -> None:
     """``INFER_AOT=use`` with an empty cache: plain eager steps, no fingerprint, no
     power-of-two row window, no shape noted, and nothing to build at exit."""
     llm = infer.load(tiny_ckpt_factory("llama"))
-    cache = llm.stepper.packages
+    cache = llm.execution.packages
     assert isinstance(cache, aot.PackageCache) and not aot.settings.background_builds()
     llm.generate([1, 2, 3], max_new_tokens=6)
-    assert not llm.stepper.bucketed and llm.stepper.packaged_steps == 0
+    assert not llm.execution.bucketed and llm.execution.packaged_steps == 0
     assert cache._fingerprint is None and not cache.missing
     assert cache.build_missing() is None and not packages.exists()
 

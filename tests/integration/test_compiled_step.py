@@ -1,4 +1,4 @@
-"""The compiled step (`infer.runtime.step.Stepper(compile=True)`) against the same code run eagerly.
+"""The compiled step (`infer.execution.Execution(compile=True)`) against the same code run eagerly.
 
 One code path: `model_step` runs eagerly (the reference) or through
 ``torch.compile(fullgraph=True)``. On tiny models (compile cost stays small) the engine with
@@ -26,9 +26,9 @@ import torch
 
 import infer
 from infer.engine import SamplingParams
+from infer.execution import Execution, StepFeed
 from infer.gguf.writer import write_gguf
 from infer.realmodels import smollm2_path
-from infer.runtime.step import StepFeed, Stepper
 from infer.testing import build_tokenizer, tiny_hf_model
 from infer.testing.trace import trace
 
@@ -37,19 +37,19 @@ STEPS = 10
 REL_BOUND = 1e-5  # the numerical contract's compiled-vs-eager bound, relative to max |logit|
 
 
-def run(llm: infer.LLM, stepper: Stepper, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def run(llm: infer.LLM, execution: Execution, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[B, STEPS]`` and logits ``[B, STEPS, V]`` of `PROMPTS` submitted together to a fresh
-    engine whose steps ``stepper`` runs (the prompts seeded apart when sampled)."""
+    engine whose steps ``execution`` runs (the prompts seeded apart when sampled)."""
     params = dataclasses.replace(params, max_tokens=STEPS, ignore_eos=True)
     rows = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             for i in range(len(PROMPTS))]  # fmt: skip
-    traced = trace(llm, PROMPTS, rows, stepper=stepper)
+    traced = trace(llm, PROMPTS, rows, execution=execution)
     return torch.tensor([t.tokens for t in traced]), torch.stack([t.logits for t in traced])
 
 
-def compare(llm: infer.LLM, label: str, params: SamplingParams) -> Stepper:
-    compiled = Stepper(llm.model, compile=True)
-    eager_tokens, eager_logits = run(llm, Stepper(llm.model), params)
+def compare(llm: infer.LLM, label: str, params: SamplingParams) -> Execution:
+    compiled = Execution(llm.model, compile=True)
+    eager_tokens, eager_logits = run(llm, Execution(llm.model), params)
     tokens, logits = run(llm, compiled, params)
     err = (logits - eager_logits).abs().max().item()
     rows = f"{STEPS} steps x {len(PROMPTS)} rows"
@@ -78,7 +78,7 @@ def test_the_blocks_share_one_traced_region_per_kind_of_layer(
     a layer's K/V crosses into it as one `StepKV`, a pytree node dynamo flattens and compares (an
     object it cannot compare makes it trace every layer again). Dynamo's graph only (no inductor);
     the step's tokens and logits are the eager ones."""
-    from infer.runtime.step import model_step
+    from infer.execution import model_step
     from infer.sampling import Sampling
 
     model = infer.load(tiny_ckpt_factory(arch), dtype=torch.float32).model
@@ -117,7 +117,7 @@ def test_greedy_float32(gemma: infer.LLM) -> None:
     before = compiled.compile_seconds
     again, _ = run(gemma, compiled, SamplingParams())  # the same buckets: no new graph (KV rows of its own)
     assert compiled.compile_seconds == before
-    assert torch.equal(again, run(gemma, Stepper(gemma.model), SamplingParams())[0])
+    assert torch.equal(again, run(gemma, Execution(gemma.model), SamplingParams())[0])
 
 
 @pytest.mark.slow
@@ -162,13 +162,13 @@ def test_load_with_compile(tiny_ckpt_factory: Callable[..., Path], monkeypatch: 
 
     # One request decoding among rows kept for the prefix cache computes a window of one row.
     sizes: list[int] = []
-    step = Stepper.__call__
+    step = Execution.__call__
 
-    def recording(self: Stepper, cache: Any, feed: StepFeed) -> Any:
+    def recording(self: Execution, cache: Any, feed: StepFeed) -> Any:
         sizes.append(feed.ids.shape[0])
         return step(self, cache, feed)
 
-    monkeypatch.setattr(Stepper, "__call__", recording)
+    monkeypatch.setattr(Execution, "__call__", recording)
     for k in range(3):  # prompts sharing no prefix with a kept row take a kept row, no new one
         llm.generate([200 + k, 17, 30, 41], max_new_tokens=3)
     monkeypatch.undo()

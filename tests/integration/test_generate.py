@@ -149,7 +149,7 @@ def test_stops_on_any_eos_id(llm_factory: Callable[[str], infer.LLM]) -> None:
     assert not set(free[:4]) & set(llm.eos_ids)
     # Declare the 4th generated token an EOS id (the last of a list): generation must stop there.
     config = dataclasses.replace(llm.config, eos_token_id=[999_999, free[3]])
-    other = infer.LLM(config, llm.tokenizer, llm.model, llm.source, llm.stepper)
+    other = infer.LLM(config, llm.tokenizer, llm.model, llm.source, llm.execution)
     assert other.eos_ids == [257, 258, 999_999, free[3]]
     got = other.generate(ids, max_new_tokens=12)
     assert got.token_ids == free[: free.index(free[3]) + 1]

@@ -1,7 +1,7 @@
 """Interventions and forward hooks are honoured by generation, never silently skipped.
 
 Generation's decode steps run ahead-of-time compiled packages by default (`infer.aot`), which run
-no Python hook. Here the stepper is given stand-in packages that run the step on a copy of the
+no Python hook. Here the execution is given stand-in packages that run the step on a copy of the
 model without hooks — exactly what a real package does with a hook — so a step that wrongly takes a
 package gives the unhooked tokens. Each test compares greedy generation with an eager loop (the
 model called step by step with a KV cache, the hooks running) applying the same edit.
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import infer
+from infer.execution import Execution, StepFeed, StepOutput, model_step
 from infer.interventions import Intervention
 from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
 from infer.models.projections import Fusable
-from infer.runtime.step import StepFeed, StepOutput, Stepper, model_step
 from infer.sampling import Sampling
 
 PROMPT = [5, 9, 200, 31, 7, 64, 12]
@@ -30,7 +30,7 @@ N = 20
 
 
 class StandInPackages:
-    """`infer.runtime.step.Packages` whose steps run on an unhooked copy of the model (as a compiled package
+    """`infer.execution.Packages` whose steps run on an unhooked copy of the model (as a compiled package
     runs its traced code, not the modules' hooks); ``calls`` counts the steps it ran."""
 
     enabled = True
@@ -53,14 +53,14 @@ class StandInPackages:
 def llm(tiny_ckpt_factory: Callable[..., Path]) -> Iterator[infer.LLM]:
     """The tiny Llama, float32, its decode steps from stand-in packages."""
     loaded = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32, compile=False)
-    loaded.stepper = Stepper(loaded.model, compile="auto", packages=StandInPackages(loaded.model))
+    loaded.execution = Execution(loaded.model, compile="auto", packages=StandInPackages(loaded.model))
     yield loaded
     if loaded._engine is not None:
         loaded.engine.close()
 
 
 def _packages(llm: infer.LLM) -> StandInPackages:
-    packages = llm.stepper.packages
+    packages = llm.execution.packages
     assert isinstance(packages, StandInPackages)
     return packages
 

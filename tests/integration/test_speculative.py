@@ -72,8 +72,8 @@ def det(gemma_path: Path) -> Iterator[infer.LLM]:
 
 
 def with_spec(llm: infer.LLM, **settings: Any) -> infer.LLM:
-    """``llm`` with speculative settings (the same model and stepper)."""
-    return infer.LLM(llm.config, llm.tokenizer, llm.model, llm.source, llm.stepper, Speculative(**settings))
+    """``llm`` with speculative settings (the same model and execution)."""
+    return infer.LLM(llm.config, llm.tokenizer, llm.model, llm.source, llm.execution, Speculative(**settings))
 
 
 def collect(

@@ -79,13 +79,13 @@ def test_the_server_steps_its_package_once_built(
     builds it while the server runs; the next request decodes from the package, with the same
     tokens (bounded: the build of a tiny model takes ~20-60 s)."""
     llm = infer.load(tiny_ckpt_factory("llama"))
-    assert llm.stepper.packages is not None
+    assert llm.execution.packages is not None
     base = live_server(llm)
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     ask: dict[str, Any] = {"model": model, "prompt": [5, 9, 200, 31], "max_tokens": 12, "temperature": 0}
     first = client.completions.create(**ask, extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert llm.stepper.packaged_steps == 0
+    assert llm.execution.packaged_steps == 0
     queued = builder.queued(packages) or aot.building(packages)
     assert queued, "the missed shape was not queued"
     t0 = time.monotonic()
@@ -96,7 +96,7 @@ def test_the_server_steps_its_package_once_built(
     assert list(packages.glob("*-b1-100.pt2")), f"not built in {built:.0f} s; builder log:\n{log}"
     time.sleep(aot.PackageCache.RECHECK_S)  # the server looks at the path again within this
     second = client.completions.create(**ask, extra_body={"ignore_eos": True, "return_token_ids": True})
-    steps = llm.stepper.packaged_steps
+    steps = llm.execution.packaged_steps
     print(f"\nbuilt {built:.0f} s after the first request; the second decoded {steps} steps from it")
     # Every decode step of the second request, and its one-token prefill (the prompt is cached).
     assert steps >= 11

@@ -66,7 +66,7 @@ FLOORS: list[tuple[str, ...]] = [
     # 5: the load path that composes them; generation
     (
         "infer.loading",
-        "infer.runtime",
+        "infer.execution",
         "infer.aot",
         "infer.speculative",
         "infer.engine",

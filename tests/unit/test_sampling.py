@@ -122,7 +122,7 @@ def test_non_finite_rows_still_sample_valid_ids(temperature: float) -> None:
         ]
     )
     tokens = draw(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
-    nonfinite = ~logits.amax(dim=-1).isfinite()  # the step's flag (infer.runtime.step.head_and_sample)
+    nonfinite = ~logits.amax(dim=-1).isfinite()  # the step's flag (infer.execution.head_and_sample)
     assert nonfinite.tolist() == [False, True, True, True, False]
     assert tokens[0].item() in (0, 1, 2) and tokens[4].item() == 1
     assert ((tokens >= 0) & (tokens < 3)).all()

@@ -22,7 +22,7 @@ One job a file:
 ``settings``   ``INFER_AOT`` (read when used, never at import) and the cache directory
 ============== ==================================================================================
 
-* **A package** (`build`) is `torch.export` of `infer.runtime.step.model_step` for one decode shape
+* **A package** (`build`) is `torch.export` of `infer.execution.model_step` for one decode shape
   (rows, KV capacity, sampling mode), or one speculative verify pass (one row of any of
   `VERIFY_WIDTHS` tokens, every one through the head), compiled by AOTInductor into a shared library. The
   model's weights are *inputs* of the exported program, not constants, so a package holds

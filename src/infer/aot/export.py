@@ -1,4 +1,4 @@
-"""Export: `torch.export` of `infer.runtime.step.model_step` for one decode shape, compiled into a package.
+"""Export: `torch.export` of `infer.execution.model_step` for one decode shape, compiled into a package.
 
 `build` exports the step of one rows kind (one row, or any of `MULTI_ROWS`: a dynamic
 dimension) and sampling mode, on any KV capacity (dynamic too), in the engine's layout (slot
@@ -24,9 +24,9 @@ from torch import nn
 from torch.export import Dim
 
 from infer.aot.keys import MULTI_ROWS, VERIFY_WIDTHS, all_modules_named, named_tensors, rows_kind, width_kind
+from infer.execution import StepFeed, model_step
 from infer.kv.cache import KVCache, round_up
 from infer.models.base import DecoderLM, layer_regions
-from infer.runtime.step import StepFeed, model_step
 from infer.sampling import Sampling, SamplingValues
 
 

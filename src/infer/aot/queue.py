@@ -104,9 +104,7 @@ class BuildQueue:
             raise ValueError(f"prepare: rows must be integers >= 1, got {bad[0]!r}")
         bad_modes = [m for m in modes if not isinstance(m, Sampling)]
         if bad_modes:
-            raise TypeError(
-                f"prepare: modes must be Sampling values (infer.sampling), got {bad_modes[0]!r}"
-            )
+            raise TypeError(f"prepare: modes must be Sampling values (infer.sampling), got {bad_modes[0]!r}")
         if not self.builds_allowed:
             return []
         requests = []  # one submission, built in this order: each mode (in the order given) for

@@ -3,7 +3,7 @@
 `Package` loads a package (~10 ms, no tracing) onto the model's own tensors and runs a decode
 step with it, checking what compiled code cannot (the weights against the package's record at
 load, the step's inputs at every call: a mismatch is a `ValueError`, never a crash).
-`PackageCache` is what `infer.runtime.step.Stepper` asks for the package of a step's shape: loaded on
+`PackageCache` is what `infer.execution.Execution` asks for the package of a step's shape: loaded on
 demand, at most `MAX_LOADED` per process (least recently used dropped); a missing one is looked
 at again every `PackageCache.RECHECK_S`, so a package built while the process runs is picked
 up; a damaged one is removed and its shape stays eager. What is queued for a build when a
@@ -29,9 +29,9 @@ from infer.aot.export import kv_inputs, sampling_inputs_of, state_inputs, tensor
 from infer.aot.keys import named_tensors, package_key
 from infer.aot.queue import BuildQueue
 from infer.aot.settings import cache_dir
+from infer.execution import StepFeed, StepOutput
 from infer.kv.cache import KVCache
 from infer.models.base import DecoderLM
-from infer.runtime.step import StepFeed, StepOutput
 from infer.sampling import Sampling
 
 if TYPE_CHECKING:

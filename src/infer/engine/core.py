@@ -1,32 +1,11 @@
 """`Engine`: continuous batching over one loaded model.
 
-Each iteration (`Engine.step`) is one plan handed from stage to stage, schedule -> run -> sample ->
-output (docs/engine.md, *The flow of one step*):
-
-1. **schedule** (`infer.engine.scheduler.Scheduler.schedule`): requests cancelled since the last
-   step leave; the requests the driver hands over join, each on a free row, reusing what the engine
-   holds of their prompts (the prefix cache, shared prefixes); the plan (`infer.engine.plan.Plan`):
-   the KV operations made, one decode step of every decoding row (a verify pass of proposed tokens
-   when speculation pays: `infer.speculative`), and chunks of the prompts still being read, at
-   most `Engine.prefill_chunk` tokens per iteration, so running streams never wait for a whole
-   long prompt;
-2. **run** (`infer.engine.runner.Runner.run`, the one place that runs the model): each forward, one
-   batched step over the contiguous rows it names (each weight read once per step for the whole
-   batch); under torchrun every rank runs the same plan (`infer.engine.parallel`);
-3. **sample** (`infer.engine.sampling.Sampler`): each row's logits are sampled with its own
-   parameters, generator and noise inside the step (`Sampler.draws`); the host reads the tokens,
-   draws rows with a constraint, a bias or a penalty again, and keeps the proposals a verify pass
-   confirms (`Sampler.sample`);
-4. **output** (`infer.engine.output.Outputs.take`, then `Scheduler.update`): each token is checked,
-   its request ended on an EOS id, a completed constraint or its length, and handed to the request's
-   handle, which decodes its text off the model's thread (`infer.engine.request.RequestHandle`); rows
-   are rolled back past the tokens their requests did not take; ended requests' rows are freed.
-
-Which thread runs the iterations: `infer.engine.driver`. Numerics: in the deterministic mode
-(``infer.load(..., deterministic=True)``) a row's tokens and logits do not depend on the other
-rows of a step, on how its prompt was chunked or on which row it runs in, so a request's output
-is bitwise the same alone or among other requests (docs/numerics.md); in the default mode it is
-within float32 rounding.
+Each iteration (`Engine.step`) is one plan handed from stage to stage: schedule (`Scheduler`: who
+runs, in which rows, the plan's KV operations and forwards) -> run (`Runner`, through the model's
+`infer.execution.Execution`; under torchrun every rank runs the plan) -> sample (`Sampler`) ->
+output (`Outputs`, then `Scheduler.update`). `infer.engine.driver` says which thread runs it. In
+the deterministic mode a request's tokens and logits do not depend on the other rows of a step
+(docs/numerics.md). docs/engine.md, *The flow of one step*, has the details.
 """
 
 from __future__ import annotations
@@ -48,10 +27,10 @@ from infer.engine.runner import Runner
 from infer.engine.sampling import Sampler
 from infer.engine.scheduler import Policy, Scheduler
 from infer.engine.served import ServedModel
+from infer.execution import Execution
 from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.params import SamplingParams, check_int
-from infer.runtime.step import Stepper
 from infer.sampling import Sampling
 from infer.speculative import Drafter, NoiseQueue, Speculative, Speculator
 from infer.text.structured import Grammars, RowProcessor, check_logit_bias
@@ -65,7 +44,7 @@ class Model(Protocol):
     API and does not import it)."""
 
     model: DecoderLM
-    stepper: Stepper
+    execution: Execution
     tokenizer: Tokenizer
     source: Path  # the checkpoint (a server names the model after it)
     speculative: Speculative | None  # speculative decoding (`infer.speculative`), None: off
@@ -85,7 +64,7 @@ class Engine:
     ``prefill_chunk`` bounds the prompt tokens read per iteration while other requests decode
     (their next token waits for that forward), ``idle_prefill_chunk`` while none does.
     ``runner(max_batch, context)`` makes what runs the steps (default a `Runner` of the model's
-    stepper; a parallel run's rank 0 makes one that sends each plan to the other ranks:
+    execution; a parallel run's rank 0 makes one that sends each plan to the other ranks:
     `infer.engine.parallel`).
     """
 
@@ -109,7 +88,7 @@ class Engine:
         if context is not None:
             limit = min(limit, check_int("context", context, 2))
         per_forward = None
-        limits = model.executor.limits
+        limits = llm.execution.limits
         if limits is not None:  # a streamed model planned its memory for these
             max_batch = min(max_batch, limits.max_batch_size)
             limit = min(limit, limits.max_context)
@@ -125,20 +104,22 @@ class Engine:
         self.idle_prefill_chunk = idle_prefill_chunk
         self.per_forward = per_forward
         if runner is None:
-            self.runner = Runner(KVSlots(model, max_batch, limit, record=True), llm.stepper)
+            self.runner = Runner(KVSlots(model, max_batch, limit, record=True), llm.execution)
         else:
             self.runner = runner(max_batch, limit)
         self.slots = self.runner.slots
         speculator = None
         if llm.speculative is not None:
-            draft, drafter = llm.speculative.draft, None
+            draft = llm.speculative.draft
             if draft is not None:  # the draft model's KV: one row per row here (never shared)
                 room = min(limit, draft.model.config.max_position_embeddings)
                 slots = KVSlots(draft.model, max_batch, room, share=False)
-                drafter = Drafter(draft, Runner(slots, draft.stepper))
-            speculator = Speculator(llm.speculative, limit, per_forward, model.vocab_size, drafter)
+                self.runner.drafter = Drafter(draft, Runner(slots, draft.execution))
+            speculator = Speculator(
+                llm.speculative, limit, per_forward, model.vocab_size, self.runner.drafter
+            )
         policy = Policy(max_batch, limit, prefill_chunk, idle_prefill_chunk, per_forward,
-                        self.runner.stepper.bucketed, self.runner.exact_logits_allowed)  # fmt: skip
+                        self.runner.execution.bucketed, self.runner.exact_logits_allowed)  # fmt: skip
         self.scheduler = Scheduler(self.slots, policy, speculator)
         exact_logits = self.runner.exact_logits if self.runner.exact_logits_allowed else None
         self.sampler = Sampler(model.vocab_size, model.device, exact_logits)
@@ -253,7 +234,7 @@ class Engine:
         (`infer.aot.PackageCache.prepare`): the keys queued, [] where packages are off."""
         from infer.aot import PackageCache
 
-        packages = self.llm.stepper.packages
+        packages = self.llm.execution.packages
         return packages.prepare(rows, modes) if isinstance(packages, PackageCache) else []
 
     @contextlib.contextmanager

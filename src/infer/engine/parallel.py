@@ -41,11 +41,11 @@ from infer.distributed.runtime import (
 )
 from infer.engine.plan import Draw, Plan, Ran, Wired
 from infer.engine.runner import Runner
+from infer.execution import Execution
 from infer.kv.cache import KVModel
 from infer.kv.ops import Done
 from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.runtime.step import Stepper
 
 KEEPALIVE_S = 60.0  # a server's idle rank 0 tells the others it is alive this often
 
@@ -84,18 +84,16 @@ def _outcome(error: BaseException | None) -> str | None:
 class Broadcasting(Runner):
     """Rank 0's runner: each plan is sent to the other ranks, then run (see the module's docstring)."""
 
-    def __init__(self, parallel: Parallel, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
-        super().__init__(slots, stepper)
+    def __init__(
+        self, parallel: Parallel, slots: KVSlots[DecoderLM], execution: Execution | None = None
+    ) -> None:
+        super().__init__(slots, execution)
         self.parallel = parallel
         self._lock = threading.Lock()  # one broadcast at a time (plans, keep-alives)
         self._sent = time.monotonic()
         self._closed = False
         self._keepalive: threading.Thread | None = None
         self._ran: list[str | None] | None = None  # how the last plan's forwards went here
-
-    @property
-    def exact_logits_allowed(self) -> bool:
-        return False
 
     def _send(self, message: object) -> None:
         with self._lock:
@@ -163,9 +161,9 @@ class Broadcasting(Runner):
 class Follower:
     """A rank other than 0: its KV slots (made to rank 0's shape) and the loop that replays rank 0's plans."""
 
-    def __init__(self, model: DecoderLM, stepper: Stepper, parallel: Parallel) -> None:
+    def __init__(self, model: DecoderLM, execution: Execution, parallel: Parallel) -> None:
         self.model = model
-        self.stepper = stepper
+        self.execution = execution
         self.parallel = parallel
         self.runner: Runner | None = None
         self._ran: list[str | None] = []  # how the last plan's forwards went here
@@ -174,7 +172,7 @@ class Follower:
         s = None if self.runner is None else self.runner.slots
         if self.runner is None or s is None or (s.max_rows, s.context, s.share) != shape:
             max_rows, context, share = shape
-            self.runner = Runner(KVSlots(self.model, max_rows, context, share=share), self.stepper)
+            self.runner = Runner(KVSlots(self.model, max_rows, context, share=share), self.execution)
         return self.runner
 
     def _diverged(self, what: str, here: str | None, there: str | None) -> DivergenceError:
@@ -236,10 +234,10 @@ class Ranks:
     `followed`) and the end of a Python API call (`end_call`). (A server's keep-alives:
     `infer.engine.Engine.serving`.)"""
 
-    def __init__(self, parallel: Parallel, model: DecoderLM, stepper: Stepper) -> None:
+    def __init__(self, parallel: Parallel, model: DecoderLM, execution: Execution) -> None:
         self.parallel = parallel
         self.model = model
-        self.stepper = stepper
+        self.execution = execution
         self.broadcasting: Broadcasting | None = None  # rank 0's, once its engine is made
         self._follower: Follower | None = None
 
@@ -250,14 +248,14 @@ class Ranks:
     def runner(self, max_batch: int, context: int) -> Broadcasting:
         """Rank 0's engine runner (`infer.engine.Engine`'s ``runner``)."""
         self.broadcasting = Broadcasting(self.parallel, KVSlots(self.model, max_batch, context, record=True),
-                                         self.stepper)  # fmt: skip
+                                         self.execution)  # fmt: skip
         return self.broadcasting
 
     @property
     def follower(self) -> Follower:
         if self._follower is None:
             assert not self.primary
-            self._follower = Follower(self.model, self.stepper, self.parallel)
+            self._follower = Follower(self.model, self.execution, self.parallel)
         return self._follower
 
     def follow(self) -> None:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from infer.execution import StepOutput
 from infer.kv.ops import Done
-from infer.runtime.step import StepOutput
 from infer.sampling import Sampling, SamplingValues
 
 if TYPE_CHECKING:
@@ -40,7 +40,10 @@ class Forward:
     prompt) take the head at each row's last fed token; "verify" at every fed token: each row's
     last sampled token and then its ``proposals[r]`` (speculative decoding). ``base[r]``: row
     ``r``'s length before the forward (a row keeps ``base[r]`` plus the tokens its request took).
-    ``requests``: the request of each fed row (rank 0's; not sent to the other ranks).
+    ``requests``: the request of each fed row (rank 0's; not sent to the other ranks). For the
+    draft model, which the runner runs before the forward: ``drafting[r]``, the tokens row ``r``'s
+    draft may propose and their acceptance estimate (the runner adds the proposals to ``feeds``);
+    ``draft_reads``, the requests whose prompts this chunk finishes (the draft reads them now).
     """
 
     kind: Kind
@@ -52,6 +55,8 @@ class Forward:
     base: dict[int, int] = field(default_factory=dict)
     pad_to: int = 0
     proposals: dict[int, Proposal] = field(default_factory=dict)
+    drafting: dict[int, tuple[int, float]] = field(default_factory=dict)
+    draft_reads: list[Request] = field(default_factory=list)
 
     def wire(self) -> Wired:
         return Wired(self.lo, self.hi, self.feeds, self.pad_to, self.exact_head, self.kind == "verify")
@@ -91,7 +96,7 @@ class Plan:
 
 @dataclass
 class Draw:
-    """A forward's sampling inputs (`infer.runtime.step.StepFeed`): the mode, and the values and noise
+    """A forward's sampling inputs (`infer.execution.StepFeed`): the mode, and the values and noise
     drawn for its rows from their requests' settings and generators (None when greedy)."""
 
     mode: Sampling

@@ -1,10 +1,12 @@
-"""The one place the engine runs the model: a plan's forwards over ranges of KV rows.
+"""The one place the engine runs a model: a plan's forwards over ranges of KV rows.
 
 `Runner.run` runs each forward of an `infer.engine.plan.Plan` in order (`Runner.step`: a decode
-step, a prefill chunk, or a verify pass whose every fed token goes through the head) and hands back
-what each gave (`infer.engine.plan.Ran`); `Runner.exact_logits` computes a few vocabulary rows of
-the head exactly. Each forward takes its rows' view from `KVSlots` and tells it what was written;
-a forward that fails leaves the rows as they were. A parallel run's rank 0 uses
+step, a prefill chunk, or a verify pass whose every fed token goes through the head) through the
+model's `infer.execution.Execution`, and hands back what each gave (`infer.engine.plan.Ran`). With
+a draft model (`infer.speculative.Drafter`, its own slots and runner) it first lets the draft read
+the prompts a plan finishes and draft the proposals a verify pass asks for, so the scheduler only
+plans. Each forward takes its rows' view from `KVSlots` and tells it what was written; a forward
+that fails leaves the rows as they were. A parallel run's rank 0 uses
 `infer.engine.parallel.Broadcasting`, which sends each plan to the other ranks before running it.
 """
 
@@ -17,34 +19,40 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from infer.engine.plan import Draw, Plan, Ran
+from infer.execution import Execution, StepFeed, StepOutput
 from infer.kv.cache import KVCache
 from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
-from infer.runtime.step import StepFeed, StepOutput, Stepper
 from infer.sampling import Sampling, SamplingValues
+from infer.speculative import DRAFTED, Drafter, Proposal
 
 
 class Runner:
-    """Runs steps of ``slots``' rows with ``stepper`` (eager, compiled or packaged: `infer.runtime.step`)."""
+    """Runs steps of ``slots``' rows with ``execution`` (`infer.execution.Execution`); ``drafter``: the
+    draft model's side when the engine speculates with one (its steps run here, on its own slots)."""
 
-    def __init__(self, slots: KVSlots[DecoderLM], stepper: Stepper | None = None) -> None:
+    def __init__(
+        self, slots: KVSlots[DecoderLM], execution: Execution | None = None, drafter: Drafter | None = None
+    ) -> None:
         self.slots = slots
         self.model: DecoderLM = slots.model
-        self.stepper = stepper if stepper is not None else Stepper(slots.model)
-        slots.bucketed = self.stepper.bucketed
+        self.execution = execution if execution is not None else Execution(slots.model)
+        self.drafter = drafter
+        slots.bucketed = self.execution.bucketed
 
     @property
     def compiled(self) -> bool:
-        return self.stepper.compiled
+        return self.execution.compiled
 
     @property
     def exact_logits_allowed(self) -> bool:
         """Whether `exact_logits` may run (a parallel run computes the whole head instead)."""
-        return True
+        return self.execution.exact_logits_allowed
 
     def run(self, plan: Plan, draws: Sequence[Draw]) -> list[Ran]:
         """Run ``plan``'s forwards in order, each sampling with its ``draws`` entry. A forward that
         raises gives its exception (its rows as they were) and the others run."""
+        self.draft(plan)
         self.send(plan)
         out: list[Ran] = []
         for forward, draw in zip(plan.forwards, draws, strict=True):
@@ -57,6 +65,28 @@ class Runner:
                 continue
             out.append(Ran(draw, result, None, time.perf_counter() - t0))
         return out
+
+    def draft(self, plan: Plan) -> None:
+        """The draft model's part of ``plan``, before it runs: it reads the prompts the plan's chunks
+        finish (`Forward.draft_reads`), and drafts each verify pass's ``drafting`` rows, whose
+        proposals and feeds it completes."""
+        d = self.drafter
+        if d is None:
+            return
+        for f in plan.forwards:
+            if f.draft_reads:
+                d.catch_up(f.draft_reads)
+            if not f.drafting:
+                continue
+            chosen = [f.requests[row] for row in sorted(f.drafting)]
+            limits = {row: limit for row, (limit, _) in f.drafting.items()}
+            for row, (tokens, q) in d.draft(chosen, limits, self.model.vocab_size).items():
+                limit, alpha = f.drafting[row]
+                if tokens[:limit]:
+                    f.proposals[row] = Proposal(
+                        tokens[:limit], DRAFTED, alpha, None if q is None else q[:limit]
+                    )
+                    f.feeds[row] = f.requests[row].pending + tokens[:limit]
 
     def send(self, plan: Plan) -> None:
         """Before a plan runs (a parallel run's rank 0 sends it to the other ranks)."""
@@ -100,7 +130,7 @@ class Runner:
         feed = StepFeed(ids, n_new, last, mode, values, noise)
         with self.guard(), self._bound(lo, hi, feeds) as view:
             assert view.batch_size == B
-            return self.stepper(view, feed)
+            return self.execution(view, feed)
 
     @contextlib.contextmanager
     def _bound(self, lo: int, hi: int, feeds: dict[int, list[int]]) -> Iterator[KVCache]:

@@ -16,8 +16,8 @@ import torch
 
 from infer.engine.plan import Draw, Forward, Plan, Ran, Row, Sampled
 from infer.engine.request import Request
+from infer.execution import StepOutput
 from infer.params import SamplingParams
-from infer.runtime.step import StepOutput
 from infer.sampling import Sampling, gumbel_noise, sample_row, sampling_inputs, stack_noise
 from infer.speculative import verified_tokens
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from infer.engine.plan import Forward, Plan, Update
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.sampling import exact_head
+from infer.execution import MIN_PREFILL
 from infer.kv.cache import KVModel, bucket
 from infer.kv.ops import Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.kv.prefix import common_prefix
 from infer.kv.slots import KVSlots
-from infer.runtime.step import MIN_PREFILL
 from infer.speculative import Speculator
 
 MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
@@ -240,12 +240,15 @@ class Scheduler:
             # A verify pass feeds every row of its span its width (the idle ones padding): the running
             # row nearest the end of the context bounds everyone's.
             room = min(self.policy.context - slots.length(i) for i in range(lo, hi) if i in running)
-            proposals = self.speculator.propose(list(requests.values()), base, room)
-            if proposals is not None:
-                feeds = {i: r.pending + (proposals[i].tokens if i in proposals else []) for i, r in
-                         requests.items()}  # fmt: skip
+            proposed = self.speculator.propose(list(requests.values()), base, room)
+            if proposed is not None:
+                lookup = proposed.proposals
+                feeds = {
+                    i: r.pending + (lookup[i].tokens if i in lookup else []) for i, r in requests.items()
+                }
                 exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=True)
-                return Forward("verify", lo, hi, feeds, exact, requests, base, proposals=proposals)
+                return Forward("verify", lo, hi, feeds, exact, requests, base, proposals=lookup,
+                               drafting=proposed.drafting)  # fmt: skip
         if self.policy.bucketed:
             # A power-of-two window of rows around the decoding ones (few graphs, one per size),
             # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
@@ -281,14 +284,17 @@ class Scheduler:
                 T = max(1, min(T, b.per_forward // len(group)))
             feeds = {i: running[i].pending[:T] for i in group}
             requests = {i: running[i] for i in group}
+            reads: list[Request] = []
             if self.speculator is not None:  # a draft model reads the prompts that end here
-                self.speculator.read_prompts([r for i, r in requests.items() if len(r.pending) <= T])
+                ending = [r for r in requests.values() if len(r.pending) <= T]
+                reads = self.speculator.draft_reads(ending)
             pad_to = 0
             if b.bucketed:
                 pad_to = bucket(T, MIN_PREFILL) if T > 1 else 1
             exact = exact_head(list(requests.values()), self.policy.exact_allowed)
             base = {i: self.slots.length(i) for i in group}
-            forwards.append(Forward("prefill", group[0], group[-1] + 1, feeds, exact, requests, base, pad_to))
+            forwards.append(Forward("prefill", group[0], group[-1] + 1, feeds, exact, requests, base, pad_to,
+                                    draft_reads=reads))  # fmt: skip
             left -= sum(len(t) for t in feeds.values())
         return forwards
 

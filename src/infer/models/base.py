@@ -33,7 +33,7 @@ class StepInputs:
     """Per-step inputs shared by the layers: the same for every layer of a type.
 
     All tensors, computed once per step by `DecoderLM.prepare`: a step reads nothing
-    from the host, so the same code runs eagerly or compiled whole (`infer.runtime.step`).
+    from the host, so the same code runs eagerly or compiled whole (`infer.execution`).
     """
 
     positions: torch.Tensor  # [B, T]
@@ -402,7 +402,7 @@ class DecoderLM(nn.Module):
 
     def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
-        (before the final norm, as `infer.runtime.step.model_step` returns it), without computing the
+        (before the final norm, as `infer.execution.model_step` returns it), without computing the
         rest of the vocabulary where the head can help (a packed head's rows, dequantized with their
         exact scales: `QuantizedLinear.exact_rows`). A token's logit is the same bits whichever
         ``ids`` it is computed with (`infer.quant.head.fixed_order_dots`; another head: the whole
@@ -465,7 +465,7 @@ class DecoderLM(nn.Module):
         n_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The walk itself, tensors only (no host bounds checks: `forward_hidden` and
-        `infer.runtime.step` do them): prepare, embed, the executor's layers, advance the cache. Eagerly,
+        `infer.execution` do them): prepare, embed, the executor's layers, advance the cache. Eagerly,
         fused products whose parts carry forward hooks are unfused first (`HookWatch.honour`)."""
         if not torch.compiler.is_compiling():
             watch = self.hooks

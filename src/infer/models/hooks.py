@@ -5,7 +5,7 @@ global ``register_module_forward_hook``) runs only when its module is *called*. 
 infer would skip one silently, so they ask this module first:
 
 * an ahead-of-time compiled package or a ``torch.compile`` graph of a step runs no Python at
-  all (`infer.runtime.step.Stepper` runs a step eagerly while any hook is present: `HookWatch.active`);
+  all (`infer.execution.Execution` runs a step eagerly while any hook is present: `HookWatch.active`);
 * fused sibling projections (q/k/v, gate/up: `infer.models.projections.Fusable`) call one
   product instead of their parts (`HookWatch.honour` runs a hooked part's block unfused);
 * a packed head's greedy scan and exact re-scoring read the head's weights directly

@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 import torch
 
+from infer.execution import StepOutput
 from infer.kv.prefix import common_prefix
 from infer.params import SamplingParams
-from infer.runtime.step import StepOutput
 from infer.sampling import Sampling, SamplingValues, gumbel_noise, probabilities, sampling_inputs, stack_noise
 from infer.speculative.acceptance import PassCost
 from infer.speculative.state import Speculating
@@ -63,6 +63,7 @@ class Drafter:
         self.cost = PassCost()  # its one-token steps
         # Seconds the last `catch_up` spent reading text it had not seen (a prompt, plain steps' tokens).
         self.reading = 0.0
+        self.drafting = 0.0  # seconds the last `draft` took, less its `reading`: a pass's own cost
 
     def room(self, r: Speculating) -> int:
         """Tokens the draft's context leaves for ``r``'s proposals."""
@@ -99,7 +100,8 @@ class Drafter:
     ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """``limits[r.row]`` tokens per request (one-token steps of every request with tokens to go),
         drawn as each request samples (greedy: the draft's argmax), and for a sampled request the
-        distributions they were drawn from ``[k, vocab]``."""
+        distributions they were drawn from ``[k, vocab]``. Sets `drafting`."""
+        t_start = time.perf_counter()
         rows = [r.row for r in requests]
         feeds = self.catch_up(requests)
         tokens: dict[int, list[int]] = {i: [] for i in rows}
@@ -139,6 +141,7 @@ class Drafter:
             cut = next((i for i, t in enumerate(toks) if t >= vocab), len(toks))  # past the target's ids
             drawn_from = torch.stack(dists[r.row][:cut]) if r.row in dists and cut else None
             out_rows[r.row] = (toks[:cut], drawn_from)
+        self.drafting = time.perf_counter() - t_start - self.reading
         return out_rows
 
 

@@ -1,8 +1,10 @@
-"""`Speculator`: when the scheduler plans a decode step, the proposals (n-gram lookup, a draft
-model) of a verify pass and the pass width that pays; the measured cost of passes (`observe`).
+"""`Speculator`: when the scheduler plans a decode step, the verify pass that pays: its width, the
+n-gram lookup's proposals and the rows a draft model drafts for; the measured cost of passes
+(`observe`).
 
-It proposes and nothing more: the pass is a forward of the engine's plan like any other
-(`infer.engine.plan.Forward`, kind "verify"), its tokens are read by the sampling stage
+It plans and runs nothing: the pass is a forward of the engine's plan like any other
+(`infer.engine.plan.Forward`, kind "verify"), the draft's steps are run by the engine's runner
+(`infer.engine.runner.Runner.draft`), the pass's tokens are read by the sampling stage
 (`verified_tokens`) and taken, and the rejected ones rolled back, by the output stage."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +20,8 @@ from infer.speculative.acceptance import PassCost, Realized, expected_tokens
 from infer.speculative.draft import Drafter
 from infer.speculative.settings import MARGIN, PROBE_EVERY, Speculative
 from infer.speculative.state import DRAFTED, NgramIndex, SpecState, Speculating
+
+S = TypeVar("S", bound=Speculating)
 
 
 @dataclass
@@ -27,6 +32,15 @@ class Proposal:
     kind: int  # the n-gram length that matched, or DRAFTED
     alpha: float
     q: torch.Tensor | None = None  # [k, V]: the draft's distributions (a sampled request's drafts)
+
+
+@dataclass
+class Proposed:
+    """A verify pass the speculator plans: the lookup's ``proposals``, and ``drafting``: the rows the
+    draft model drafts for, with the tokens each may take and their acceptance estimate."""
+
+    proposals: dict[int, Proposal]
+    drafting: dict[int, tuple[int, float]]
 
 
 @dataclass(eq=False)
@@ -48,7 +62,8 @@ class Speculator:
     realized: Realized = field(default_factory=Realized)  # how passes delivered against their plan
     _skipped: int = 0  # passes skipped as too costly since the last one run
     _planned: tuple[float, float] | None = None  # the pass planned: its tokens and seconds expected
-    _proposing: float = 0.0  # seconds the planned pass's proposals took (lookup, drafting)
+    _proposing: float = 0.0  # seconds the planned pass's lookup proposals took
+    _drafted: bool = False  # the planned pass has rows the draft drafts (its seconds: `Drafter.drafting`)
     _drafting_pays: bool = True  # the last plan with drafting rows chose a pass (probes aside)
 
     # ---- per request ----------------------------------------------------------------------
@@ -84,16 +99,15 @@ class Speculator:
             return None
         return Proposal(tokens, n, state.acceptance.alpha(n))
 
-    def read_prompts(self, requests: Sequence[Speculating]) -> None:
-        """The draft reads the prompts of ``requests`` (in row order), whose last chunk the target
-        reads in this plan: with the target's prefill, before their first token, rather than on the
-        first pass's clock. Not while drafted passes do not pay (the last plan with drafting rows
-        chose a plain step): the draft then reads a prompt when a pass is tried."""
+    def draft_reads(self, requests: Sequence[S]) -> list[S]:
+        """Which of ``requests`` (in row order), whose last prompt chunk the target reads in this
+        plan, the draft reads now: with the target's prefill, before their first token, rather than
+        on the first pass's clock. None while drafted passes do not pay (the last plan with drafting
+        rows chose a plain step): the draft then reads a prompt when a pass is tried."""
         d = self.drafter
-        if d is not None and self._drafting_pays:
-            drafting = [r for r in requests if self.row_state(r) is not None and d.room(r) > 0]
-            if drafting:
-                d.catch_up(drafting)
+        if d is None or not self._drafting_pays:
+            return []
+        return [r for r in requests if self.row_state(r) is not None and d.room(r) > 0]
 
     # ---- the pass -------------------------------------------------------------------------
 
@@ -157,12 +171,12 @@ class Speculator:
 
     def propose(
         self, requests: Sequence[Speculating], lengths: Mapping[int, int], room: int
-    ) -> dict[int, Proposal] | None:
-        """The proposals of a verify pass of ``requests`` (decoding rows, in row order; ``lengths``:
-        the tokens each row holds), when a pass pays; None when a plain decode step should run.
-        ``room``: the tokens a pass may feed each row of its span (every row of a pass takes its
-        width, padding included, so the running row nearest the end of the context, decoding or
-        still reading its prompt, bounds everyone's). A draft model drafts here, on its own slots.
+    ) -> Proposed | None:
+        """The verify pass of ``requests`` (decoding rows, in row order; ``lengths``: the tokens each
+        row holds) when one pays, None when a plain decode step should run. ``room``: the tokens a
+        pass may feed each row of its span (every row of a pass takes its width, padding included,
+        so the running row nearest the end of the context, decoding or still reading its prompt,
+        bounds everyone's). The draft model's rows are named, not drafted: the runner drafts them.
 
         A step with a row whose logits are processed (a constraint, a logit bias, a penalty:
         `infer.text.structured.RowProcessor`) is a plain decode step: the pass would have to verify
@@ -186,24 +200,15 @@ class Speculator:
                 proposals[r.row] = p
         span = requests[-1].row - requests[0].row + 1
         width = self.plan(len(requests), proposals, drafting, span)
+        self._drafted = False
         if width == 1:
             return None
         for p in proposals.values():
             del p.tokens[width - 1 :]
-        if drafting:
-            assert self.drafter is not None
-            chosen = [r for r in requests if r.row in drafting]
-            limits = {row: min(width - 1, take) for row, (take, _) in drafting.items()}
-            for row, (tokens, q) in self.drafter.draft(chosen, limits, self.vocab).items():
-                take, alpha = drafting[row]
-                if tokens[:take]:
-                    proposals[row] = Proposal(tokens[:take], DRAFTED, alpha, None if q is None else q[:take])
-        # What the pass costs besides its forward; text the draft read once is not a pass's cost.
-        read = self.drafter.reading if drafting and self.drafter is not None else 0.0
-        self._proposing = time.perf_counter() - t0 - read
-        if not proposals:
-            self._planned = None
-        return proposals or None
+        limits = {row: (min(width - 1, take), alpha) for row, (take, alpha) in drafting.items()}
+        self._drafted = bool(limits)
+        self._proposing = time.perf_counter() - t0  # (with the draft's seconds: `observe`)
+        return Proposed(proposals, limits)
 
     def observe(self, rows: int, width: int, seconds: float, given: int | None = None) -> None:
         """A decode step (``width`` 1) or a verify pass of ``rows`` decoding rows took ``seconds``
@@ -211,8 +216,12 @@ class Speculator:
         self.cost.observe(rows, width, seconds)
         if width > 1 and self._planned is not None and given is not None:
             tokens, predicted = self._planned
-            self.realized.settle(given, tokens, seconds + self._proposing, predicted)
+            proposing = self._proposing
+            if self._drafted and self.drafter is not None:  # text the draft read once is not a pass's cost
+                proposing += self.drafter.drafting
+            self.realized.settle(given, tokens, seconds + proposing, predicted)
         self._planned = None
+        self._drafted = False
 
 
-__all__ = ["Proposal", "Speculator"]
+__all__ = ["Proposal", "Proposed", "Speculator"]

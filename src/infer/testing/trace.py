@@ -17,8 +17,8 @@ import torch
 
 from infer.engine import Engine, Model, Runner, SamplingParams
 from infer.engine.plan import Draw, Plan, Ran
+from infer.execution import Execution
 from infer.kv import KVSlots
-from infer.runtime.step import Stepper
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Traced:
 class Recording(Runner):
     """A `Runner` that keeps, by request id, the logits each of the request's tokens was drawn from."""
 
-    def __init__(self, slots: KVSlots[Any], stepper: Stepper) -> None:
-        super().__init__(slots, stepper)
+    def __init__(self, slots: KVSlots[Any], execution: Execution) -> None:
+        super().__init__(slots, execution)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def run(self, plan: Plan, draws: Sequence[Draw]) -> list[Ran]:
@@ -55,12 +55,12 @@ def trace(
     prompts: Sequence[list[int]],
     params: SamplingParams | Sequence[SamplingParams],
     *,
-    stepper: Stepper | None = None,
+    execution: Execution | None = None,
     **options: Any,
 ) -> list[Traced]:
     """``prompts`` submitted together (one `SamplingParams`, or one each) to a fresh engine of
-    ``llm`` (``options``: `Engine`'s keywords) whose steps ``stepper`` runs (default
-    ``llm.stepper``); each prompt's tokens and logits, in order. A failed request raises its error.
+    ``llm`` (``options``: `Engine`'s keywords) whose steps ``execution`` runs (default
+    ``llm.execution``); each prompt's tokens and logits, in order. A failed request raises its error.
     Speculative decoding must be off (a verify pass draws several tokens of a row from one forward)."""
     if llm.speculative is not None:
         raise ValueError(
@@ -71,7 +71,7 @@ def trace(
 
     def runner(max_batch: int, context: int) -> Runner:
         slots = KVSlots(llm.model, max_batch, context, record=True)
-        runners.append(Recording(slots, stepper if stepper is not None else llm.stepper))
+        runners.append(Recording(slots, execution if execution is not None else llm.execution))
         return runners[-1]
 
     engine = Engine(llm, runner=runner, **options)

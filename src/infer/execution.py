@@ -1,24 +1,14 @@
-"""One generation step — the model's walk on a static cache, the head, sampling — eager or compiled.
+"""How a loaded model runs a forward: `Execution`, chosen once at load, called by the engine's runner
+for every forward (prompt chunks, decode steps, verify passes, a draft model's steps).
 
-`model_step` is plain tensor code with fixed shapes for a given ``(batch, capacity,
-tokens)``: positions, masks and cache writes come from tensors (`infer.kv.cache`), the
-head runs on each row's last real token only, and sampling (`infer.sampling.sample`, the one
-sampling function of infer) takes per-row values and its randomness as inputs (Gumbel noise
-drawn outside the step from each row's own ``torch.Generator``), so nothing in it reads a
-tensor on the host. `Stepper` runs it eagerly (the exact reference) or compiled whole
-with ``torch.compile(fullgraph=True)`` per bucket: the same code either way.
-
-Compiled on CPU it is inductor's C++ (the packed int4/int8 products stay torch's aten
-kernels). Layer streaming swaps weights between steps and always runs eagerly.
-Compilation settings are scoped to infer's own compiled function: its options go to
-``torch.compile(options=...)`` and dynamo's recompile limits are raised with
-``torch._dynamo.config.patch`` around infer's calls only; nothing is written to
-``os.environ`` or to torch's process-wide configuration. Inductor's on-disk cache is
-torch's default (``TORCHINDUCTOR_CACHE_DIR`` if the user set it).
-
-``compile="auto"`` (the default for a resident CPU model): decode steps run an
-ahead-of-time compiled package of their shape from the on-disk cache when there is one, and
-eagerly where there is none (`infer.aot`); prefill stays eager.
+An `Execution` composes the model's placement (its `Executor`: resident, streamed, tensor- or
+pipeline-parallel, fixed when the model was built) with the mode of each step: eager (the exact
+reference), ``torch.compile`` whole per shape bucket, or ahead-of-time compiled packages of decode
+steps (`infer.aot`, ``compile="auto"``, the CPU default). `Execution.choose` holds the rules: a
+streamed or parallel model runs eagerly; packages only where they pay and outside the
+deterministic mode. What cannot combine at all is refused earlier, by name
+(`infer.combinations`). `model_step` is plain tensor code with fixed shapes, so the same code runs
+in every mode (docs/architecture.md, *The step: eager or compiled*).
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from infer.kv.cache import KVCache
-from infer.models.base import DecoderLM
+from infer.models.base import DecoderLM, ExecutorLimits
 from infer.sampling import Sampling, SamplingValues, sample
 
 MIN_PREFILL = 16  # compiled prefill: prompt lengths are padded to powers of two from here
@@ -127,25 +117,30 @@ class PackagedStep(Protocol):
     def __call__(self, cache: KVCache, feed: StepFeed) -> StepOutput: ...
 
 
-class Stepper:
-    """Runs `model_step` for one resident model: eagerly, compiled whole per bucket, or from packages.
+class Execution:
+    """How one loaded model runs a forward (see the module's docstring): ``execution(cache, feed)``.
 
-    ``compile=True``: ``torch.compile(model_step, fullgraph=True, dynamic=False)``; every
-    distinct ``(batch, capacity, tokens, sampling mode)`` is one graph. The engine steps such a
-    stepper in buckets (`bucketed`: rows and capacities in powers of two, prefill lengths in
-    powers of two from `MIN_PREFILL`) so a few graphs serve every request. ``compile="auto"`` with
-    ``packages``: a decode step whose shape has an ahead-of-time compiled package runs it,
-    any other step runs eagerly (`infer.aot`). The stepper holds no cache: each caller passes
-    its own (the engine owns its KV slots), so two generations never share one.
-    ``compile_seconds`` accumulates the time spent in first calls of new buckets.
+    ``compile=True``: `model_step` compiled with ``fullgraph=True, dynamic=False``, one graph per
+    ``(batch, capacity, tokens, sampling mode)``; the engine then steps in buckets (`bucketed`).
+    ``compile="auto"`` with ``packages``: a decode step or verify pass whose shape has a package
+    runs it, any other step eagerly. ``parallel``: the model is this rank's part of a tensor- or
+    pipeline-parallel run (its head is whole on rank 0; nothing re-scores vocabulary rows). It
+    holds no cache: each caller passes its own. ``compile_seconds``: time spent in first calls of
+    new buckets; ``packaged_steps``: steps that ran a package.
     """
 
     def __init__(
-        self, model: DecoderLM, compile: bool | Literal["auto"] = False, packages: Packages | None = None
+        self,
+        model: DecoderLM,
+        compile: bool | Literal["auto"] = False,
+        packages: Packages | None = None,
+        *,
+        parallel: bool = False,
     ) -> None:
         if not isinstance(compile, bool) and compile != "auto":
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         self.model = model
+        self.parallel = parallel
         self.compiled = compile is True  # every step compiled
         self.packages = packages if compile == "auto" else None  # ahead-of-time compiled decode steps
         self.compile_seconds = 0.0
@@ -154,6 +149,45 @@ class Stepper:
         self._fn: StepFn = model_step
         if self.compiled:
             self._fn = self._compile_fn()
+
+    @classmethod
+    def choose(
+        cls,
+        model: DecoderLM,
+        compile: bool | Literal["auto"],
+        *,
+        streamed: bool,
+        parallel: bool,
+        deterministic: bool,
+        packages: Callable[[], Packages | None] | None = None,
+    ) -> Execution:
+        """The execution of a model just built, from `infer.load`'s options (checked against each
+        other by `infer.combinations.check_load` first): a streamed or parallel model runs eagerly
+        (weights change between steps, or a step is a collective); ``"auto"`` asks for its package
+        cache (``packages()``: None where packages do not pay for this model, `infer.aot.pays`) only
+        on CPU and outside the deterministic mode (whose contract is the eager kernels')."""
+        if streamed or parallel:
+            return cls(model, False, parallel=parallel)
+        cache = None
+        if compile == "auto" and packages is not None and model.device.type == "cpu" and not deterministic:
+            cache = packages()
+        return cls(model, compile, cache)
+
+    @property
+    def limits(self) -> ExecutorLimits | None:
+        """The shapes a forward may take (a streamed model planned its memory for them), None for any."""
+        return self.model.executor.limits
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether rows may read one stored copy of a shared prefix (`DecoderLM.shares_prefixes`)."""
+        return self.model.shares_prefixes
+
+    @property
+    def exact_logits_allowed(self) -> bool:
+        """Whether a few vocabulary rows of the head may be computed exactly after a step
+        (`DecoderLM.exact_logits`); a parallel run's vocabulary lives on several ranks."""
+        return not self.parallel
 
     def _compile_fn(self) -> StepFn:
         # A code object of its own: dynamo keeps its compiled entries per code object, and
@@ -219,11 +253,11 @@ class Stepper:
 
 __all__ = [
     "MIN_PREFILL",
+    "Execution",
     "PackagedStep",
     "Packages",
     "StepFeed",
     "StepOutput",
-    "Stepper",
     "head_and_sample",
     "model_step",
 ]
