@@ -1,23 +1,12 @@
 """One engine under ``torchrun``: rank 0 plans, every rank runs the same plan.
 
-Rank 0's `Engine` runs with a `Broadcasting` runner: before each plan runs it sends the other ranks
-the plan as they need it (`infer.engine.plan.Plan.wire`): the KV operations the scheduler made
-since the last one, typed, each with how it went on rank 0 (`infer.kv.ops.Done`), and the
-forwards (rows, what each row is fed, the head; a speculative verify pass is a forward like any
-other). The other ranks `follow`: they keep KV slots of the same rows and capacity for their own part
-of the model (a tensor-parallel rank's heads, a pipeline stage's layers), make the same operations
-and run the same forwards, so every rank holds the same tokens in the same slots, and the forwards'
-collectives meet. An operation or a forward whose outcome on a follower differs from rank 0's (it
-failed here and not there, or the reverse) means the ranks' KV slots diverged: the follower raises
-`DivergenceError`, never goes on. Only rank 0 samples (its logits are whole: the tensor-parallel head
-gathers the vocabulary, the last stage broadcasts them), decodes text and talks to clients; a
-follower's own sampling is greedy and discarded. A processed row (constraint, bias, penalty) takes
-the exact head (no partial re-scoring, whose vocabulary rows live on several ranks).
-
-A server's followers stay in `Ranks.follow` until rank 0 closes its engine (`Broadcasting.close`);
-rank 0 sends a keep-alive every `KEEPALIVE_S` while idle so no collective times out. A call of
-the Python API (`LLM.generate` under torchrun, on every rank) ends with `Ranks.end_call`, which
-gives the other ranks the call's result. `Ranks` is what an `LLM` holds for all of it.
+Rank 0's runner (`Broadcasting`) sends each plan to the other ranks before running it: its typed
+KV operations, each with how it went on rank 0, and its forwards (drafted tokens included). The
+other ranks (`Follower`) make the same operations on slots of the same shape and run the same
+forwards on their part of the model, so the forwards' collectives meet; an outcome that differs
+from rank 0's is a `DivergenceError`, never a run on diverged slots. Only rank 0 samples, decodes
+text and talks to clients. `Ranks` is what an `LLM` holds for all of it (docs/engine.md, *Under
+torchrun*).
 """
 
 from __future__ import annotations

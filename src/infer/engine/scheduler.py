@@ -1,17 +1,11 @@
 """Which requests run, in which rows, and what each iteration does: the plan.
 
-`Scheduler` holds the waiting queue and the running requests (by row), and the engine's counters.
-Each iteration `schedule` admits the requests the driver hands it into rows (`admit`: the longest
-prefix of the prompt the engine already holds wins: a free row's kept tokens, the prefix cache;
-or a running request's, shared), ends the cancelled ones, lets requests that waited for another's
-prompt take it (`resolve_waits`), and makes the `infer.engine.plan.Plan`: the decode step of the
-decoding rows (a verify pass of proposed tokens when speculation pays: `infer.speculative`), then
-chunks of the prompts still being read within a token budget. The policy is here and only here:
-the budget, the chunks, the buckets of a compiled step's shapes (`infer.kv.cache.bucket`).
-After the plan ran, `update` applies what the output stage made of it (`infer.engine.plan.Update`):
-rows rolled back past the tokens their requests did not take, ended requests' rows freed (then
-their final events sent), the counters. It changes the KV slots only through typed operations
-(`KVSlots.apply`), and it never runs the model.
+`Scheduler` holds the waiting queue, the running requests (by row) and the counters. `schedule`
+admits requests into rows (the longest prefix of the prompt the engine already holds wins),
+ends the cancelled ones and makes the `infer.engine.plan.Plan`: the decode step (or a verify pass,
+`infer.speculative`), then prompt chunks within a token budget. The policy is here and only here.
+`update` applies the output stage's result. It changes KV slots only through typed operations
+(`KVSlots.apply`) and never runs a model.
 """
 
 from __future__ import annotations
