@@ -118,10 +118,11 @@ class Engine:
             speculator = Speculator(
                 llm.speculative, limit, per_forward, model.vocab_size, self.runner.drafter
             )
+        execution = self.runner.execution
         policy = Policy(max_batch, limit, prefill_chunk, idle_prefill_chunk, per_forward,
-                        self.runner.execution.bucketed, self.runner.exact_logits_allowed)  # fmt: skip
+                        execution.bucketed, execution.exact_logits_allowed)  # fmt: skip
         self.scheduler = Scheduler(self.slots, policy, speculator)
-        exact_logits = self.runner.exact_logits if self.runner.exact_logits_allowed else None
+        exact_logits = self.runner.exact_logits if execution.exact_logits_allowed else None
         self.sampler = Sampler(model.vocab_size, model.device, exact_logits)
         self.outputs = Outputs()
         self.driver = Driver(self)

@@ -40,15 +40,6 @@ class Runner:
         self.drafter = drafter
         slots.bucketed = self.execution.bucketed
 
-    @property
-    def compiled(self) -> bool:
-        return self.execution.compiled
-
-    @property
-    def exact_logits_allowed(self) -> bool:
-        """Whether `exact_logits` may run (a parallel run computes the whole head instead)."""
-        return self.execution.exact_logits_allowed
-
     def run(self, plan: Plan, draws: Sequence[Draw]) -> list[Ran]:
         """Run ``plan``'s forwards in order, each sampling with its ``draws`` entry. A forward that
         raises gives its exception (its rows as they were) and the others run."""
