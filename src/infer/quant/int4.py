@@ -9,15 +9,10 @@
 - a last block of ``r < BLOCK_N`` rows (``r`` a multiple of 16): ``[K, r/2]`` bytes; byte
   ``(k, j)`` holds rows ``2j`` (low) and ``2j + 1`` (high).
 
-`BLOCK_N` is read off torch's converter once, at import (`_converter_block_n`): the same
-torch lays the bytes out differently by the CPU it runs on, so packed bytes (the repack
-cache's) are valid only where the block size is the same.
-
-We pack and unpack it ourselves in torch, so packing never makes the ``[N, K]`` int32
-temporary the converter needs (1.3 GB for Gemma 3's embedding) and the weights can be
-unpacked again (for prefill, embedding lookups, or devices without the kernel).
-The kernel computes ``y = x @ ((q - 8) * scale + zero).T`` with ``scale``/``zero`` per
-group of ``group_size`` values along K, given as ``[K/group, N, 2]`` in x's dtype.
+`BLOCK_N` is read off torch's converter at import: packed bytes (the repack cache's) are valid
+only where the block size is the same. We pack and unpack in torch ourselves (no ``[N, K]`` int32
+temporary; weights can be unpacked again: docs/quantization.md). The kernel computes
+``y = x @ ((q - 8) * scale + zero).T``, ``scale``/``zero`` ``[K/group, N, 2]`` in x's dtype.
 """
 
 from __future__ import annotations
