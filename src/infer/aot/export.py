@@ -1,13 +1,9 @@
 """Export: `torch.export` of `infer.runtime.step.model_step` for one decode shape, compiled into a package.
 
-`build` exports the step of one rows kind (one row, or any of `MULTI_ROWS`: a dynamic
-dimension) and sampling mode, on any KV capacity (dynamic too), in the engine's layout (slot
-order, no rings), and compiles it with AOTInductor into a shared library. The model's weights
-are *inputs* of the exported program, not constants (only the ones the step reads), so a
-package holds code only (~10 MB) and runs on the tensors already loaded: no second copy of
-the weights, in memory or on disk. The package records what it assumes of its inputs
-(`tensor_specs`, `_input_specs`), which `infer.aot.runtime.Package` checks. The file is moved into
-place atomically (``os.replace``), so a reader never sees a partial one.
+`build` exports the step of one rows kind and sampling mode on any KV capacity (dynamic), in the
+engine's layout, and compiles it with AOTInductor. The weights are *inputs* (a package holds code
+only); what it assumes of its inputs is recorded (`tensor_specs`) for `infer.aot.runtime.Package`
+to check, and the file is moved into place atomically.
 """
 
 from __future__ import annotations
