@@ -156,17 +156,16 @@ def build(model: DecoderLM, batch: int, mode: Sampling, path: Path, width: int =
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
         # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
-        # Non-strict: traced by running the Python with fake tensors, not by dynamo (SmolLM2's step:
-        # 13-22 s instead of 75 s; the step reads nothing from the host, so both give one program).
+        # Non-strict: traced by running the Python with fake tensors, not by dynamo (faster; the step
+        # reads nothing from the host, so both give one program: docs/engine.md).
         with all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
             warnings.simplefilter("ignore", UserWarning)
             return torch.export.export(
                 Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=False
             )
 
-    # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step
-    # reads. The first export finds them (the fused products leave their parts' views unread:
-    # SmolLM2 reads 307 of 607), the second is the program built.
+    # Every call hands each weight to the compiled code: only the ones the step reads. The first
+    # export finds them (the fused products leave their parts' views unread), the second is built.
     weights = named_tensors(step)
     used = _used_weights(export(weights), len(torch.utils._pytree.tree_leaves(inputs)), list(weights))
     weights = {name: weights[name] for name in used}

@@ -40,13 +40,9 @@ _STRING, _ARRAY = 8, 9
 def check_tokenizer_metadata(gguf: GGUFFile, vocab_size: int) -> None:
     """Validate the file's ``tokenizer.*`` metadata before anything uses it.
 
-    The token list must be an array of ``vocab_size`` strings (one per row of
-    ``token_embd.weight``, as llama.cpp requires); ``token_type`` (integers) and
-    ``scores`` (floats), when present, one per token; ``merges`` an array of strings;
-    every special token id (bos, eos, eot, eom, unknown, separator, padding, cls, mask)
-    an integer in ``0 .. vocab_size - 1``; flags booleans; the model name, pre-tokenizer
-    and chat template strings. Raises ``ValueError`` naming the file, the key, what was
-    expected and what was found.
+    ``vocab_size`` token strings, per-token types and scores, string merges, special ids in
+    range, boolean flags, string names and template; a ``ValueError`` names the file, the key,
+    what was expected and what was found (the table: docs/reliability.md).
     """
     md = gguf.metadata
 

@@ -8,8 +8,8 @@ import torch
 
 # Outputs re-scored exactly per row by an output head that kept float32 scales (`QuantizedLinear.rescore`).
 RESCORE_TOP_K = 16
-# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`):
-# over 1024 positions of real text the exact winner ranked at worst 51st (SmolLM2), 24th (Gemma 3).
+# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`);
+# the exact winner's worst rank on real text: docs/quantization.md.
 GREEDY_CANDIDATES = 128
 # Rows up to which an output head's greedy step scans its high plane and re-scores
 # `GREEDY_CANDIDATES` per row (the re-scoring gathers rows x candidates weight rows).

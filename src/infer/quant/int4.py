@@ -225,16 +225,10 @@ def cpu_kernel_accepts(
 ) -> bool:
     """Whether ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` correctly for these operands.
 
-    torch checks only some of what its kernel assumes. Unchecked there, and a wrong
-    result or an out-of-bounds read when broken: ``N % 16 == 0`` (the kernel's column
-    blocks are 16, 32, 48 or 64 wide), ``scale_zero`` of shape ``[K / group_size, N, 2]``,
-    contiguous, in x's dtype (it is read as ``[K/g, N, 2]`` elements of x's dtype,
-    whatever its shape and strides), and every ``M*K``, ``N*K``, ``M*N`` below 2^31
-    (32-bit indexing). Checked there (an error, not a crash, but refused here too):
-    the dtypes, 2-D contiguous ``x`` and ``packed``, ``packed`` of shape ``[N, K/2]``,
-    ``group_size`` in 32/64/128/256 dividing K. Loads are unaligned, so alignment is
-    free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`;
-    ``usable_checked``: the caller already knows, e.g. inside a compiled graph).
+    What torch does not check and the kernel assumes: ``N % 16 == 0``, ``scale_zero`` of shape
+    ``[K / group_size, N, 2]``, contiguous, in x's dtype, ``M*K``, ``N*K``, ``M*N`` below 2^31;
+    plus torch's own checks (refused here rather than raised). ``usable_checked``: the caller knows
+    `cpu_kernel_usable` holds (inside a compiled graph). Why each: docs/quantization.md.
     """
     if not plain_cpu_operands(x, packed, torch.uint8, scale_zero, 3):
         return False
