@@ -77,7 +77,7 @@ def main() -> None:
             eager_tokens, eager_logits = run(Execution(llm.model))
             t1 = time.perf_counter()
             if args.against == "package":
-                compiled = packaged_stepper(llm, dtype, run)
+                compiled = packaged_execution(llm, dtype, run)
                 t1 = time.perf_counter()
             else:
                 compiled = Execution(llm.model, compile=True)
@@ -108,7 +108,7 @@ def main() -> None:
             )
 
 
-def packaged_stepper(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
+def packaged_execution(llm: Any, dtype: str, run: Callable[[Any], Any]) -> Any:
     """A default (``compile="auto"``) execution whose packages exist: a first run notes the decode
     shapes it misses, they are built here (`infer.aot.build`), and the execution is returned."""
     import infer.aot as aot

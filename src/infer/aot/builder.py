@@ -1,52 +1,10 @@
 """The background builder of a package cache directory: one at most, fed by a queue.
 
-`infer.aot` notes the decode shapes a process ran without a package and hands them here as
-build requests (`submit`); this module never imports torch, so the process that waits for
-the machine to be idle costs an interpreter and nothing more.
-
-* **Queue.** A request is a JSON file ``DIR/queue/KEY.json``, written whole and renamed into
-  place (``os.replace``), so a reader never sees half of one; queueing the same key again
-  replaces it. **The newest submission is built first**, its requests in the order given:
-  the process that asked last is the one running eagerly now, while an older request's
-  process may be long gone (a new process's model waited ~13 minutes behind another model's
-  queued packages). Each request's modification time is set to its submission's time less
-  its index (nanoseconds), so the order is read off a ``stat``.
-* **One builder per directory.** ``python -m infer.aot.builder DIR`` holds an exclusive ``flock``
-  on ``DIR/builder.lock`` while it lives and takes requests from the queue, newest first, until
-  none is left; a process that queues a request starts a builder only when nobody holds that
-  lock, and takes the lock itself first: the builder inherits the locked descriptor, so the
-  lock is held from the moment a builder is decided on, not from when its Python has started
-  (seconds on a busy machine, in which a second producer would start a second builder). The
-  builder releases the lock *then* looks at the queue once more, and a producer
-  writes its request *then* tries the lock, so a request that arrives as the builder leaves
-  is taken by one or the other: never left without a builder, never two builders.
-* **One build at a time on the machine.** Before each build the builder takes a second lock,
-  `run_lock` (in the temporary directory, shared by every cache directory and user that can
-  open it), so builders of two directories never compile at once and never see each other's
-  compiler as the user's work. A builder waiting for its turn sleeps (one ``flock`` try a second).
-* **Nothing held while waiting.** With its turn, the builder waits for the machine to be idle
-  (`infer.aot.idle.wait_until_idle`) and only then starts the worker, ``python -m infer.aot
-  REQUEST``, which imports torch, loads the model, compiles and exits; one worker per request.
-  The worker runs under `infer.aot.idle.run_when_idle`: stopped while other processes keep the
-  CPUs busy, and killed if stopped for more than `STOP_LIMIT_S` at a stretch; its request is
-  tried again after a longer quiet spell each time (`RETRY_QUIET_S`: 5 s, 15 s, ... 60 s), at
-  most `MAX_TRIES` times, then dropped (a later process, or a running one after
-  `infer.aot.PackageCache.REQUEUE_S`, asks again).
-  So a builder that waits, for its turn or for quiet, is this interpreter alone (~14 MB
-  resident, under 50 MiB with the worker gone), and holds a model only while it builds or
-  for at most `STOP_LIMIT_S` after the machine turned busy.
-* **Stale requests are dropped** (a line in ``DIR/builder.log``, no ``.failed`` marker, no
-  worker) when the checkpoint's files (``config.json``, ``*.safetensors``, ``*.gguf``) are
-  gone or differ in size or modification time from when the request was made, when infer's
-  source on disk differs from the one that queued it (`source_digest`), when the package
-  exists already, or when an earlier build of it failed. A build does not start
-  without the memory for a second copy of the model plus `COMPILER_BYTES` (dropped too).
-* **Bounds.** Per cache directory: at most one builder (and, while it builds, one worker and
-  the compiler it runs); on the machine: at most one worker at a time. A builder exits when
-  its queue is empty, or after `WAIT_LIMIT_S` without a turn or an idle moment (its queue stays
-  for the next builder). Its log is cut when it passes `LOG_BYTES`.
-
-`temporary` says which checkpoints are not queued unless the user asked (`infer.aot`).
+`submit` queues build requests (``DIR/queue/KEY.json``, newest submission built first) and starts
+``python -m infer.aot.builder DIR`` when no builder holds ``DIR/builder.lock``; the builder runs one
+worker at a time on the machine (`run_lock`), only while the machine is idle (`infer.aot.idle`),
+and drops stale requests. It never imports torch. Policy and bounds: docs/engine.md,
+"Compiled steps"; `temporary` says which checkpoints are not queued unless asked.
 """
 
 from __future__ import annotations

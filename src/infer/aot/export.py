@@ -1,13 +1,9 @@
 """Export: `torch.export` of `infer.execution.model_step` for one decode shape, compiled into a package.
 
-`build` exports the step of one rows kind (one row, or any of `MULTI_ROWS`: a dynamic
-dimension) and sampling mode, on any KV capacity (dynamic too), in the engine's layout (slot
-order, no rings), and compiles it with AOTInductor into a shared library. The model's weights
-are *inputs* of the exported program, not constants (only the ones the step reads), so a
-package holds code only (~10 MB) and runs on the tensors already loaded: no second copy of
-the weights, in memory or on disk. The package records what it assumes of its inputs
-(`tensor_specs`, `_input_specs`), which `infer.aot.runtime.Package` checks. The file is moved into
-place atomically (``os.replace``), so a reader never sees a partial one.
+`build` exports the step of one rows kind and sampling mode on any KV capacity (dynamic), in the
+engine's layout, and compiles it with AOTInductor. The weights are *inputs* (a package holds code
+only); what it assumes of its inputs is recorded (`tensor_specs`) for `infer.aot.runtime.Package`
+to check, and the file is moved into place atomically.
 """
 
 from __future__ import annotations
@@ -160,17 +156,16 @@ def build(model: DecoderLM, batch: int, mode: Sampling, path: Path, width: int =
 
     def export(weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
         # Blocks inlined, not a nested region: their K/V writes then stay in place (`layer_regions`).
-        # Non-strict: traced by running the Python with fake tensors, not by dynamo (SmolLM2's step:
-        # 13-22 s instead of 75 s; the step reads nothing from the host, so both give one program).
+        # Non-strict: traced by running the Python with fake tensors, not by dynamo (faster; the step
+        # reads nothing from the host, so both give one program: docs/engine.md).
         with all_modules_named(step), torch.no_grad(), warnings.catch_warnings(), layer_regions(False):
             warnings.simplefilter("ignore", UserWarning)
             return torch.export.export(
                 Functional(), (*inputs, weights), dynamic_shapes=shapes(weights), strict=False
             )
 
-    # Every call hands each weight to the compiled code (~1 µs a tensor): only the ones the step
-    # reads. The first export finds them (the fused products leave their parts' views unread:
-    # SmolLM2 reads 307 of 607), the second is the program built.
+    # Every call hands each weight to the compiled code: only the ones the step reads. The first
+    # export finds them (the fused products leave their parts' views unread), the second is built.
     weights = named_tensors(step)
     used = _used_weights(export(weights), len(torch.utils._pytree.tree_leaves(inputs)), list(weights))
     weights = {name: weights[name] for name in used}

@@ -1,23 +1,10 @@
 """Run a command only while the rest of the machine leaves the CPUs idle.
 
-A compile in the background (`infer.aot`'s package builds) must not slow what the user runs.
-Lowering its priority is not enough: torch's steps are OpenMP regions over every core, each
-waiting for its slowest thread, so a build that holds one core for a moment stalls the whole
-step (measured on 2 CPUs: SmolLM2's eager decode fell from 57 to 1.5 tok/s beside a nice-19
-build, and to 14 tok/s beside a ``SCHED_IDLE`` one; docs/performance.md).
-
-``python -m infer.aot.idle -- COMMAND...`` (`run_when_idle`) starts the command in a process group
-of its own and watches the CPUs this process may run on (``/proc/stat``, the CPUs of its
-affinity mask): while other processes keep more than `busy_limit` of them busy, the group is
-stopped (``SIGSTOP``); after `QUIET_S` seconds below it, continued. So the command runs in the
-gaps the user leaves (between runs, while a chat waits for typing) and is stopped within one
-`POLL_S` of the user's work starting. `wait_until_idle` waits for such a gap before anything
-is started (`infer.aot.builder` starts its torch process only then), and ``max_stopped_s`` kills a
-command stopped for longer than that, so that a long busy spell holds none of its memory.
-The watcher itself is a sleeping Python process without torch (~14 MB). It exits with the
-command's status; if it dies, the command is killed with it (``PR_SET_PDEATHSIG``); a command
-that cannot finish within `GIVE_UP_S` of wall time is killed. Linux only: elsewhere the
-command just runs.
+A background build at low priority still stalls torch's OpenMP steps (docs/performance.md), so
+`run_when_idle` (``python -m infer.aot.idle -- COMMAND...``) stops the command's process group
+while other processes keep more than `busy_limit` CPUs busy and continues it after `QUIET_S` of
+quiet; `wait_until_idle` waits for such a gap. Linux only (elsewhere the command just runs);
+details: docs/engine.md, "Compiled steps".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Fingerprinting: which package serves a decode step.
 
-A package is named after a hash of everything its code depends on (`fingerprint`): each
-weight's name, shape, dtype and strides and each module's class, the config, torch's version,
-the CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``), the machine,
-`PACKAGE_VERSION` and the source of infer itself; then the step's shape and sampling mode
-(`shape_key`, `package_key`). Another model, another machine or another version of infer finds
-no package, and builds its own. `named_tensors` names every tensor of the model, for the
-fingerprint, the export (`infer.aot.export`) and the loaded package (`infer.aot.runtime`).
+`fingerprint` hashes everything a package's code depends on (weights' names, shapes, dtypes and
+strides, module classes, config, torch, CPU capability, machine, `PACKAGE_VERSION`, infer's
+source); `shape_key` / `package_key` add the step's shape and sampling mode. `named_tensors` names
+every tensor of the model for the fingerprint, the export and the loaded package.
 """
 
 from __future__ import annotations

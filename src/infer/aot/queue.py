@@ -1,15 +1,9 @@
 """The build-queue policy: which decode shapes a process queues for the background builder, and when.
 
-A step whose package is missing runs eagerly, and its shape is queued for a build at once, on
-the step that found it missing: a JSON request (the `infer.aot.worker.Recipe` that loads the
-same model, the shape, the checkpoint's files, infer's source digest) written into the cache
-directory's ``queue/``; `BuildQueue.prepare` queues shapes ahead of need. The directory's one
-builder (`infer.aot.builder`: started by the process that queues when none lives, in a new
-session, so it outlives it) takes the queue and runs the worker (`infer.aot.worker`) for each
-request. A shape queued `BuildQueue.REQUEUE_S` ago and dropped unbuilt by the builder is queued
-again; what could not be queued is queued at interpreter exit (`_MISSING`). Whether anything is
-queued at all is ``INFER_AOT``'s (`infer.aot.settings`; a temporary or test checkpoint only
-under an explicit ``INFER_AOT=on``).
+A step whose package is missing runs eagerly and queues its shape at once (`BuildQueue.prepare`
+queues ahead of need); a shape dropped unbuilt is queued again after `BuildQueue.REQUEUE_S`; what
+could not be queued is queued at exit. Whether anything is queued is ``INFER_AOT``'s
+(`infer.aot.settings`). See docs/engine.md, "Compiled steps".
 """
 
 from __future__ import annotations
@@ -71,8 +65,7 @@ class BuildQueue:
     @property
     def builds_allowed(self) -> bool:
         """Whether missing shapes are queued for a build (``INFER_AOT``; a temporary or test
-        checkpoint only under an explicit ``INFER_AOT=on``). Asked every step: two reads of the
-        environment at most (~1 µs each)."""
+        checkpoint only under an explicit ``INFER_AOT=on``). Asked every step (cheap)."""
         return (settings.background_builds() and self.recipe is not None  # (on: packages are enabled)
                 and (not self._temporary or settings.temporary_builds()))  # fmt: skip
 
@@ -91,13 +84,9 @@ class BuildQueue:
         _MISSING.pop(key, None)
 
     def prepare(self, rows: Iterable[int], modes: Iterable[Sampling] = (Sampling(),)) -> list[str]:
-        """Queue the builds of the packages serving decode steps of ``rows`` rows in ``modes`` that
-        do not exist yet, ahead of need: a server calls it at start for the batch sizes its engine
-        will step (a package serves one row, or any of `MULTI_ROWS`, on every KV capacity; a mode
-        with ``every_token`` asks for the verify pass of one row, any of `VERIFY_WIDTHS` tokens).
-        The builder takes them in the machine's idle time, in this order (each of ``modes`` for
-        every row count, fewest rows first: one submission), and this process picks each package
-        up as it lands. The keys queued; [] where builds are off (`builds_allowed`)."""
+        """Queue, ahead of need, the missing packages serving decode steps of ``rows`` rows in
+        ``modes`` (a mode with ``every_token``: the verify pass of one row), fewest rows first, in
+        one submission. The keys queued; [] where builds are off (`builds_allowed`)."""
         rows, modes = list(rows), list(modes)
         bad = [v for v in rows if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
@@ -121,11 +110,9 @@ class BuildQueue:
         return [r["key"] for r in requests if r["key"] in self.queued]
 
     def build_missing(self) -> subprocess.Popen[bytes] | None:
-        """Queue the shapes noted missing that this process has not queued yet, and start the
-        directory's builder if none lives (it takes the whole queue); the builder started, or
-        None (one lives, or nothing is to be built). A builder this process started that still
-        runs counts as living even before it takes its lock (a Python start-up: seconds on a busy
-        machine), so a second is not started beside it."""
+        """Queue the shapes noted missing and not queued yet, and start the directory's builder if
+        none lives (one this process started counts before it takes its lock); the builder
+        started, or None."""
         if not self.builds_allowed:
             return None
         started = self._queue([r for key, r in self.missing.items() if key not in self.queued])
@@ -137,8 +124,7 @@ class BuildQueue:
 
     def _due(self, key: str, now: float) -> bool:
         """Whether to queue ``key`` (missing here): not queued yet, or queued `REQUEUE_S` ago and
-        gone from the queue unbuilt (the builder dropped it: the machine stayed busy; a long-running
-        process asks again, as a new process would)."""
+        dropped unbuilt by the builder."""
         at = self.queued.get(key)
         if at is None:
             return True
@@ -158,10 +144,8 @@ class BuildQueue:
         }  # fmt: skip
 
     def _queue(self, requests: list[dict[str, Any]], stacklevel: int = 3) -> subprocess.Popen[bytes] | None:
-        """Queue ``requests`` (on the step thread: a file each, and a builder started when none
-        lives: 1-20 ms, or ~2.5 ms when one lives, once per shape; tiny model, 2 shared cores);
-        what fails is queued at exit. The builder started, if this started one. (``stacklevel``:
-        the frame a failure's warning names, the public method's caller.)"""
+        """Queue ``requests`` (on the step thread; cost: docs/engine.md); what fails is queued at
+        exit. The builder started, if this started one (``stacklevel``: the frame a warning names)."""
         todo = [r for r in requests if not _done(Path(r["out"]))]
         if not todo:
             return None

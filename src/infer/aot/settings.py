@@ -1,10 +1,8 @@
 """``INFER_AOT`` and the package cache's directory, read when used (never at import).
 
-``INFER_AOT`` in the environment: unset (the default) uses the packages there are and builds
-the missing ones in idle time, except for a temporary or test checkpoint
-(`infer.aot.builder.temporary`), whose shapes are not queued; ``on`` builds those too; ``use``
-uses packages and builds none; ``off`` uses and builds nothing (as ``compile=False``). Each
-function below reads the variable afresh: what a process sets before it asks is what counts.
+``INFER_AOT``: unset builds missing packages in idle time (not for a temporary or test
+checkpoint: `infer.aot.builder.temporary`), ``on`` builds those too, ``use`` builds none, ``off``
+uses none (as ``compile=False``). Each function reads the variable afresh.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The worker: ``python -m infer.aot REQUEST``, the process that builds one package.
 
-The directory's builder (`infer.aot.builder`) starts it, once the machine is idle, for one queued
-request (`infer.aot.queue`). At ``SCHED_IDLE`` with one compile thread, it loads the same
-checkpoint the same way (`Recipe`), checks that its model has the fingerprint the request
-names, builds the package (`infer.aot.export.build`), or leaves a ``.failed`` marker saying
-why, and prunes the cache directory (`infer.aot.prune`). Its output is the build's log.
+Started by the builder (`infer.aot.builder`) once the machine is idle, at ``SCHED_IDLE`` with one
+compile thread: loads the same checkpoint the same way (`Recipe`), checks the fingerprint, builds
+(`infer.aot.export.build`) or leaves a ``.failed`` marker, and prunes (`infer.aot.prune`).
 """
 
 from __future__ import annotations
@@ -54,10 +52,8 @@ class Recipe:
 def _yield_the_cpu() -> None:
     """Run (and let the compiler's children run) only when the CPU would otherwise idle.
 
-    nice 19 is not enough: the user's eager steps are OpenMP regions over every core, and a
-    region waits for its slowest thread, so a build that holds a core for a scheduler slice
-    stalls the whole step (measured: SmolLM2 eager decode fell from 57 to 1.5 tok/s on 2 cores
-    while a nice-19 build ran). ``SCHED_IDLE`` yields at once to any waking thread."""
+    nice 19 is not enough (a core held for a scheduler slice stalls an OpenMP step:
+    docs/performance.md); ``SCHED_IDLE`` yields at once to any waking thread."""
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     with contextlib.suppress(OSError):

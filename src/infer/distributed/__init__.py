@@ -1,14 +1,9 @@
 """Tensor and pipeline parallelism over `torch.distributed`: one model across processes.
 
-Under ``torchrun --nproc-per-node N`` (or any initialized default process group),
-``infer.load(path, tensor_parallel=T, pipeline_parallel=P)`` with ``T x P == N`` builds
-on every rank the part of the model that rank holds — its pipeline stage's layers, and
-within them its tensor-parallel share of every weight, read straight from the checkpoint
-(`infer.loader.build.Partition`) — and installs the executor that makes the parts compute
-the whole (`infer.distributed.executor`; row-parallel linears all-reduce inside the
-layers, `infer.distributed.modules`). Every rank then returns the same `LLM`:
-``generate`` / ``stream`` / ``chat`` run in lockstep on all ranks and give the same result
-on each. See docs/distributed.md.
+Under ``torchrun`` (or any initialized default process group), ``infer.load(path,
+tensor_parallel=T, pipeline_parallel=P)`` builds on every rank the part of the model it holds
+(`infer.loader.build.Partition`) and installs the executors that make the parts compute the
+whole; every rank returns the same `LLM`, run in lockstep. See docs/distributed.md.
 """
 
 from __future__ import annotations

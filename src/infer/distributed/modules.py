@@ -1,11 +1,8 @@
 """`RowParallel`: the module swap that makes a tensor-parallel layer compute the whole layer.
 
-Within a layer, a row-parallel linear (attention's output projection, the MLP's down
-projection) holds its rank's input columns; `RowParallel` all-reduces its partial sums
-(one all-reduce after attention, one after the MLP) and adds the bias once. The model
-files know nothing of it: `infer.distributed.parallelize` wraps the modules the
-architecture's `tp_roles` name. The embedding, the head and the pipeline are the
-executors' (`infer.distributed.executor`).
+A row-parallel linear (attention's output projection, the MLP's down projection) holds its rank's
+input columns; `RowParallel` all-reduces its partial sums and adds the bias once. The model files
+know nothing of it: `infer.distributed.parallelize` wraps the modules `tp_roles` names.
 """
 
 from __future__ import annotations

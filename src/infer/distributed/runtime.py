@@ -1,14 +1,9 @@
 """Process groups of a tensor x pipeline parallel run, on `torch.distributed`.
 
-``world = tensor_parallel x pipeline_parallel`` ranks: rank ``r`` is stage ``r // T`` of
-the pipeline and rank ``r % T`` of its stage's tensor-parallel group, so the ranks of one
-stage are consecutive (on one node under ``torchrun``: tensor parallelism needs the fast
-links). Each tensor-parallel rank talks to the same tensor-parallel rank of the next
-stage, and the last stage broadcasts the logits down its "column" of ranks.
-
-If no process group exists, `setup` initializes one from torchrun's environment variables
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): gloo on CPU, NCCL on CUDA,
-with a timeout, so a dead rank makes the others fail instead of waiting forever.
+Ranks are laid out stage-major (rank ``r`` is stage ``r // T``, tensor-parallel rank ``r % T``).
+`setup` initializes a process group from torchrun's environment when none exists (gloo on CPU,
+NCCL on CUDA, with a timeout); `Heartbeat` and `agree` make a lost or failed rank fail every rank
+by name. See docs/distributed.md, "Running it" and "Failures".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Which part of every weight a tensor-parallel rank holds (Megatron-style), and its config.
 
-Attention heads split across ranks: Q/K/V are column-parallel (each rank holds its heads'
-output rows), O is row-parallel (its input columns; the partial sums are all-reduced). The
-MLP's gate / up are column-parallel, down row-parallel. The embedding and the head split
-the vocabulary (rows). Norms and row-parallel biases are replicated. KV heads split too;
-when there are more ranks than KV heads each KV head is replicated on the ranks whose
-query heads use it, as vLLM does. Fused modules (Phi-3's ``qkv_proj`` and
-``gate_up_proj``, GPT-2's ``c_attn``) split segment by segment.
-
-A rank builds its model from `TensorParallel.local_config` (its share of heads,
-intermediate size and vocabulary, with an explicit ``head_dim``) and the loader reads only
-its `Slice` of each stored tensor (`infer.loader.place`).
+Q/K/V and gate/up are column-parallel, O and down row-parallel, the embedding and head split by
+vocabulary rows; KV heads are replicated when ranks outnumber them; fused modules split segment by
+segment. A rank builds from `TensorParallel.local_config` and reads only its `Slice` of each
+tensor. See docs/distributed.md, "What each rank holds".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """GGUF metadata -> `ModelConfig`.
 
-llama.cpp writes hyperparameters as ``{arch}.key`` entries (``arch`` is the file's
-``general.architecture``). The keys every architecture shares are read here; what is
-particular to one (Gemma 3's hard-coded sliding pattern, GPT-2's LayerNorm epsilon,
-Llama 3.1's ``rope_freqs``) is read by its model file's `GGUFRules.metadata`.
-
-Every count and dimension that sizes something is checked against the tensor table
-before it is used: ``block_count`` must be the number of ``blk.N`` blocks in the file,
-``embedding_length`` and the vocabulary must match ``token_embd.weight``; the tensor
-table itself is bounded by the file size (`infer.gguf.reader`). A file therefore cannot
-make infer build or allocate more than its tensors imply. Values are checked too
-(positive sizes, finite positive epsilons and RoPE bases, heads that divide), with
-errors that name the file and the key.
-
-Tied embeddings: a file with no ``output.weight`` ties the head to ``token_embd`` (as
-llama.cpp and transformers decide).
+The ``{arch}.*`` keys every architecture shares are read here; what is particular to one is read
+by its model file's `GGUFRules.metadata`. Every count and dimension is checked against the tensor
+table before use (a file cannot make infer allocate more than its tensors imply), values too, with
+errors naming the file and the key. No ``output.weight``: the head is tied to ``token_embd``.
+See docs/gguf.md, "Metadata -> ModelConfig".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """A GGUF reader that opens a file in milliseconds: header, metadata and tensor table.
 
-`gguf.GGUFReader` builds a numpy view per element of every metadata array (seconds for
-a 49k-entry vocabulary). Here the header (metadata and tensor table, a few MB at most)
-is read into process memory with ordinary reads, growing the read as parsing needs
-more, and parsed with ``struct``: numeric arrays become numpy arrays, string arrays are
-indexed (one pass over their lengths) and decoded only when asked for, so a model whose
-tokenizer is already cached never decodes its vocabulary. Nothing stays memory-mapped:
-a file that shrinks or changes under a running process gives an ``OSError`` when a
-tensor is read, never a ``SIGBUS``.
-
-Every length, count and offset is checked against the file size before it is used:
-a truncated or corrupt file raises ``ValueError`` naming the file, never reads out
-of bounds and never loops on an absurd count. Tensor data must be laid out as
-llama.cpp requires: in table order, each tensor starting where the previous one ends
-(padded to the alignment), inside the file — so no two tensors overlap.
+The header is read with ordinary reads and parsed with ``struct``; string arrays are decoded only
+when asked for, and nothing stays memory-mapped (a file changed under a process gives ``OSError``,
+never ``SIGBUS``). Every length, count and offset is checked against the file size, and tensors
+must lie in table order without overlap, as llama.cpp requires. See docs/gguf.md, "Reading".
 
 Layout (little-endian, versions 2 and 3)::
 

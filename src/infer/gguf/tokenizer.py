@@ -1,14 +1,9 @@
 """The tokenizer (and chat template) a GGUF file describes, built once and cached on disk.
 
-transformers builds a fast tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata;
-that takes seconds (Gemma 3 rebuilds 515k BPE merges from its vocabulary). We build it
-with the tokenizer class transformers' `AutoTokenizer` would pick for the file's
-model type (skipping `AutoTokenizer`'s full GGUF config parse), save it under
-``~/.cache/infer/tokenizers/<key>/``, and later load the saved ``tokenizer.json``
-with the `tokenizers` library alone (`FastTokenizer`: no transformers import). The
-key is a hash of the file's header (all metadata and the tensor table) and the
-transformers version, so a copy of the file elsewhere hits the cache and an edited
-file misses it.
+Built with the tokenizer class transformers' `AutoTokenizer` would pick, saved under
+``~/.cache/infer/tokenizers/<key>/`` (the key: a hash of the file's header and the transformers
+version), and loaded later with the `tokenizers` library alone (`FastTokenizer`). See
+docs/gguf.md, "Tokenizer".
 """
 
 from __future__ import annotations
@@ -45,13 +40,9 @@ _STRING, _ARRAY = 8, 9
 def check_tokenizer_metadata(gguf: GGUFFile, vocab_size: int) -> None:
     """Validate the file's ``tokenizer.*`` metadata before anything uses it.
 
-    The token list must be an array of ``vocab_size`` strings (one per row of
-    ``token_embd.weight``, as llama.cpp requires); ``token_type`` (integers) and
-    ``scores`` (floats), when present, one per token; ``merges`` an array of strings;
-    every special token id (bos, eos, eot, eom, unknown, separator, padding, cls, mask)
-    an integer in ``0 .. vocab_size - 1``; flags booleans; the model name, pre-tokenizer
-    and chat template strings. Raises ``ValueError`` naming the file, the key, what was
-    expected and what was found.
+    ``vocab_size`` token strings, per-token types and scores, string merges, special ids in
+    range, boolean flags, string names and template; a ``ValueError`` names the file, the key,
+    what was expected and what was found (the table: docs/reliability.md).
     """
     md = gguf.metadata
 
@@ -134,10 +125,8 @@ def build_hf_tokenizer(gguf: GGUFFile, model_type: str) -> Any:
 
 
 def _compact_merges(tokenizer_json: Path) -> None:
-    """Rewrite a BPE ``tokenizer.json``'s merges as ``"a b"`` strings, which `tokenizers`
-    reads ~30% faster than ``["a", "b"]`` pairs (Gemma 3's 514,906 merges: the load takes
-    0.47 s instead of 0.67 s, the largest part of its ready time). Only when no merged token
-    holds a space, which would make a string ambiguous."""
+    """Rewrite a BPE ``tokenizer.json``'s merges as ``"a b"`` strings, which `tokenizers` reads
+    faster than pairs (docs/gguf.md); only when no merged token holds a space (ambiguous)."""
     data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     model = data.get("model", {})
     merges = model.get("merges")
@@ -152,9 +141,8 @@ def _compact_merges(tokenizer_json: Path) -> None:
 def _drop_tokens_past(tokenizer_json: Path, vocab_size: int) -> set[str]:
     """Remove the added tokens whose ids are past the file's ``vocab_size`` tokens; their texts.
 
-    transformers' byte-level builder gives a vocabulary that lacks ``<|endoftext|>`` (Llama 3's,
-    the test files') GPT-2's default special token as one more id, which no row of the model
-    produces and llguidance refuses ("vocab size too small"): llama.cpp's vocabulary is the file's.
+    transformers' byte-level builder adds GPT-2's ``<|endoftext|>`` as one more id to a vocabulary
+    that lacks it; no row of the model produces it and llguidance refuses it ("vocab size too small").
     """
     data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     added = data.get("added_tokens") or []

@@ -1,15 +1,9 @@
 """Write a transformers model (and its fast tokenizer) as GGUF, the way llama.cpp's converter does.
 
-Used to build small GGUF files for tests. Names, metadata keys and the converter's
-changes come from the architecture records (`infer.models.arch.GGUFRules`), applied in
-reverse of what the loader undoes: llama Q/K rows permuted, Gemma's +1 on norm weights,
-GPT-2's head written as ``output.weight``, Llama 3.1+ RoPE scaling as ``rope_freqs``,
-Mistral written as ``llama``. Facts GGUF cannot express (a Gemma query scale other than
-``head_dim``, logit soft-capping) are refused rather than written wrongly.
-
-Weight matrices are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-MXFP4, via `gguf.quants.quantize`); norms, biases and position embeddings stay F32,
-as llama.cpp's quantizer leaves them.
+For tests. Names, metadata keys and the converter's changes come from the architecture records
+(`infer.models.arch.GGUFRules`), applied in reverse of what the loader undoes; facts GGUF cannot
+express are refused. Matrices are stored as ``qtype`` (`gguf.quants.quantize`); norms, biases and
+position embeddings stay F32, as llama.cpp's quantizer leaves them.
 """
 
 from __future__ import annotations

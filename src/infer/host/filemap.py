@@ -1,17 +1,9 @@
 """Files mapped into memory, handed out as tensors that each own a storage.
 
-Floor 0 (no infer imports): the repack cache (`infer.loader.repack_cache`), the GGUF reader's
-embedding rows (`infer.gguf.source`) and the fused products (`infer.quant.linear`) use it.
-
-A `MappedFile` is one private mapping of a file (``mmap`` with ``MAP_PRIVATE``: nothing is
-written back, and pages become resident as they are read). `MappedFile.tensor` returns bytes of
-it as a uint8 tensor whose storage is its own (``torch.frombuffer``: no copy; the tensor keeps
-the mapping alive), never a view of one storage covering the whole file. That matters to
-``torch.compile``: the blocks of a model compiled as a nested region
-(`infer.models.base`) take their weights as inputs, and a region refuses inputs that share a
-storage ("Encountered aliasing during higher order op tracing"), whatever bytes each covers.
-`span` joins tensors that lie one after another in one mapping into one tensor over their
-bytes, again with a storage of its own (fused q/k/v and gate/up without a copy).
+Floor 0 (no infer imports). A `MappedFile` is one private mapping of a file; `MappedFile.tensor`
+returns bytes of it as a uint8 tensor with a storage of its own (no copy), never a view of one
+storage for the whole file: a nested compile region refuses inputs that share a storage
+(docs/architecture.md, "The step: eager or compiled"). `span` joins adjacent tensors the same way.
 """
 
 from __future__ import annotations

@@ -26,14 +26,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_freed_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; a no-op elsewhere).
 
-    torch's CPU tensors come from ``malloc``, and glibc keeps freed heap pages resident. Loading
-    frees many large temporaries (read buffers, conversion planes): SmolLM2 held ~80 MiB more
-    than its tensors after loading (190 MiB instead of 110 MiB). glibc serves a large block from
-    its own mapping, returned when freed, but raises that threshold to the size of each such block
-    freed (up to 32 MiB), so once a KV layer is freed the next ones of that size live in the heap:
-    a regrowth's old cache stayed resident (Gemma 3, 16 rows of ~2,000 tokens: 700 MiB, AMD EPYC
-    Zen 4). Cheap (it madvises the free pages): called after loading and where KV buffers are
-    released.
+    glibc keeps freed heap pages resident (after loading, and after a KV regrowth: glibc's
+    mmap threshold rises with each large block freed); cheap, called after loading and where KV
+    buffers are released. Measurements: docs/performance.md, "Memory per load path".
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -78,10 +73,8 @@ def drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     pages each tensor's bytes cover (not its storage's: one mapping can back many tensors).
     Returns the bytes advised.
 
-    Safe by construction for file mappings only (anything else is left alone): a file page
-    dropped is read from the file again if touched, so no value changes; the caller's point is
-    that nothing touches them any more. Without it both the mapped originals and their fused
-    copy stayed resident (Qwen2.5-Coder-1.5B: 610 MiB of q/k/v and gate/up twice).
+    File mappings only (anything else is left alone): a dropped page is read again if touched,
+    so no value changes.
     """
     advise = _madvise()
     if advise is None or not tensors:

@@ -1,19 +1,9 @@
 """Matrix products: free shapes by default, fixed row tiles in the deterministic mode.
 
-By default a product is one call of whatever shape the step has (``x [M, K] @ w_t``):
-the library picks its fastest kernel for ``M``, and a row's float32 rounding may depend
-on ``M`` (measured on CPU: MKL and oneDNN change kernels, and with them the order of
-summation, with the row count, differently on an AMD EPYC and an Intel Xeon with AMX).
-
-In the deterministic mode (``infer.load(..., deterministic=True)``, docs/numerics.md;
-`infer.models.common.set_deterministic`)
-every product runs on tiles of exactly `TILE_ROWS` rows, zero-padded: a row's product
-is then always the same call — the same shape, hence the same kernel, blocking and
-order of summation — whatever else is in the batch, however its prompt was chunked,
-and whether its layers are resident or streamed. What this rests on is that a product
-of a fixed shape computes each output row from its own input row, the same way at every
-row of the tile (`tests/unit/test_rows.py` checks it for every kernel we call). A
-batch of up to `TILE_ROWS` rows reads each weight once per step.
+By default a product is one call of the step's shape (a row's rounding may depend on ``M``). In
+the deterministic mode every product runs on zero-padded tiles of exactly `TILE_ROWS` rows, so a
+row's product is always the same call whatever else is in the batch (docs/numerics.md, "Why the
+deterministic mode holds by construction").
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """OpenMP worker pools: one live pool per process, or every step pays for two.
 
-torch's CPU kernels run OpenMP regions (GNU libgomp, bundled with torch). libgomp keeps a pool of
-worker threads per *master* thread: the first thread to run a region from a given thread creates
-that thread's pool, and the pool lives as long as that thread does. When two threads each hold a
-pool, libgomp counts more managed threads than CPUs and switches every worker to a short
-("throttled") spin before sleeping, so each of the next regions pays a futex wake-up: a model step
-of hundreds of small regions, run on the engine's thread while the thread that loaded the model
-still holds its pool, ran at half speed (SmolLM2 eager decode 24 tok/s instead of 50, AMD EPYC, 2
-threads; a loop of small ops on a second thread 1.6x slower while the first thread's pool lived,
-as fast once it was released).
-
-`release_openmp_workers` frees the calling thread's pool (``omp_pause_resource_all``, OpenMP 5.0):
-a thread that hands its model work to another thread (the engine's loop thread, see
-`infer.engine`) calls it, so the thread that runs the steps holds the only pool. If the calling
-thread runs a torch region again later, libgomp makes it a new pool (~100 µs); nothing else
-changes. A no-op where torch does not use libgomp.
+libgomp keeps a worker pool per master thread; with two pools alive every region pays a futex
+wake-up. `release_openmp_workers` frees the calling thread's pool (``omp_pause_resource_all``) when
+it hands its model work to another thread. Measurements: docs/performance.md, "The engine's thread
+at 2 threads".
 """
 
 from __future__ import annotations

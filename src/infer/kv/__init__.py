@@ -1,17 +1,8 @@
 """KV memory: where a model's keys and values live between steps, and how they change.
 
-* `cache` — `KVCache`: preallocated K/V addressed by per-row slot tensors (float or int8 with
-  scales, rings for sliding-window layers), a step's plan (`StepPlan`) and one layer's buffers
-  bound to it (`StepKV`), a step's `SharedPrefix`; `bucket`, the powers of two of compiled shapes;
-  `KVModel`, what KV memory needs of a model;
-* `ops` — the typed KV operations (`Reserve`, `Rollback`, `SharePrefix`, `Shrink`, `SetBound`),
-  each `Done` with its outcome: the engine's one way to change its slots;
-* `prefix` — `PrefixStore`: prefixes several rows share, stored once as segments;
-* `slots` — `KVSlots`: the engine's rows of slots, grown and shrunk on demand, rolled back, their
-  shared prefixes in a `PrefixStore`; it never runs the model.
-
-Below the models (`infer.models` imports the cache; nothing here imports a model: a model is a
-`KVModel`).
+`cache` (`KVCache`, a step's `StepPlan`/`StepKV`), `ops` (the typed KV operations), `prefix`
+(`PrefixStore`, shared prefixes) and `slots` (`KVSlots`, the engine's rows). Below the models:
+nothing here imports a model (a model is a `KVModel`). See docs/architecture.md and docs/engine.md.
 """
 
 from infer.kv.cache import (

@@ -1,25 +1,8 @@
-"""Static KV cache: preallocated buffers addressed by position tensors.
+"""Static KV cache: preallocated buffers addressed by per-row position tensors.
 
-Every row of a batch has its own write position, a tensor: ``slot[b]`` is the next slot
-row ``b`` writes. A step of ``T`` tokens writes them at slots ``slot[b] + t`` and
-advances each row by its number of real tokens ``n_new[b]`` (a right-padded prefill
-advances short rows less; what their padding wrote is overwritten by their next
-tokens, and masked until then). Rows may also be left-padded (``pad[b]`` slots of
-padding before the first real token, as ``attention_mask`` describes it): a token's
-position (RoPE, learned positions) is ``slot - pad[b]``. Generation right-pads, so a
-row's keys sit at the same slots alone and in any batch — the attention's reductions
-then see the same numbers in the same order (`infer.models.common.attend`).
-
-Full-attention layers keep ``capacity`` slots, rounded up to a multiple of
-`KEY_CHUNK`. Sliding-window layers keep ``min(window, capacity)`` slots in a ring
-and, per ring slot, the slot number it holds (``ring_slots [B, R]``, -1 when empty):
-a decode step writes slot ``slot % R`` and attends over the ring; a multi-token step
-attends over ``new + ring`` and then rewrites the ring with the newest entries.
-
-All of a step's indices and masks are tensors computed once per step (`KVCache.plan`),
-so a step has no host synchronization and a fixed shape for a given
-``(batch, capacity, T)``: it can be compiled whole. The host keeps only ``length``, an
-upper bound of the slots used, to refuse overflowing steps before they run.
+A step's indices and masks are tensors computed once (`KVCache.make_plan`), so a step has no
+host sync and a fixed shape per ``(batch, capacity, T)``. Layout, rings and padding:
+docs/architecture.md, "The KV cache".
 """
 
 from __future__ import annotations

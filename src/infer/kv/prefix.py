@@ -1,27 +1,9 @@
-"""Shared prompt prefixes: the K/V of a common prefix stored once for every request that has it.
+"""Shared prompt prefixes: the K/V of a common prefix stored once, as a segment of a `PrefixStore`.
 
-Requests that run at the same time and begin with the same tokens (a system prompt, few-shot
-examples, a document asked several questions) would otherwise each prefill and keep their own
-copy. The engine (`infer.kv.KVSlots`) keeps such a prefix once, as a **segment** of a
-`PrefixStore`, and each row that uses it holds only what follows (its private part). Attention
-then reads the segment once for all the rows of a step (`infer.models.common.attend_shared`:
-every row's queries against the one copy, merged with each row's private keys by their
-log-sum-exp), so a 2,000-token system prompt shared by 16 streams is read once per step, not
-16 times.
-
-* A segment holds the K/V of the first ``length`` tokens of some sequence (always from position
-  0), every layer, in the store's buffers ``[1, Hkv, capacity, hd]`` at ``[start, start +
-  length)``. A row uses the first ``n <= length`` tokens of one segment (its ``prefix``).
-* Segments are reference-counted by the rows that use them (running requests, and finished
-  ones whose row is kept for the prefix cache). When the last user lets go, the segment's slots
-  are free at once for the next segment (`release`).
-* Slots are allocated first-fit; when no gap is large enough the store is rebuilt with the live
-  segments packed from slot 0 and room for the new one (`allocate`): what the store holds
-  follows the segments alive, never the number of requests.
-
-Not shared (each row keeps its own copy, as before): the deterministic mode (its bitwise
-guarantees are stated for attention over one contiguous buffer), streamed, parallel and
-GPT-2-style models (`infer.models.base.DecoderLM.shares_prefixes`).
+A segment holds the first ``length`` tokens of a sequence (from position 0) at store slots
+``[start, start + length)``; rows reference-count it and use its first ``n <= length`` tokens.
+Slots are allocated first-fit, the live segments packed when no gap fits. Design and
+measurements: docs/engine.md, "Shared prefixes: stored once, read once".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The engine's KV memory: rows of slots, grown and shrunk on demand, and the prefixes rows share.
 
-`KVSlots` never runs the model: `infer.engine.runner.Runner` asks it for a row range's view
-(`KVSlots.fit`, `KVSlots.bind`) and tells it what a step wrote (`KVSlots.advance`). The scheduler
-changes it only through typed operations (`KVSlots.apply`: `infer.kv.ops.KVOp`), which the
-engine's slots record, with how each went, for the next plan (`take_ops`): under torchrun the other
-ranks make the same operations on their slots.
+`KVSlots` never runs the model; the scheduler changes it only through `KVSlots.apply` (typed
+`infer.kv.ops.KVOp`s, recorded so other ranks replay them). See docs/engine.md, "KV memory".
 """
 
 from __future__ import annotations
@@ -29,17 +26,12 @@ M = TypeVar("M", bound=KVModel, covariant=True)  # the model the slots hold K/V 
 
 
 class KVSlots(Generic[M]):
-    """The engine's KV memory: up to ``max_rows`` rows of ``context`` slots each, allocated on
-    demand, and the prefixes rows share (`infer.kv.prefix.PrefixStore`).
+    """Up to ``max_rows`` rows of ``context`` slots each, allocated on demand, and their shared
+    prefixes (`infer.kv.prefix.PrefixStore`).
 
-    One `KVCache` of rows (every slot of every layer in slot order, no rings, so a row can be
-    rolled back) grows as rows and lengths are needed: capacities a quarter above what the
-    longest row needs, in whole key chunks (powers of two under ``compile=True``), from
-    `MIN_SLOTS` up to ``context``, rows up to ``max_rows``; growing copies what is kept.
-    A row holds the tokens of one sequence: the first ``n`` tokens of a shared segment
-    (``prefix[r] = (segment, n)``, read from the store) and then its own, ``held[r]``, in its
-    slots from slot 0 (its positions continue at ``n``: ``pad[r] = -n``). `tokens` is the whole
-    sequence. Memory: ``rows x capacity x`` `bytes_per_token` plus the store's segments.
+    Row ``r`` holds one sequence: the first ``n`` tokens of a shared segment (``prefix[r] =
+    (segment, n)``), then its own tokens ``held[r]`` from slot 0 (``pad[r] = -n``). Slots stay in
+    slot order (no rings) so any row can be rolled back.
     """
 
     def __init__(
@@ -74,8 +66,7 @@ class KVSlots(Generic[M]):
         self.done: list[Done] = []
 
     def apply(self, op: KVOp) -> None:
-        """Make ``op`` (the scheduler's one way to change the slots); when ``record``, kept with how it
-        went (what it raised, re-raised here) for the next plan."""
+        """Make ``op``; when ``record``, keep it with its outcome (what it raised is re-raised)."""
         try:
             match op:
                 case Reserve(rows, capacity):
@@ -168,18 +159,15 @@ class KVSlots(Generic[M]):
         self.bounds += [0] * (rows - len(self.bounds))
 
     def bound(self) -> int | None:
-        """The most tokens any row may hold, when the engine set `bounds` (None: unknown, as for
-        the slots a caller steps itself): a running request's bound, or what an idle row holds,
-        and a speculative draft's tokens on top."""
+        """The most tokens any row may hold, draft margin included (None: the engine set no `bounds`)."""
         if not any(self.bounds):
             return None
         rows = range(len(self.held))
         return max(self.bounds[r] or len(self.held[r]) for r in rows) + BOUND_MARGIN
 
     def _replace(self, rows: int, capacity: int, keep: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """Swap the cache for one of ``rows x capacity`` slots, ``keep(old, new)`` copying each
-        buffer of what is held. Layer by layer, each old layer freed once copied: the peak is the
-        new cache plus one old layer, not both caches (docs/engine.md, *KV memory*)."""
+        """Swap the cache for one of ``rows x capacity`` slots, ``keep(old, new)`` copying each buffer,
+        layer by layer, so the peak is the new cache plus one old layer (docs/engine.md, *KV memory*)."""
         old, model = self.cache, self.model
         self._views.clear()  # views of the old buffers would keep them alive
         # Every layer an empty placeholder at first, filled below.
@@ -203,9 +191,8 @@ class KVSlots(Generic[M]):
         self.cache = new
 
     def shrink(self) -> None:
-        """Give back slots no row needs: when every row's own tokens fit in a quarter of the
-        capacity (a long prompt whose start went to a shared segment), halve it until they fit in
-        half (powers of two, at least `MIN_SLOTS`), copying what the rows hold."""
+        """When every row's own tokens fit in a quarter of the capacity, halve it until they fit in
+        half (at least `MIN_SLOTS`), copying what the rows hold."""
         if self.cache is None:
             return
         need = max((len(h) for h in self.held), default=0)
@@ -244,9 +231,7 @@ class KVSlots(Generic[M]):
         self.cache.pad[row] = -(0 if prefix is None else prefix[1])
 
     def check_hooks(self) -> None:
-        """Before reusing held tokens: if the model's forward hooks changed since (an intervention
-        or a user's hook added or removed), every row holding tokens is `stale`: its K/V were
-        computed by another function, and a prompt must not continue them."""
+        """If the model's forward hooks changed, mark every row holding tokens `stale` (never reused)."""
         state = self.model.hooks.signature()
         if state != self.hook_state:
             self.hook_state = state
@@ -257,9 +242,7 @@ class KVSlots(Generic[M]):
         return row not in self.stale
 
     def rollback(self, row: int, length: int) -> None:
-        """Truncate ``row`` to the first ``length`` tokens of its sequence: later steps continue
-        from there as if nothing past them had been fed (a shared prefix may be cut too: the row
-        then uses fewer of its tokens)."""
+        """Truncate ``row`` to the first ``length`` tokens of its sequence (its shared prefix too)."""
         held = self.held[row]
         n = self.offset(row)
         if not 0 <= length <= n + len(held):
@@ -278,12 +261,8 @@ class KVSlots(Generic[M]):
             self.stale.discard(row)
 
     def share_prefix(self, src: int, count: int, dst: int) -> None:
-        """Row ``dst`` (empty) continues the first ``count`` tokens of row ``src``'s sequence,
-        without computing them: stored once and read by both rows (sharing), else copied.
-
-        Sharing: a segment of those tokens is made unless ``src`` already reads one that long;
-        ``src`` then reads its start from the segment too and its own slots shift down (so the
-        tokens are held once)."""
+        """Row ``dst`` (empty) continues the first ``count`` tokens of row ``src``'s sequence: shared
+        through a segment (``src``'s own slots then shift down), else copied."""
         assert self.cache is not None and not self.held[dst] and self.prefix[dst] is None
         n_src = self.offset(src)
         if not self.share:  # copy: ``src`` holds every token itself (nothing is shared here)
@@ -317,8 +296,7 @@ class KVSlots(Generic[M]):
         self._set_prefix(src, (segment, count))
 
     def fit(self, lo: int, hi: int, T: int, feeds: Mapping[int, Sequence[int]]) -> None:
-        """Make every row of ``[lo, hi)`` able to take a ``T``-token step (padding included):
-        grow the capacity, or cut an idle row's kept tokens that would pass the context."""
+        """Make rows ``[lo, hi)`` able to take a ``T``-token step: grow, or cut idle rows past the context."""
         if hi > self.rows:
             self.reserve(hi, T)
         need = 0
@@ -367,8 +345,7 @@ class KVSlots(Generic[M]):
             self.held[r].extend(t)
 
     def restore(self, view: KVCache, lo: int, hi: int) -> None:
-        """A step over rows ``[lo, hi)`` failed after the cache advanced (in the head, say): put the
-        rows' slots back to what `held` lists."""
+        """After a failed step over rows ``[lo, hi)``: put their slots back to what `held` lists."""
         lengths = [len(self.held[r]) for r in range(lo, hi)]
         view.slot.copy_(torch.tensor(lengths, dtype=torch.long, device=view.slot.device))
 

@@ -1,12 +1,5 @@
-"""Quantized weights that stay quantized.
-
-- `dequantize`: GGUF tensor bytes -> float32, in torch, bit-exact with ``gguf.quants``.
-- `QuantizedLinear`: a drop-in ``nn.Linear`` over packed weights (from GGUF bytes or
-  quantized at load), using torch's packed int4/int8 kernels for decode.
-- `QuantizedEmbedding`: row lookups over GGUF bytes or over a tied `QuantizedLinear`.
-- `quantize_linear`: ``quantize="q4_0" | "int8"`` at load time (`infer.loader.place`).
-
-See docs/quantization.md for the formats, kernels, memory and accuracy.
+"""Quantized weights that stay quantized: `dequantize` (GGUF bytes -> float32, bit-exact),
+`QuantizedLinear`, `QuantizedEmbedding` and `quantize_linear` (at load). See docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`QuantizedEmbedding`: an ``nn.Embedding`` lookup over quantized rows, dequantized on the fly.
 
-Two sources:
-
-- `from_gguf`: keeps the GGUF bytes as they are (a view of the memory-mapped file is
-  fine) and dequantizes only the looked-up rows, bit-exactly (`infer.quant.dequantize`).
-- `from_linear`: shares the packed storage of a `QuantizedLinear` (a tied ``lm_head``), so
-  a tied embedding costs no memory of its own; rows are the linear's `effective_weight`
-  rows (scales rounded to its compute dtype).
+`from_gguf` keeps the GGUF bytes (a view of the mapped file is fine) and dequantizes only the rows
+looked up, bit-exactly; `from_linear` shares a tied ``lm_head``'s packed storage (rows are its
+`effective_weight` rows).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import torch
 
 # Outputs re-scored exactly per row by an output head that kept float32 scales (`QuantizedLinear.rescore`).
 RESCORE_TOP_K = 16
-# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`):
-# over 1024 positions of real text the exact winner ranked at worst 51st (SmolLM2), 24th (Gemma 3).
+# Candidates a greedy step re-scores after a Q8_0 head's high-plane scan (`QuantizedLinear.greedy`);
+# the exact winner's worst rank on real text: docs/quantization.md.
 GREEDY_CANDIDATES = 128
 # Rows up to which an output head's greedy step scans its high plane and re-scores
 # `GREEDY_CANDIDATES` per row (the re-scoring gathers rows x candidates weight rows).
@@ -19,10 +19,9 @@ GREEDY_MAX_ROWS = 16
 def top_indices(y: torch.Tensor, k: int) -> torch.Tensor:
     """The indices ``[M, k]`` of each row's ``k`` largest entries of ``y [M, N]`` (in no set order).
 
-    ``topk`` over a whole vocabulary is slow on CPU (Gemma 3's 262,144 logits: ~300 µs); the
-    ``k`` largest lie in the ``k`` blocks with the largest maxima, so a row's block maxima are
-    ranked first and only those blocks' entries after (~60 µs). Ties may pick other indices of
-    equal value than ``topk`` would.
+    The ``k`` largest lie in the ``k`` blocks with the largest maxima: those are ranked first,
+    then only their entries (faster than ``topk`` on CPU: docs/performance.md). Ties may pick
+    other indices of equal value than ``topk`` would.
     """
     M, N = y.shape
     block = 32 if N <= 1 << 16 else 64
@@ -39,11 +38,9 @@ def fixed_order_dots(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Each row's dot product with ``x``: ``rows [R, K] @ x [K] -> [R]`` (float32), every entry by
     the same float32 operations whatever the other rows.
 
-    The products, then their sum in a fixed pairwise tree (``K`` zero-padded to a power of two):
-    each level is one element-wise add, exactly rounded per element on every CPU, so an entry
-    depends only on its row and ``x``, not on how many rows are computed with it, where it lies
-    among them or the CPU's vector width (a matrix-vector product blocks its sums by all three).
-    So a few candidates' logits equal the same tokens' in the whole vocabulary's, bit for bit.
+    The products are summed in a fixed pairwise tree of element-wise adds (``K`` zero-padded to a
+    power of two), so a few candidates' logits equal the same tokens' in the whole vocabulary's,
+    bit for bit (docs/numerics.md, *Greedy processed rows*).
     """
     p = rows.float() * x.float()  # [R, K]
     k = p.shape[-1]

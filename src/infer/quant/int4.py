@@ -9,15 +9,10 @@
 - a last block of ``r < BLOCK_N`` rows (``r`` a multiple of 16): ``[K, r/2]`` bytes; byte
   ``(k, j)`` holds rows ``2j`` (low) and ``2j + 1`` (high).
 
-`BLOCK_N` is read off torch's converter once, at import (`_converter_block_n`): the same
-torch lays the bytes out differently by the CPU it runs on, so packed bytes (the repack
-cache's) are valid only where the block size is the same.
-
-We pack and unpack it ourselves in torch, so packing never makes the ``[N, K]`` int32
-temporary the converter needs (1.3 GB for Gemma 3's embedding) and the weights can be
-unpacked again (for prefill, embedding lookups, or devices without the kernel).
-The kernel computes ``y = x @ ((q - 8) * scale + zero).T`` with ``scale``/``zero`` per
-group of ``group_size`` values along K, given as ``[K/group, N, 2]`` in x's dtype.
+`BLOCK_N` is read off torch's converter at import: packed bytes (the repack cache's) are valid
+only where the block size is the same. We pack and unpack in torch ourselves (no ``[N, K]`` int32
+temporary; weights can be unpacked again: docs/quantization.md). The kernel computes
+``y = x @ ((q - 8) * scale + zero).T``, ``scale``/``zero`` ``[K/group, N, 2]`` in x's dtype.
 """
 
 from __future__ import annotations
@@ -230,16 +225,10 @@ def cpu_kernel_accepts(
 ) -> bool:
     """Whether ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` correctly for these operands.
 
-    torch checks only some of what its kernel assumes. Unchecked there, and a wrong
-    result or an out-of-bounds read when broken: ``N % 16 == 0`` (the kernel's column
-    blocks are 16, 32, 48 or 64 wide), ``scale_zero`` of shape ``[K / group_size, N, 2]``,
-    contiguous, in x's dtype (it is read as ``[K/g, N, 2]`` elements of x's dtype,
-    whatever its shape and strides), and every ``M*K``, ``N*K``, ``M*N`` below 2^31
-    (32-bit indexing). Checked there (an error, not a crash, but refused here too):
-    the dtypes, 2-D contiguous ``x`` and ``packed``, ``packed`` of shape ``[N, K/2]``,
-    ``group_size`` in 32/64/128/256 dividing K. Loads are unaligned, so alignment is
-    free; and the layout `pack` writes must be the converter's (`cpu_kernel_usable`;
-    ``usable_checked``: the caller already knows, e.g. inside a compiled graph).
+    What torch does not check and the kernel assumes: ``N % 16 == 0``, ``scale_zero`` of shape
+    ``[K / group_size, N, 2]``, contiguous, in x's dtype, ``M*K``, ``N*K``, ``M*N`` below 2^31;
+    plus torch's own checks (refused here rather than raised). ``usable_checked``: the caller knows
+    `cpu_kernel_usable` holds (inside a compiled graph). Why each: docs/quantization.md.
     """
     if not plain_cpu_operands(x, packed, torch.uint8, scale_zero, 3):
         return False

@@ -13,14 +13,10 @@ def int8_kernel_accepts(
 ) -> bool:
     """Whether ``aten._weight_int8pack_mm`` computes ``(x @ qweight.T) * scales`` correctly on CPU.
 
-    torch checks the dtypes of ``x`` and ``qweight``, the shapes, and that ``x``'s last
-    dimension is dense. Its vectorized kernel (AVX-512 and AVX2) also assumes, unchecked:
-    ``K % 16 == 0`` (it reads 16 values per step: with K = 72 the result is NaN or
-    1e33, and the second row's misaligned load segfaults), ``x`` 32-byte and ``qweight``
-    16-byte aligned (aligned vector loads: a fault otherwise), dense rows, ``scales``
-    contiguous in x's dtype, and ``M*K``, ``N*K``, ``M*N`` below 2^31 (32-bit indexing).
-    ``pointers_checked``: the caller vouches for the alignment (inside a compiled graph,
-    where pointers cannot be read).
+    What its vectorized kernel assumes and torch does not check: ``K % 16 == 0``, ``x`` 32-byte
+    and ``qweight`` 16-byte aligned, dense rows, ``scales`` contiguous in x's dtype, ``M*K``,
+    ``N*K``, ``M*N`` below 2^31 (why each: docs/quantization.md). ``pointers_checked``: the caller
+    vouches for the alignment (inside a compiled graph, where pointers cannot be read).
     """
     if not plain_cpu_operands(x, qweight, torch.int8, scales, 1):
         return False

@@ -1,25 +1,9 @@
-"""`QuantizedLinear`: a drop-in ``nn.Linear`` whose weight stays packed.
+"""`QuantizedLinear`: a drop-in ``nn.Linear`` whose weight stays packed (``int4``, ``int8`` or ``dense``).
 
-Three storage formats, chosen per GGML type (numbers and reasons in docs/quantization.md):
-
-- ``int4``: 4-bit planes with a scale and zero per group of 32 (`infer.quant.planes`),
-  packed for torch's CPU kernel (`infer.quant.int4`). Q4_0, Q4_1, Q4_K take one plane
-  (about their file size); Q5_0, Q5_1, Q5_K, Q8_0, MXFP4 take two (1.25 bytes a weight);
-  Q2_K, Q3_K, Q6_K (groups of 16) take the paired form over a paired input (1.25 bytes).
-- ``int8``: int8 per output channel with one scale per row (``quantize="int8"``).
-- ``dense``: a float copy in the compute dtype, for float GGUF tensors.
-
-Per call: with a bfloat16 compute dtype on CPU, products of up to `KERNEL_MAX_ROWS` rows
-(decode steps; int4: prompts up to 128 tokens too) run the packed kernel on bfloat16 activations
-(``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``); larger products (prefill),
-float32 compute and other devices dequantize the weight tile by tile into the compute
-dtype and multiply with a dense matmul. In the deterministic mode (``tile_rows``, see
-`infer.rows`) every product runs on tiles of exactly that many rows, always on the same
-path (the kernel when it is used at all), so a row's result never depends on the others.
-Scales are held in the compute dtype (bfloat16 by default), so every path computes with
-the same effective weights up to bfloat16 rounding: `effective_weight` returns them.
-How many outputs an output head re-scores exactly is `infer.quant.head`'s; what the int8
-kernel assumes of its operands, `infer.quant.int8`'s.
+Small products run torch's packed CPU kernel on bfloat16 activations; larger ones (prefill),
+float32 compute and other devices dequantize tile by tile into a dense matmul. Every path computes
+with the same effective weight (`effective_weight`). Formats, routes and numbers:
+docs/quantization.md, "How each type is held and computed".
 """
 
 from __future__ import annotations
@@ -50,15 +34,9 @@ from infer.quant.planes import (
 from infer.quant.quantize import quantize_int8_per_channel
 from infer.quant.routes import ROUTE_FLOOR, Route
 
-# Rows up to which a product runs the packed kernel, by format (int4: by planes); beyond,
-# dequantizing tiles + one GEMM wins: the kernel's cost grows with the rows, the
-# dequantization's does not. Measured on an AMD EPYC (AVX-512 with bf16, 2 threads), the fused
-# products of the real models' layers, kernel vs dequantized (µs): one plane (SmolLM2's Q4_1,
-# Gemma 3's Q4_K) 226-701 vs 330-944 at 64 rows, 435-1419 vs 414-1236 at 128; two planes
-# (Gemma 3's Q5_0 q/k/v and gate/up) 399-1038 vs 541-1548 at 32 rows, 784-2035 vs 613-1732 at
-# 64. int8 (`quantize="int8"`, 576x1536 to 4096x640): equal at 16 rows, 1.7-2.8x slower at 64.
-# These are the bounds compiled steps and ``INFER_ROUTES=off`` use; an eager product of more than
-# `routes.ROUTE_FLOOR` rows takes the route measured on the running CPU (`infer.quant.routes`).
+# Rows up to which a product runs the packed kernel, by format (int4: by planes), in compiled steps
+# and under ``INFER_ROUTES=off``; an eager product of more than `routes.ROUTE_FLOOR` rows takes the
+# route measured on the running CPU (`infer.quant.routes`). Measurements: docs/quantization.md.
 KERNEL_MAX_ROWS = {"int4": 96, "int4 planes": 48, "int8": 16}
 _TILE_VALUES = 1 << 20  # values per dequantized tile (2 MiB in bfloat16: stays in L2) ...
 _MIN_TILE_COLUMNS = 256  # ... but never fewer columns than this (a narrow GEMM wastes its blocking)
@@ -71,7 +49,7 @@ def _cpu_has_bf16_gemm() -> bool:
     try:
         return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):
-        return True  # unknown: keep bfloat16 tiles, as before this was asked
+        return True  # unknown: keep bfloat16 tiles
 
 
 # Read once, at import: a compiled graph (or a nested compile region, where dynamo refuses torch's
@@ -80,12 +58,8 @@ _NATIVE_BF16_GEMM = _cpu_has_bf16_gemm()
 
 
 def native_bf16_gemm() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX).
-
-    Without it (an AVX2-only CPU: AMD EPYC Zen 3, say) oneDNN's bfloat16 GEMM is emulated:
-    a 128 x 1,536 by 1,536 x 2,048 product took 2,628 ms against 20.6 ms in float32 (one
-    thread, Zen 3), so the dequantizing path (prefill) multiplies float32 tiles there instead.
-    """
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX); without it
+    oneDNN emulates them, so dequantized tiles are multiplied in float32 (docs/quantization.md)."""
     return _NATIVE_BF16_GEMM
 
 
@@ -124,7 +98,7 @@ class QuantizedLinear(nn.Module):
     fmt: str
     planes: int
     paired: bool  # int4 in the paired form (groups of 16, `infer.quant.planes`): input paired, not repeated
-    tile_rows: int = 0  # the deterministic mode's fixed row tiles (`infer.rows`); 0: free shapes
+    tile_rows: int = 0  # the deterministic mode's fixed row tiles (`infer.host.rows`); 0: free shapes
     # Buffers, present per format: int4 -> packed, scale_zero; int8 -> qweight, scales; dense -> weight.
     packed: torch.Tensor
     scale_zero: torch.Tensor
@@ -257,9 +231,8 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear | None:
-        """One module computing ``parts`` side by side (their outputs concatenated), or None
-        when they cannot share one packed matrix. The parts then hold views of its buffers
-        (no second copy). Used to run q/k/v and gate/up as one kernel call each."""
+        """One module computing ``parts`` side by side (q/k/v, gate/up), or None when they cannot
+        share one packed matrix; the parts then hold views of its buffers."""
         first = parts[0]
         same = all(
             p.fmt == first.fmt
@@ -324,9 +297,8 @@ class QuantizedLinear(nn.Module):
         return f"{self.fmt}-p{self.planes}-{pairing}-k{self.in_features}-{dtypes}"
 
     def route(self) -> Route | None:
-        """The route of this module's products of many rows, measured on this CPU (`infer.quant.routes`;
-        measured now, on a slice of this weight, if this CPU has not measured its form yet); None
-        where nothing is measured (``INFER_ROUTES=off``, a dense weight, another device)."""
+        """The route of this module's products of many rows on this CPU (measured now if its form is
+        new); None where nothing is measured (``INFER_ROUTES=off``, a dense weight, another device)."""
         if self.fmt == "dense" or self.packed_device_type() != "cpu" or not routes.enabled():
             return None
         cached: Route | None = self.__dict__.get("_route")
@@ -422,9 +394,8 @@ class QuantizedLinear(nn.Module):
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
         """Outputs whose per-row argmax is exact arithmetic's: for a greedy step.
 
-        A Q8_0 head scans its high plane alone (half the bytes, logit errors up to ~7 on
-        the real models), then re-scores each row's top `GREEDY_CANDIDATES` exactly; the
-        other entries stay approximate. Every other module returns ``forward(x)``.
+        A Q8_0 head scans its high plane alone, then re-scores each row's top `GREEDY_CANDIDATES`
+        exactly; the other entries stay approximate. Every other module returns ``forward(x)``.
         """
         rows = x.reshape(-1, self.in_features).shape[0]
         if self.tile_rows or not (self.split and self.use_kernel and x.is_cpu and rows <= GREEDY_MAX_ROWS):
@@ -443,13 +414,8 @@ class QuantizedLinear(nn.Module):
         return self.rescore(x2, y, GREEDY_CANDIDATES).view(*lead, self.out_features)
 
     def rescore(self, x2: torch.Tensor, y: torch.Tensor, top_k: int = RESCORE_TOP_K) -> torch.Tensor:
-        """``y [M, N]`` with each row's ``top_k`` largest outputs recomputed exactly in float32.
-
-        For an output head: the fast path rounds the scales and its output to bfloat16,
-        which ties or flips near-equal logits; the exact weights of the top candidates
-        (float32 scales) decide between them, so greedy choices equal exact arithmetic's
-        whenever the exact winner is among the fast top ``top_k``.
-        """
+        """``y [M, N]`` with each row's ``top_k`` largest outputs recomputed exactly in float32 (an
+        output head: greedy choices equal exact arithmetic's when its winner is in the fast top ``top_k``)."""
         k = min(top_k, self.out_features)
         idx = top_indices(y.float(), k)  # [M, k]
         if self.tile_rows:  # the deterministic mode: each row alone, the same shapes whatever the batch
@@ -466,11 +432,8 @@ class QuantizedLinear(nn.Module):
         """Outputs ``idx [M, k]`` of each row of ``x2 [M, K]`` with the exact scales: ``[M, k]`` float32
         (no bias), what ``x2 @ exact_rows(idx).T`` gives each row.
 
-        A Q8_0 head's two planes (low: scale ``s``, zero ``z``; high: ``16 s``, zero 0) are one
-        byte ``c = 16 * hi + lo`` and a weight is ``s * (c - 136) + z``: per group of 32, the
-        bytes times the activations are summed first, then scaled, so no float weight row is
-        made (Gemma 3's head, 128 candidates: 0.34 -> 0.14 ms compiled for one row, AMD EPYC
-        Zen 4). The gathers from the kernel's blocked layout are most of what is left.
+        A Q8_0 head's two planes are one byte ``c = 16 * hi + lo``, a weight ``s * (c - 136) + z``:
+        per group of 32 the bytes times the activations are summed, then scaled (no float row made).
         """
         if not self.split:
             rows = self.exact_rows(idx.reshape(-1)).view(*idx.shape, self.in_features)  # [M, k, K]
@@ -553,9 +516,7 @@ class QuantizedLinear(nn.Module):
         """Effective weight rows ``start:stop``, transposed: ``[K, rows]`` in ``dtype`` (default: the
         compute dtype).
 
-        Unpacks straight to float32, applies the scales in float32 (mixed or bfloat16
-        broadcasting is ~3x slower on CPU), sums the planes and rounds to the compute
-        dtype once. Compiled, the whole tile is one fused loop.
+        Unpacks to float32, scales in float32, sums the planes and rounds to ``dtype`` once.
         """
         k, r = self.in_features, stop - start
         kp = self.planes * k
@@ -584,12 +545,8 @@ class QuantizedLinear(nn.Module):
     def _dequant_two_planes_t(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """`_dequant_tile_t` of two planes, eagerly: their nibbles joined in one byte first.
 
-        Every two-plane type has a high plane of scale ``16 * s`` and zero 0 beside a low plane
-        of scale ``s`` and zero ``z`` (`infer.quant.planes`), so a weight is
-        ``s * (lo + 16 * hi - 136) + z``: one float pass over ``[K, rows]`` instead of two over
-        ``[2K, rows]`` and their sum (Gemma 3's Q5_0 products at 128 tokens: half the time).
-        ``s * (c - 136)`` is exact in float32 (an 8-bit mantissa times a byte), so the weight is
-        rounded once, where the plane-by-plane sum rounds twice.
+        A weight is ``s * (lo + 16 * hi - 136) + z`` (`infer.quant.planes`): one float pass over
+        ``[K, rows]`` instead of two, and ``s * (c - 136)`` is exact in float32, so it rounds once.
         """
         k, r = self.in_features, stop - start
         hi = self.packed_hi if self.split else None

@@ -1,32 +1,11 @@
 """GGML blocks -> 4-bit planes with a scale and a zero per group of 32: the int4 kernel's form.
 
-A weight row of K values becomes P planes of K nibbles each (P = 1 for 4-bit types,
-2 for 5- to 8-bit ones), and ``w = sum_p ((nib_p - 8) * scale_p + zero_p)`` per group of
-32 values. The mapping is exact in real arithmetic (in float32 it can differ from the
-reference by one rounding of ``zero``):
-
-- Q4_0: nib = q, scale d, zero 0
-- Q4_1: nib = q, scale d, zero m + 8d
-- Q4_K: nib = q, scale d*sc, zero 8*d*sc - dmin*m
-- Q5_0 / Q5_1 / Q5_K: the low 4 bits as above (zero shifted by -16d for Q5_0), and a
-  second plane ``hi + 8`` with scale 16d (16*d*sc for Q5_K) and zero 0
-- Q8_0: q = 16*hi + lo with lo = q & 15 and hi = q >> 4 (arithmetic): planes lo
-  (scale d, zero 8d) and hi + 8 (scale 16d, zero 0)
-- MXFP4: the doubled e2m1 value v in -12..12 as v + 12 = 16*hi + lo, scale 2^(e-128)
-
-Types with groups of 16 (Q2_K, Q3_K, Q6_K) take the **paired** form: the kernel's group of
-32 holds one group of 16 twice over, its values ``v`` split as ``v + 8 = 16*h + l`` (``l`` in
-0..15, ``h`` signed), ``lo = l`` in the group's first 16 columns and ``hi = h + 8`` in its last
-16, both under the group's own scale. The input is paired to match (`pair_input`): each 16
-values ``x_j`` become ``[x_j, 16 * x_j]`` (a power of two: exact in every float dtype), so the
-kernel computes ``s * ((lo - 8) + 16 * (hi - 8)) + 17 * z = s * v + 17 * z`` per value:
-
-- Q6_K: v = q - 32 (-32..31: hi 6..10), scale d*sc, zero 0 -- exact in any compute dtype
-- Q3_K: v = q (-4..3: hi 8), scale d*(sc-32), zero 0
-- Q2_K: v = q (0..3), scale d*sc, zero ``-dmin*m / 17`` (rounded once)
-
-Held that way a value costs 8 bits of nibbles and 2 of scale and zero (bfloat16 pairs per
-16 values): ~10 bits, against 16 as a dense bfloat16 copy.
+A weight row of K values becomes P planes of K nibbles each (P = 1 for 4-bit types, 2 for 5- to
+8-bit ones), ``w = sum_p ((nib_p - 8) * scale_p + zero_p)`` per group of 32, exact in real
+arithmetic. Types with groups of 16 (Q2_K, Q3_K, Q6_K) take the **paired** form: a group of 32
+holds one group of 16 as ``v + 8 = 16*h + l`` over a paired input (`pair_input`: ``[x_j, 16 *
+x_j]``), so the kernel computes ``s * v + 17 * z``. Each type's mapping: the table in
+docs/quantization.md, "How each type is held and computed".
 """
 
 from __future__ import annotations

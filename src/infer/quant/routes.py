@@ -1,26 +1,10 @@
-"""Which route a packed product of many rows takes, measured on the CPU it runs on.
+"""Which route a packed product of many rows takes (the packed kernel, or dequantized tiles into a
+GEMM), measured once per weight form on the CPU and thread count it runs on.
 
-A packed matrix product ``x [M, K] @ W.T`` has two routes (`infer.quant.linear.QuantizedLinear`):
-
-- **kernel**: torch's packed kernel (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``).
-  It unpacks the weights in registers for every few rows (4 on x86), so its time grows with ``M``
-  from a few rows on: right for decode steps, verify passes and small batches.
-- **tiles**: the weight dequantized a strip of columns at a time into a float tile that stays in
-  cache, multiplied by a dense GEMM (MKL through ``matmul``, or oneDNN through
-  ``mkldnn._linear_pointwise``). The dequantization costs the same for any ``M``; the GEMM runs at
-  the CPU's float peak: right for prompt chunks.
-
-Where they cross depends on the CPU (its vector width, bfloat16 or AMX, the kernel's unpacking
-speed), on the form of the weight (planes, pairing, ``K``) and on the threads. So the crossover is
-measured, once per form on each CPU and thread count, on a slice of the weight itself
-(`measure`, at the first product that needs it: the first prompt a model reads), and kept in
-``$XDG_CACHE_HOME/infer/routes/<cpu>.json`` (`RouteTable`), keyed by the CPU's model name and
-flags, torch's version and the thread count (`cpu_key`). ``INFER_ROUTES=off`` uses the fixed
-bounds instead (`infer.quant.linear.KERNEL_MAX_ROWS`).
-
-Compiled and exported steps (decode steps, verify passes: at most 16 rows) always take the kernel:
-it is the faster route there on every CPU measured (docs/performance.md), and a compiled graph's
-route must not depend on a file that may appear later.
+The crossover is measured on a slice of the weight (`measure`) and kept in
+``$XDG_CACHE_HOME/infer/routes/<cpu>.json`` (`RouteTable`, keyed by `cpu_key`); ``INFER_ROUTES=off``
+uses the fixed `infer.quant.linear.KERNEL_MAX_ROWS`; compiled steps always take the kernel.
+See docs/quantization.md, "Which route, by rows".
 """
 
 from __future__ import annotations

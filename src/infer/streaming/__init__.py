@@ -1,11 +1,9 @@
 """Layer streaming: run models larger than the device memory, one layer group at a time.
 
-``infer.load(path, device=..., streaming=StreamingConfig(memory_budget=...))`` builds
-the model with `build_streamed`: the same walk over the checkpoint as a resident load,
-whose destination is a `StreamStore`; the plan (`plan_memory`) decides which layers
-stay resident and which stream through preallocated, reused group buffers;
-`StreamingExecutor` replaces the model's executor and a background reader keeps the
-next group loaded while the current one computes. See ``docs/streaming.md``.
+``infer.load(path, streaming=StreamingConfig(memory_budget=...))`` builds the model with
+`build_streamed` into a `StreamStore`; `plan_memory` decides what stays resident and what streams
+through reused group buffers; `StreamingExecutor` runs the walk while a background reader loads
+the next group. See docs/streaming.md.
 """
 
 from __future__ import annotations

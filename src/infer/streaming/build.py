@@ -1,13 +1,8 @@
-"""Build a streamed `DecoderLM`: the resident build's walk with another destination.
+"""Build a streamed `DecoderLM`: the resident build's walk (`ModelBuilder`) with another destination.
 
-`build_streamed` walks the same `ModelBuilder` as a resident load (`load_model`),
-layer by layer, with ``lazy`` placement: float tensors that need only a dtype
-conversion stay in the checkpoint, and whatever the placement converted (packed GGUF
-matrices, layers quantized at load, permuted rows) goes to the `StreamStore`'s local
-file; then every layer goes back to the meta device. The memory plan decides what
-stays resident (read back onto the device now) and what streams through the group
-buffers, and the `StreamingExecutor` takes over the walk (an embedding or head that
-does not fit streams through it too).
+With ``lazy`` placement, float tensors needing only a dtype conversion stay in the checkpoint and
+what the placement converted goes to the `StreamStore`'s local file; the memory plan decides what
+is read back resident, and the `StreamingExecutor` takes over the walk (docs/streaming.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Units of streaming and their layout in a flat buffer.
 
-A *unit* is what moves as one piece: a layer group, or a chunk of rows of a streamed
-``lm_head``. Its tensors (*slots*) sit at aligned offsets of one flat byte buffer, so
-the preallocated buffers are reused for every unit and a slot is a view, never an
-allocation.
+A *unit* (a layer group, or a chunk of rows of a streamed ``lm_head``) moves as one piece; its
+tensors (*slots*) sit at aligned offsets of one flat byte buffer, so every slot is a view.
 """
 
 from __future__ import annotations

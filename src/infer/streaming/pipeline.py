@@ -1,24 +1,9 @@
 """The schedule of loads: a background reader that keeps the next unit loaded while the current one computes.
 
-Every forward walks the same units in the same order (the plan's schedule), so the
-reader simply loads them cyclically: while the last units of one forward compute,
-it already loads the first unit of the next one. With ``prefetch`` there are two
-buffers: the consumer holds one, the reader fills the other. Without it there is
-one buffer, no thread, and `get` loads synchronously (the debugging mode, FR-007).
-
-If the consumer asks for a unit other than the one expected (a forward that
-stopped half-way, ``forward_hidden`` without ``head``), the pipeline discards what
-was prefetched and restarts at the requested unit, so results never depend on the
-call pattern.
-
-A unit that takes longer than ``read_timeout`` seconds to arrive raises
-``TimeoutError`` instead of waiting forever on a stalled reader. The stalled read is
-abandoned (its result is discarded when it ever returns); the next `get` waits for
-the reader again and raises again while it is still stuck. In sync mode a load runs
-on a helper thread when there is a timeout, so that it can be waited for with one.
-
-What the pipeline observes of its loads and computes goes to its `Recorder`: the
-`StreamingStats` counters, the ``trace`` timeline and the ``on_progress`` events.
+Units load cyclically in the plan's order (two buffers with ``prefetch``; without it, one buffer
+and synchronous loads). A request out of order drops what was prefetched and restarts there; a
+unit later than ``read_timeout`` raises ``TimeoutError``. What it observes goes to its `Recorder`.
+Details: docs/streaming.md, "How it works" (*Schedule*).
 """
 
 from __future__ import annotations

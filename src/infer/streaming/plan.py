@@ -1,23 +1,11 @@
 """Memory planning (FR-005): what stays resident, what streams, and whether it fits the budget.
 
-The plan adds up everything the model will hold on the device:
-
-    resident weights (norms, the layers that fit, embedding / lm_head when they fit)
-  + group buffers (one, or two when prefetching) sized for the largest unit
-  + the KV cache for ``max_batch_size`` x ``max_context`` tokens
-  + the activation workspace of one forward of ``max_prefill_tokens`` tokens
-
-Layers are made resident first-come (layers ``0 .. r-1``) as long as the total fits;
-the rest stream in groups of ``layer_group_size``. An ``lm_head`` that does not fit
-streams in row chunks no larger than a group buffer.
-
-Settings the user left at ``None`` are chosen (`plan_memory`): the context (the
-model's, at most 4096, halved while nothing fits), the prefill chunk (the largest that
-fits: each chunk streams the weights once), then among prefetch on / off and groups of
-4, 2, 1 layers the plan that streams the fewest bytes per forward (ties: prefetch on,
-larger groups). Only settings the user gave explicitly can make a budget fail; then
-`BudgetError` says what would fit: a smaller group size, a shorter context, no
-prefetch, or the smallest budget.
+The plan adds up resident weights, the group buffers, the KV cache for ``max_batch_size x
+max_context`` tokens and the workspace of one forward of ``max_prefill_tokens`` tokens, and keeps
+resident what fits (the head or not, then layers ``0 .. r-1``, then the embedding), choosing the
+layout that streams the fewest bytes per forward. Settings left at ``None`` are chosen
+(`plan_memory`); only explicit ones can fail, with a `BudgetError` that says what would fit.
+See docs/streaming.md, "How it works" (*Plan*).
 """
 
 from __future__ import annotations
@@ -196,7 +184,7 @@ def _candidate(
         row = pi.head.row_bytes()
         target = max_group if max_group else max(layer_bytes(r) for r in pi.layer_refs)
         rows = max(1, min(pi.head.shape[0], target // max(row, 1)))
-        # Whole column tiles (`infer.rows.COLUMN_TILE`): a chunked head's logits are the resident head's.
+        # Whole column tiles (`infer.host.rows.COLUMN_TILE`): a chunked head's logits are the resident head's.
         rows = min(pi.head.shape[0], max(COLUMN_TILE, rows // COLUMN_TILE * COLUMN_TILE))
         units.extend(head_units(len(units), pi.head, rows))
     buffer = max((u.nbytes for u in units), default=0)

@@ -1,16 +1,9 @@
 """Where streamed weights live between forwards: the checkpoint itself, or a local stream file.
 
-The streamed build (`infer.streaming.build`) walks the model once with the same
-placement as a resident load. A float tensor that needs nothing but a dtype
-conversion is not read at all: its `TensorRef` points into the checkpoint (through
-its `WeightSource`) and is converted each time it is read. Anything the placement
-changed — packed GGUF matrices in the packed modules' form, layers quantized at load,
-rows llama.cpp permuted — is written once, at load, to a local stream file (about the
-size of the packed checkpoint, removed when the store goes away) and read from there.
-
-Reads go into caller-owned tensors (a slot of a group buffer, a pinned staging buffer):
-nothing is loaded whole, and a conversion goes through a small scratch buffer. With
-``validate`` each tensor is checked for NaN / inf the first time it is read.
+A float tensor that needs only a dtype conversion points into the checkpoint (`TensorRef`) and is
+converted as it is read; what the placement changed (packed, quantized, permuted) is written once
+to a local stream file. Reads go into caller-owned tensors; with ``validate`` each tensor is
+checked for NaN / inf on first read. See docs/streaming.md.
 """
 
 from __future__ import annotations

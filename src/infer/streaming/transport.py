@@ -1,17 +1,9 @@
 """Moving a unit's weights into a device buffer: the CPU and the CUDA way.
 
-`CpuTransport`: the reader reads the checkpoint straight into the buffer
-(``pread``; a dtype conversion goes through a small scratch buffer).
-
-`CudaTransport`: the reader fills a page-locked host buffer (a staging buffer, or
-the unit's slot in the pinned host cache, which later loads copy from without
-touching the checkpoint), then issues the host-to-device copy on a side stream and
-records an event. The compute stream waits on that event (`before_compute`), and
-the copy into a buffer waits on the event recorded after the buffer's last use
-(`after_compute`), so neither stream ever sees a buffer the other is still using;
-the buffers are allocated once and never handed back to the caching allocator
-while the executor lives. In sync mode (``blocking``) every step waits for the
-previous one, so nothing overlaps.
+`CpuTransport` reads the checkpoint straight into the buffer (``pread``); `CudaTransport` fills a
+page-locked host buffer, copies on a side stream and orders the streams with events
+(`before_compute`, `after_compute`), so neither sees a buffer the other still uses; ``blocking``
+overlaps nothing. See docs/streaming.md, "How it works" (*Transports*).
 """
 
 from __future__ import annotations

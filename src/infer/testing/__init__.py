@@ -1,19 +1,10 @@
 """Tiny checkpoints built with transformers' own classes, for tests and benchmarks.
 
-Nothing here downloads anything: `build_checkpoint` makes a small model of a given
-architecture with transformers, perturbs every parameter (so no norm weight is all
-ones or zeros), keeps tied-embedding models from merely repeating their input
-(`untangle_tied_embeddings_`), and saves it with ``save_pretrained`` (single file or
-sharded), with a small byte-level tokenizer (a chat template and two EOS ids included).
-
-Each tiny config keeps what distinguishes its architecture: GQA with 2 query heads
-per KV head; ``head_dim != hidden_size // num_heads`` (Qwen 3, Gemma 3); llama3 RoPE
-scaling (Llama); QK-norm (Qwen 3, Gemma 3); ``query_pre_attn_scalar != head_dim``,
-a sliding window of 8 (shorter than the test sequences), linear-scaled global RoPE
-and final-logit soft-capping (Gemma 3); Q/K/V biases (Qwen 2); a sliding window on
-every layer (Mistral); fused ``qkv_proj`` / ``gate_up_proj`` and partial RoPE over half
-of each head (Phi-3); learned positions, LayerNorm and Conv1D weights (GPT-2); tied
-(Qwen 3, Gemma 3, GPT-2) and untied (Llama, Qwen 2, Mistral, Phi-3) embeddings.
+Nothing here downloads anything: `build_checkpoint` makes a small model of an architecture (one
+entry of `TINY`, keeping what distinguishes it), perturbs every parameter, keeps tied-embedding
+models from repeating their input (`untangle_tied_embeddings_`) and saves it with a small
+byte-level tokenizer. What each tiny config keeps: docs/architecture.md, "How to add an
+architecture".
 """
 
 from __future__ import annotations
@@ -159,15 +150,10 @@ GEMMA3_POST_NORM_GAIN = 3.0  # added to Gemma 3's post-attention / post-feedforw
 def untangle_tied_embeddings_(model: torch.nn.Module, arch: str) -> None:
     """Keep a random model with tied embeddings from predicting its own input.
 
-    A tied head scores the input token's own embedding against itself: ``|e|^2 =
-    hidden_size`` where another token scores about ``+-sqrt(hidden_size)``. With
-    embeddings as large as the layers' outputs the residual stream is mostly the
-    input's embedding, so greedy decoding repeats it (the tiny Gemma 3, whose
-    embeddings are also multiplied by sqrt(hidden_size), did at every position and a
-    Gemma norm bug with logit error 9.5 passed every token-level test). Shrinking the
-    shared matrix lets the layers decide; the final norm is scaled back up by the same
-    factor so logits stay as decisive. Gemma 3's sandwich norms cap each layer's
-    output, so its post-norms are raised as well.
+    A tied head scores the input's own embedding at ``|e|^2 = hidden_size`` against about
+    ``+-sqrt(hidden_size)`` for another token, so greedy decoding repeats the input (and hides
+    norm bugs). The shared matrix is shrunk and the final norm scaled back up by the same factor;
+    Gemma 3's post-norms are raised too (its sandwich norms cap each layer's output).
     """
     scale = TIED_EMBEDDING_SCALE.get(arch, 0.3)
     if arch == "gpt2":  # transformer.wte, and a LayerNorm (weight and bias) as the final norm

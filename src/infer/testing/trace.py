@@ -1,10 +1,8 @@
 """Requests run through the engine with the logits each token was drawn from, for tests and
 benchmarks that compare them (a prompt alone and in a batch, compiled and eager steps).
 
-`trace` submits prompts together to a fresh `infer.engine.Engine` of a loaded model (nothing
-cached from earlier requests) whose runner (`Recording`) keeps, for each request, the logits of
-every forward in which its last fed token went through the head: the logits the engine sampled
-its tokens from, as the engine computed them, nothing run again.
+`trace` runs prompts on a fresh `infer.engine.Engine` whose runner (`Recording`) keeps, per
+request, the logits the engine sampled each token from, as it computed them (nothing run again).
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Chat templates: checked messages, bounded rendering, and content that stays text.
 
-A chat template is Jinja code from the model's files. `render_chat_template` runs it
-in jinja2's `ImmutableSandboxedEnvironment` (no attribute escapes, no mutation of
-lists and dicts) with the variables and helpers transformers gives templates
-(``messages``, ``add_generation_prompt``, ``tools`` (None unless given), ``documents=None``, the
-special tokens such as ``bos_token``, ``raise_exception``, ``strftime_now``,
-``namespace``, ``dict``, a ``tojson`` that does not escape HTML), so real templates
-render exactly what transformers' ``apply_chat_template`` renders.
-
-The sandbox stops escapes, not exhaustion. On top of it every loop iteration and
-call, ``+ * ** %``, ``~``, ``str.format``, the string methods and filters that grow
-text, and every printed value are checked against `RenderLimits` (characters built,
-loop iterations, seconds), so a template cannot allocate unbounded memory or run
-forever; it fails with `ChatTemplateError`. Loops and ``~`` are reached by rewriting
-the parsed template (each ``for`` iterates through a counter, each ``~`` is a checked
-call) before it is compiled.
-
-`mark_control_tokens` / `split_marked` keep message strings as text: control-token
-spellings inside messages are wrapped in two Unicode noncharacters before rendering,
-so after rendering the encoder can tell them from the control tokens the template
-wrote itself, and encode them as plain text.
+`render_chat_template` runs a model's Jinja template in jinja2's immutable sandbox with
+transformers' variables and helpers, within `RenderLimits`; `mark_control_tokens` /
+`split_marked` keep control-token spellings inside messages as text. How: docs/reliability.md,
+"Chat templates".
 """
 
 from __future__ import annotations

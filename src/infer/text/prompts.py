@@ -1,14 +1,9 @@
 """How a user's text becomes a prompt: the one place `infer.LLM`, `infer generate`, `infer chat` and
 `infer serve` share.
 
-A prompt (a string, or token ids) is checked and encoded by `encode_prompt`, a conversation
-rendered by `chat_prompt` (`LLM.encode`, `LLM.chat_prompt` and the server call them). An
-instruct model (its tokenizer has a chat template) gets a user's text as a user message
-rendered by that template, with the assistant's turn opened, as mlx-lm and llama.cpp's CLI
-do; ``raw=True`` (``--raw``), or a model without a template, encodes the text as it is.
-
-A chat with tools (`tool_chat`) is rendered in the model's tool-call format (`infer.text.tools`), with
-the constraint ``tool_choice`` asks for; `read_reply` takes the calls out of the reply.
+`encode_prompt` checks and encodes a prompt, `chat_prompt` renders a conversation; a user's text
+to an instruct model becomes a user message with the assistant's turn opened unless ``raw``.
+`tool_chat` renders a chat with tools; `read_reply` takes the calls out of the reply.
 """
 
 from __future__ import annotations

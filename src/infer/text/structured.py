@@ -1,18 +1,8 @@
 """Structured output: a per-request constraint (JSON schema, regex, grammar) and logits processing.
 
-`Constraint` says what a request's text must match: a JSON schema (a dict, its JSON text, or a
-pydantic model class), "any JSON object", a regular expression, or a grammar (llguidance's Lark
-dialect, or llama.cpp's GBNF). `Grammars` compiles constraints for one tokenizer with
-`llguidance <https://github.com/guidance-ai/llguidance>`_ (chosen with numbers:
-docs/structured.md) and caches the compiled grammars per constraint.
-
-`RowProcessor` is the one seam in the engine: one per request that asks for a constraint,
-``logit_bias`` or a penalty. Each step the engine hands it that row's exact logits (``[V]``
-float32) to change in place — repetition penalty, presence / frequency penalties, logit bias,
-then the grammar's token mask (a packed bitmask, one bit per token, computed by llguidance) —
-and resamples the row with `infer.sampling.sample_row` and the row's own noise, so constrained and
-free rows share a batch and a seeded request draws the same tokens whatever its neighbours. The
-sampled token is then `RowProcessor.accept`-ed (the matcher advances; the counts grow).
+`Constraint` says what a request's text must match; `Grammars` compiles constraints for one
+tokenizer with llguidance and caches them; `RowProcessor` is the engine's per-row seam
+(penalties, logit bias, the grammar's mask). See docs/structured.md.
 """
 
 from __future__ import annotations
@@ -148,10 +138,8 @@ class Vocabulary(Protocol):
 class Grammars:
     """Compiles constraints for one tokenizer and keeps the compiled grammars (thread-safe).
 
-    The llguidance vocabulary is built on first use (from the tokenizer's ``tokenizer.json``:
-    0.3 s for SmolLM2's 49,152 tokens, 2.7 s for Gemma 3's 262,144 on an AMD EPYC); a compiled
-    grammar is kept per constraint (`GRAMMAR_CACHE` of them), and each request gets its own copy
-    of its matcher.
+    The llguidance vocabulary is built on first use; `GRAMMAR_CACHE` compiled grammars are kept,
+    and each request gets its own copy of its matcher.
     """
 
     def __init__(self, tokenizer: Vocabulary, vocab_size: int, eos_ids: Sequence[int]) -> None:
@@ -207,10 +195,8 @@ class RowProcessor:
 
     ``apply(logits)`` changes that row's ``[V]`` float32 logits in place (penalties, bias) and
     returns the ids the constraint allows, ascending (None without a constraint): the engine
-    samples among those only, which is what sampling the masked row gives (a disallowed token has
-    probability 0 and ranks last) at the cost of the allowed tokens, not of the vocabulary.
-    ``accept(token)`` takes the sampled token (advances the matcher; counts it for the
-    penalties) and says whether the constraint is complete (nothing but EOS may follow).
+    samples among those only. ``accept(token)`` takes the sampled token (advances the matcher;
+    counts it for the penalties) and says whether the constraint is complete (only EOS may follow).
     ``error`` is set when the matcher refused a token, allows none, or its grammar hit a limit:
     the engine ends the request with it.
 

@@ -1,21 +1,8 @@
 """Tool calls: how each model family is told about tools, how its calls read, and a grammar for them.
 
-A `ToolFormat` is one family's syntax, picked from the chat template (`tool_format`):
-
-* ``hermes`` — Qwen 2.5 / 3 (and Hermes, SmolLM3): the template renders ``tools``; a call is
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several in a row for parallel calls.
-* ``llama3`` — Llama 3.1+: the template renders ``tools``; a call is a JSON object
-  ``{"name": ..., "parameters": {...}}`` (after an optional ``<|python_tag|>``), several joined by ``"; "``.
-* ``mistral`` — the template renders ``tools``; calls follow the ``[TOOL_CALLS]`` control token, as a
-  JSON list ``[{"name": ..., "arguments": {...}}, ...]`` (also read: ``[TOOL_CALLS]name[ARGS]{...}``).
-* ``generic`` — a template without tool support (SmolLM2's, Gemma 3's, the test checkpoints'): infer
-  writes the tools and the ``hermes`` call syntax into the system message itself, renders earlier
-  calls as that syntax in the assistant's text and tool results as ``<tool_response>`` user
-  messages, and reads calls as ``hermes``.
-
-`ToolFormat.grammar` is the Lark grammar (llguidance's dialect, with inline ``%json`` schemas) that
-``tool_choice: "required"`` or a named function constrains generation with, so a call is valid JSON
-naming an offered function with arguments that match its ``parameters``, whatever the model.
+A `ToolFormat` is one family's syntax (``hermes``, ``llama3``, ``mistral``, ``generic``), picked
+from the chat template (`tool_format`); `ToolFormat.grammar` constrains ``tool_choice:
+"required"`` or a named function. The formats: docs/structured.md, "Tool calls".
 """
 
 from __future__ import annotations
@@ -162,7 +149,7 @@ def _json_objects(text: str, sep: str) -> list[Any] | None:
 
 
 class ToolFormat:
-    """One family's tool-call syntax (see the module's docstring); this base is ``hermes``."""
+    """One family's tool-call syntax (docs/structured.md, *Tool calls*); this base is ``hermes``."""
 
     name = "hermes"
     arguments_key = "arguments"
