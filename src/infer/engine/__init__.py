@@ -17,8 +17,7 @@ through them (docs/engine.md has the flow of one plan):
 * `output` — `Outputs`: what each sampled token does to its request (EOS, length, logprobs), and
   how far each row is kept;
 * `request` — `Request` (the engine's record), `RequestHandle` (the caller's side, which decodes
-  the text off the model's thread), `Delta`;
-* `text` — `TextStream`: incremental detokenizing, stop strings;
+  the text off the model's thread, through `infer.text.stream`), `Delta`;
 * `driver` — `Driver`: which thread runs the iterations, and the hand-off between threads;
 * `served` — `ServedModel`: what a server shows of the model.
 
