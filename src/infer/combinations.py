@@ -187,7 +187,7 @@ def check_load(
 
 
 def check_intervention(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-    """An intervention's pairs of `REFUSED` (`infer.experiment.Experimenting.intervene`)."""
+    """An intervention's pairs of `REFUSED` (`infer.notebook.NotebookMethods.intervene`)."""
     check({INTERVENTION: INTERVENTION, **_parallel(tensor_parallel, pipeline_parallel)}, "intervene")
 
 

@@ -78,7 +78,7 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.inspect",
         "infer.perplexity",
         "infer.realmodels",
-        "infer.experiment",
+        "infer.notebook",
         "infer.scores",
     ),
     # 7: front ends and test support
