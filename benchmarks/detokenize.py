@@ -22,7 +22,7 @@ import platform
 import time
 from pathlib import Path
 
-from infer.loader.checkpoint import open_checkpoint
+from infer.loading import open_checkpoint
 from infer.realmodels import fetch
 from infer.text.stream import TextStream, cut_at_stop, stop_prefix
 

@@ -10,10 +10,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
-from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
-from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
+from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
+from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.models.base import DecoderLM
 from infer.models.common import is_deterministic
 from infer.notebook import NotebookMethods

@@ -4,7 +4,7 @@ Under ``torchrun --nproc-per-node N`` (or any initialized default process group)
 ``infer.load(path, tensor_parallel=T, pipeline_parallel=P)`` with ``T x P == N`` builds
 on every rank the part of the model that rank holds — its pipeline stage's layers, and
 within them its tensor-parallel share of every weight, read straight from the checkpoint
-(`infer.loader.build.Partition`) — and installs the executor that makes the parts compute
+(`infer.assembly.build.Partition`) — and installs the executor that makes the parts compute
 the whole (`infer.distributed.executor`; row-parallel linears all-reduce inside the
 layers, `infer.distributed.modules`). Every rank then returns the same `LLM`:
 ``generate`` / ``stream`` / ``chat`` run in lockstep on all ranks and give the same result
@@ -18,13 +18,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from infer.assembly.build import Build, ModelBuilder, Partition, load_model
+from infer.assembly.options import LoadOptions
 from infer.distributed.executor import PipelineExecutor, TensorParallelExecutor
 from infer.distributed.modules import RowParallel
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
-from infer.loader.build import Build, ModelBuilder, Partition, load_model
 from infer.loader.config import ModelConfig
-from infer.loader.options import LoadOptions
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM, Executor, ResidentExecutor
 

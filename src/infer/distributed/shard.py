@@ -10,7 +10,7 @@ query heads use it, as vLLM does. Fused modules (Phi-3's ``qkv_proj`` and
 
 A rank builds its model from `TensorParallel.local_config` (its share of heads,
 intermediate size and vocabulary, with an explicit ``head_dim``) and the loader reads only
-its `Slice` of each stored tensor (`infer.loader.place`).
+its `Slice` of each stored tensor (`infer.assembly.place`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Files mapped into memory, handed out as tensors that each own a storage.
 
-Floor 0 (no infer imports): the repack cache (`infer.loader.repack_cache`), the GGUF reader's
+Floor 0 (no infer imports): the repack cache (`infer.assembly.repack_cache`), the GGUF reader's
 embedding rows (`infer.gguf.source`) and the fused products (`infer.quant.linear`) use it.
 
 A `MappedFile` is one private mapping of a file (``mmap`` with ``MAP_PRIVATE``: nothing is

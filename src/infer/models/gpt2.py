@@ -11,18 +11,15 @@ transposes once (`Fix.TRANSPOSE`); llama.cpp's converter already wrote them
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.loader.config import FULL_ATTENTION, ModelConfig
-from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
+from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFKeys, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, Linear, activation, attend_any
-
-if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
 
 
 class GPT2Attention(nn.Module):
@@ -151,7 +148,7 @@ def normalize(raw: dict[str, Any], source: str) -> None:
         )
 
 
-def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     return {
         "rms_norm_eps": meta.opt_float("attention.layer_norm_epsilon", 1e-5),
         "hidden_act": "gelu_new",

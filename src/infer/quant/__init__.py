@@ -4,7 +4,7 @@
 - `QuantizedLinear`: a drop-in ``nn.Linear`` over packed weights (from GGUF bytes or
   quantized at load), using torch's packed int4/int8 kernels for decode.
 - `QuantizedEmbedding`: row lookups over GGUF bytes or over a tied `QuantizedLinear`.
-- `quantize_linear`: ``quantize="q4_0" | "int8"`` at load time (`infer.loader.place`).
+- `quantize_linear`: ``quantize="q4_0" | "int8"`` at load time (`infer.assembly.place`).
 
 See docs/quantization.md for the formats, kernels, memory and accuracy.
 """
