@@ -15,7 +15,7 @@ from infer.loader.tokenizer import Tokenizer
 from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.models.base import DecoderLM
-from infer.models.common import is_deterministic
+from infer.models.projections import is_deterministic
 from infer.notebook import NotebookMethods
 from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions

@@ -37,7 +37,7 @@ from infer.loader.config import ModelConfig
 from infer.loader.source import Slice, WeightSource
 from infer.models import architecture
 from infer.models.base import DecoderLM
-from infer.models.rope import RotaryEmbedding
+from infer.models.common import RotaryEmbedding
 
 NONLAYER = ("embed_tokens", "embed_positions", "norm", "lm_head")
 

@@ -6,7 +6,7 @@ on ``M`` (measured on CPU: MKL and oneDNN change kernels, and with them the orde
 summation, with the row count, differently on an AMD EPYC and an Intel Xeon with AMX).
 
 In the deterministic mode (``infer.load(..., deterministic=True)``, docs/numerics.md;
-`infer.models.common.set_deterministic`)
+`infer.models.projections.set_deterministic`)
 every product runs on tiles of exactly `TILE_ROWS` rows, zero-padded: a row's product
 is then always the same call — the same shape, hence the same kernel, blocking and
 order of summation — whatever else is in the batch, however its prompt was chunked,

@@ -8,7 +8,7 @@ tokens, and masked until then). Rows may also be left-padded (``pad[b]`` slots o
 padding before the first real token, as ``attention_mask`` describes it): a token's
 position (RoPE, learned positions) is ``slot - pad[b]``. Generation right-pads, so a
 row's keys sit at the same slots alone and in any batch — the attention's reductions
-then see the same numbers in the same order (`infer.models.common.attend`).
+then see the same numbers in the same order (`infer.models.attend.attend`).
 
 Full-attention layers keep ``capacity`` slots, rounded up to a multiple of
 `KEY_CHUNK`. Sliding-window layers keep ``min(window, capacity)`` slots in a ring
@@ -34,7 +34,7 @@ import torch
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
-KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
+KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.attend.attend)
 
 
 class HookState(Protocol):

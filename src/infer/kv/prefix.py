@@ -4,7 +4,7 @@ Requests that run at the same time and begin with the same tokens (a system prom
 examples, a document asked several questions) would otherwise each prefill and keep their own
 copy. The engine (`infer.kv.KVSlots`) keeps such a prefix once, as a **segment** of a
 `PrefixStore`, and each row that uses it holds only what follows (its private part). Attention
-then reads the segment once for all the rows of a step (`infer.models.common.attend_shared`:
+then reads the segment once for all the rows of a step (`infer.models.attend.attend_shared`:
 every row's queries against the one copy, merged with each row's private keys by their
 log-sum-exp), so a 2,000-token system prompt shared by 16 streams is read once per step, not
 16 times.

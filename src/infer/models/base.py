@@ -21,8 +21,9 @@ from torch import nn
 
 from infer.kv.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.common import Attention, Linear, make_rotary_embeddings
+from infer.models.common import Attention, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
+from infer.models.projections import Linear
 from infer.models.record import record_forward
 from infer.quant.head import fixed_order_dots
 from infer.quant.linear import QuantizedLinear
@@ -246,7 +247,7 @@ class DecoderLM(nn.Module):
 
     block_class: type[nn.Module]  # the architecture's transformer block, built from a config
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
-    deterministic: bool = False  # `infer.models.common.set_deterministic`: caches without rings
+    deterministic: bool = False  # `infer.models.projections.set_deterministic`: caches without rings
     kv_dtype: torch.dtype | None = None  # what KV caches hold (`cache_dtype`); None: the model's dtype
 
     def __init__(self, config: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:

@@ -18,12 +18,14 @@ from torch import nn
 
 from infer.loader.config import FULL_ATTENTION, ModelConfig
 from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFKeys, GGUFRules
+from infer.models.attend import attend_any
 from infer.models.base import DecoderLM
-from infer.models.common import KVStore, Linear, activation, attend_any
+from infer.models.common import KVStore, activation
+from infer.models.projections import Linear
 
 
 class GPT2Attention(nn.Module):
-    deterministic: bool = False  # `infer.models.common.set_deterministic`
+    deterministic: bool = False  # `infer.models.projections.set_deterministic`
     output_projection = "c_proj"  # the module whose input is the heads' outputs [B, T, H * hd]
 
     def __init__(self, config: ModelConfig) -> None:

@@ -10,16 +10,9 @@ from torch import nn
 
 from infer.loader.config import ModelConfig
 from infer.models.arch import Architecture, GGUFKeys, GGUFRules, sliding_everywhere
-from infer.models.common import (
-    Attention,
-    Fusable,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    activation,
-    attention_from_config,
-)
+from infer.models.common import Attention, GatedMLP, RMSNorm, activation, attention_from_config
 from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock, gguf_layer
+from infer.models.projections import Fusable, Linear
 
 
 class Phi3Attention(Attention):
