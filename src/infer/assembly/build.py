@@ -1,21 +1,11 @@
 """One builder for every checkpoint and every mode: a walk over the model's modules.
 
-`ModelBuilder` maps a `WeightSource`'s names to our modules (`infer.assembly.names`),
-checks the config against them, builds the model skeleton on the meta device (no
-memory) and then fills it module by module with `infer.assembly.place.place_module`.
-Where the filled modules go is the caller's choice: a destination is a function of the
-builder (`Build`):
-
-* `load_model` (resident): each module moves to the device as soon as it is filled,
-  so peak memory is the model plus one module's temporaries;
-* `infer.streaming.build.build_streamed`: the same walk, whose destination is the
-  stream store (float tensors stay in the checkpoint, converted ones go to a local
-  file) and then the plan's resident layers and group buffers.
-
-Safetensors and GGUF files, float or packed, with or without ``quantize``: the same
-code with a different source and options. Every stored tensor must map to a parameter
-and every parameter must be filled; errors name the file, the tensor, the expected
-and the found value.
+`ModelBuilder` maps a `WeightSource`'s names to our parameters (`infer.assembly.names`), checks
+the config against them, builds the model on the meta device and fills it module by module
+(`infer.assembly.place`). Where the filled modules go is a destination (`Build`): `load_model`
+(resident: each module to the device as it is filled) or `infer.streaming.build_streamed`.
+Every stored tensor must map to a parameter and every parameter be filled; errors name the
+file, the tensor, the expected and the found value (docs/architecture.md, *One load path*).
 """
 
 from __future__ import annotations

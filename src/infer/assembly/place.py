@@ -1,19 +1,10 @@
 """The one step that fills a module of a model skeleton from stored tensors.
 
-`place_module` reads a module's tensors from the `WeightSource`, checks their shapes
-(and, with ``validate``, that they are finite), undoes what a converter changed
-(`Fix`), converts the dtype, and puts the result in the module:
-
-* a float matrix stays an ``nn.Linear`` / ``nn.Embedding`` parameter, or, with
-  ``quantize`` ("q4_0" / "int8"), the linear is swapped for a packed
-  `QuantizedLinear` as soon as its tensors are in;
-* a packed GGUF matrix becomes a `QuantizedLinear` (or a `QuantizedEmbedding`; a tied
-  head is packed once and the embedding reads its rows);
-* norms, biases and other vectors become float parameters.
-
-With ``lazy`` the float tensors that need nothing but a dtype conversion are not read
-at all: they stay on the meta device and are returned, so a streamed model can read
-them from the checkpoint later, one layer group at a time.
+`place_module` reads a module's tensors, checks their shapes (and, with ``validate``, that they
+are finite), undoes a converter's change (`Fix`), converts the dtype and puts the result in the
+module: a float parameter, a linear quantized at load (``quantize``), or a packed GGUF matrix as a
+`QuantizedLinear` / `QuantizedEmbedding`. With ``lazy``, float tensors needing only a dtype
+conversion stay unread on the meta device, for a streamed model to read later.
 """
 
 from __future__ import annotations

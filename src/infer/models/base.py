@@ -191,11 +191,10 @@ def _run_block(
 
 
 # Compiled in-process (``torch.compile``), the blocks form one nested region: traced and
-# code-generated once per kind of layer, which halves the compile (SmolLM2: 29 s instead of 60 s
-# cold). But a region's inputs cannot be written in place: its K/V writes become a copy of the
-# layer's whole cache, written back after the block (~16 µs a layer on SmolLM2). An ahead-of-time
-# build, compiled in the background where compile time costs the user nothing, turns regions off
-# (`layer_regions`) and its K/V writes stay in place: decode 151 -> 193 tok/s on SmolLM2.
+# code-generated once per kind of layer, which halves the compile. But a region's inputs cannot be
+# written in place: its K/V writes become a copy of the layer's whole cache and back. An
+# ahead-of-time build, compiled in the background where compile time costs the user nothing, turns
+# regions off (`layer_regions`) so its K/V writes stay in place (docs/performance.md has both costs).
 _run_block_region = torch.compiler.nested_compile_region(_run_block)
 _REGIONS = [True]
 
