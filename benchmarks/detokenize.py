@@ -6,7 +6,7 @@
 Before: on the thread that runs the model, each generated token of each stream decoded the whole
 generation twice (`TextStream.push`, then the stop-string check `cut_at_stop(decode(all))`), so a
 token's cost grew with the tokens before it. After: the model's thread decodes nothing; each
-stream's handle decodes a window of its last tokens (`infer.engine.text.TextStream`) on its
+stream's handle decodes a window of its last tokens (`infer.text.stream.TextStream`) on its
 reader's thread (the server's event loop), and finds stop strings in the new text only.
 
 The token streams are real text (this repository's docs, tokenized), ``--streams`` of them, each
@@ -22,9 +22,9 @@ import platform
 import time
 from pathlib import Path
 
-from infer.engine.text import TextStream, cut_at_stop, stop_prefix
-from infer.loader.checkpoint import open_checkpoint
+from infer.loading import open_checkpoint
 from infer.realmodels import fetch
+from infer.text.stream import TextStream, cut_at_stop, stop_prefix
 
 
 def cpu_name() -> str:

@@ -94,7 +94,7 @@ def _warm_up(device: str, config: Any) -> None:
 
     import torch
 
-    from infer.loader.build import build_empty
+    from infer.assembly.build import build_empty
 
     a = torch.randn(256, 256, device=device)
     (a @ a).sum().item()
@@ -126,12 +126,12 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     _warm_up(device, config)
     sampler = PeakSampler(device)
     t0 = time.perf_counter()
-    from infer.loader.build import ModelBuilder
-    from infer.loader.options import LoadOptions
+    from infer.assembly.build import ModelBuilder
+    from infer.assembly.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     if job["kind"] == "resident":
-        from infer.loader.build import load_model
+        from infer.assembly.build import load_model
 
         options = LoadOptions(dtype=dtype, device=torch.device(device))
         model: Any = load_model(ModelBuilder(SafetensorsSource(path), config, options))

@@ -14,7 +14,7 @@ transformers models saved with ``save_pretrained``, with a byte-level tokenizer 
   (``AutoModelForCausalLM``, eager attention, eval mode), cached per ``(path, dtype)``.
   Treat the returned model as read-only: it is shared.
 * ``our_model_factory`` (session): ``load(path, dtype=torch.float32) -> DecoderLM`` built with
-  our loader (`infer.loader.build.load_model`), cached per ``(path, dtype)``;
+  our loader (`infer.assembly.build.load_model`), cached per ``(path, dtype)``;
   read-only as well (build a fresh cache per test with ``model.make_cache``).
 * ``tokenizer_dir`` (session): a directory holding only the tiny tokenizer files
   (no ``generation_config.json``).
@@ -223,9 +223,9 @@ def hf_model_factory() -> Callable[..., Any]:
 
 @pytest.fixture(scope="session")
 def our_model_factory() -> Callable[..., Any]:
-    from infer.loader.build import ModelBuilder, load_model
+    from infer.assembly.build import ModelBuilder, load_model
+    from infer.assembly.options import LoadOptions
     from infer.loader.config import load_config
-    from infer.loader.options import LoadOptions
     from infer.loader.weights import SafetensorsSource
 
     def build(path: Path, dtype: torch.dtype) -> Any:

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from infer.loader.build import ModelBuilder
+from infer.assembly.build import ModelBuilder
+from infer.assembly.options import LoadOptions
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor, WeightSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed

@@ -13,10 +13,9 @@ from infer.aot import pays as aot_pays
 from infer.combinations import check_load
 from infer.distributed.runtime import agree
 from infer.execution import Execution
-from infer.loader.checkpoint import open_checkpoint
-from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
-from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
-from infer.loading import build_model
+from infer.loading import build_model, open_checkpoint
+from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
+from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.models.base import DecoderLM
 from infer.realmodels import resolve_name
 
@@ -90,7 +89,7 @@ def load(
 
     ``cache``: keep what loading computes from a GGUF file (its matrices converted for the
     packed kernels) in a file under the user's cache directory, and reuse it in later
-    processes while the GGUF file is unchanged (`infer.loader.repack_cache`; resident,
+    processes while the GGUF file is unchanged (`infer.assembly.repack_cache`; resident,
     single-process loads). ``cache=False`` converts every time and writes nothing.
 
     ``kv_dtype``: what the KV cache holds ("float32", "bfloat16", "float16", or "int8": int8

@@ -134,7 +134,7 @@ GIVES_WAY: tuple[GivesWay, ...] = (
         "cache=True",
         "streaming or tensor/pipeline_parallel > 1",
         "a GGUF file's matrices converted at every load, nothing written",
-        "`infer.loader.checkpoint.Checkpoint.repack_cache`",
+        "`infer.loading.Checkpoint.repack_cache`",
     ),
 )
 
@@ -168,7 +168,7 @@ def check_load(
     gguf: str | None = None,
 ) -> None:
     """The load's pairs of `REFUSED` (`infer.load`, before anything is read; ``gguf``, the path of a
-    GGUF file, in `infer.loader.checkpoint.Checkpoint.options`, where the format is known).
+    GGUF file, in `infer.loading.Checkpoint.options`, where the format is known).
     ``streaming``: the `infer.StreamingConfig`, or None."""
     given = _parallel(tensor_parallel, pipeline_parallel)
     if compile is True:
@@ -187,7 +187,7 @@ def check_load(
 
 
 def check_intervention(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-    """An intervention's pairs of `REFUSED` (`infer.experiment.Experimenting.intervene`)."""
+    """An intervention's pairs of `REFUSED` (`infer.notebook.NotebookMethods.intervene`)."""
     check({INTERVENTION: INTERVENTION, **_parallel(tensor_parallel, pipeline_parallel)}, "intervene")
 
 

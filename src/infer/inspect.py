@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from infer.kv.cache import KVCache
-from infer.loader.checkpoint import open_checkpoint
 from infer.loader.source import StoredTensor
+from infer.loading import open_checkpoint
 from infer.realmodels import resolve_name
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from infer.execution import Execution
-from infer.experiment import Experimenting
-from infer.loader.checkpoint import resolve_checkpoint as resolve_checkpoint  # kept importable here
-from infer.loader.checkpoint import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
+from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
+from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.models.base import DecoderLM
-from infer.models.common import is_deterministic
+from infer.models.projections import is_deterministic
+from infer.notebook import NotebookMethods
 from infer.params import NonFiniteLogitsError, SamplingParams, check_max_new_tokens
 from infer.perplexity import DEFAULT_CONTEXT, PerplexityOptions
 from infer.text.prompts import chat_prompt, encode_prompt
@@ -116,9 +116,9 @@ def _generation_args(method: str, max_new_tokens: int, sampling: SamplingOptions
 
 
 @dataclass(eq=False, repr=False)
-class LLM(Experimenting):
+class LLM(NotebookMethods):
     """A loaded model with its tokenizer: `generate`, `stream`, `chat` (`load` makes one); for
-    notebooks (`infer.experiment.Experimenting`): `intervene`, `score`, `logit_lens`, a summary
+    notebooks (`infer.notebook.NotebookMethods`): `intervene`, `score`, `logit_lens`, a summary
     as its ``repr``; ``llm.model(ids, output_hidden_states=True, output_attentions=True)``.
 
     ``execution`` runs its steps (`infer.execution.Execution`: eager, compiled or from packages);

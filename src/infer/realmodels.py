@@ -199,7 +199,7 @@ def by_name(name: str, *, quiet: bool = False) -> Path:
 def resolve_name(path_or_name: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """``path_or_name`` itself, unless it is a bare name (no path separator, not on disk): then the
     file of that known model (`by_name`), or `FileNotFoundError` saying which names exist. A hub id
-    (``org/name``) and any path are left to `infer.loader.checkpoint.resolve_checkpoint`."""
+    (``org/name``) and any path are left to `infer.loading.resolve_checkpoint`."""
     if not isinstance(path_or_name, str) or "/" in path_or_name or os.sep in path_or_name:
         return path_or_name
     if not path_or_name or Path(path_or_name).expanduser().exists():

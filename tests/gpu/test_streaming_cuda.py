@@ -20,9 +20,9 @@ import pytest
 import torch
 from model_checks import left_pad
 
-from infer.loader.build import ModelBuilder, load_model
+from infer.assembly.build import ModelBuilder, load_model
+from infer.assembly.options import LoadOptions
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.streaming import StreamingConfig, build_streamed

@@ -7,7 +7,7 @@ prefilled in chunks; the logits of every step (those the engine sampled from:
 `infer.testing.trace`) must be *bitwise* equal, which the greedy tokens then are too. This
 holds by construction (docs/numerics.md): a row's keys sit at its own slots from slot 0 in any
 batch, and every product — weights and attention alike — is a tile of one fixed shape
-(`infer.host.rows`, `infer.models.common.attend_tiled`), whatever the batch.
+(`infer.host.rows`, `infer.models.attend.attend_tiled`), whatever the batch.
 """
 
 from __future__ import annotations

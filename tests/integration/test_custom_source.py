@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import infer
-from infer.loader.build import ModelBuilder, load_model
+from infer.assembly.build import ModelBuilder, load_model
+from infer.assembly.options import LoadOptions
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.source import StoredTensor
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import build_streamed

@@ -181,7 +181,7 @@ def test_stream_concatenates_to_generate(arch: str, llm_factory: Callable[[str],
 
 def test_stream_never_splits_utf8(llm_factory: Callable[[str], infer.LLM]) -> None:
     """Multi-byte characters span several byte tokens: pieces must hold whole characters only."""
-    from infer.engine.text import TextStream
+    from infer.text.stream import TextStream
 
     llm = llm_factory("llama")
     text = "naïve café — 日本語 🙂!"

@@ -21,12 +21,12 @@ from gguf.quants import dequantize, quantize
 from model_checks import assert_cache_and_padding_match
 
 import infer
+from infer.assembly.build import ModelBuilder
+from infer.assembly.build import load_model as build_model
+from infer.assembly.options import LoadOptions
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
-from infer.loader.build import ModelBuilder
-from infer.loader.build import load_model as build_model
-from infer.loader.checkpoint import GGUF_COMPUTE_DTYPE
-from infer.loader.options import LoadOptions
+from infer.loading import GGUF_COMPUTE_DTYPE
 from infer.models.base import DecoderLM
 from infer.quant import QuantizedEmbedding, QuantizedLinear
 from infer.testing import build_tokenizer, tiny_hf_model

@@ -12,11 +12,11 @@ from model_checks import assert_cache_and_padding_match
 from safetensors.torch import load_file, save_file
 
 import infer
+from infer.assembly.build import ModelBuilder, load_model
+from infer.assembly.options import LoadOptions
 from infer.gguf import GGUFFile, GGUFSource, config_from_gguf
 from infer.gguf.writer import write_gguf
-from infer.loader.build import ModelBuilder, load_model
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
 from infer.quant import QuantizedLinear

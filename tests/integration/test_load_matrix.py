@@ -1,4 +1,4 @@
-"""Every checkpoint layout in every load mode, through the one builder (`infer.loader.build`).
+"""Every checkpoint layout in every load mode, through the one builder (`infer.assembly.build`).
 
 Layouts: plain (Llama, untied), sharded, tied (Qwen 3), stored RoPE ``inv_freq`` buffers,
 the multimodal Gemma 3 layout (language model nested, a vision tower beside it), GPT-2 with

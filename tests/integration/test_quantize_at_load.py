@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import infer
-from infer.models.common import unfuse_projections
+from infer.models.projections import unfuse_projections
 from infer.quant import QuantizedLinear, module_nbytes
 from infer.testing import build_checkpoint
 

@@ -1,4 +1,4 @@
-"""The repack cache (`infer.loader.repack_cache`): a second load maps what the first converted.
+"""The repack cache (`infer.assembly.repack_cache`): a second load maps what the first converted.
 
 A tiny GGUF model is loaded twice: the second load must not convert (calls of
 `QuantizedLinear.from_gguf` are counted) and must give bitwise the same buffers and
@@ -18,8 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 import infer
+from infer.assembly.repack_cache import RepackCache, gguf_layout, max_bytes, prune
 from infer.gguf.writer import write_gguf
-from infer.loader.repack_cache import RepackCache, gguf_layout, max_bytes, prune
 from infer.quant import QuantizedLinear
 from infer.quant.ggml import QType
 from infer.testing import build_tokenizer, tiny_hf_model
@@ -232,7 +232,7 @@ def test_a_checked_entry_is_not_checked_again(
     tiny_gguf: Callable[[str, int], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NaN / inf checks of packed buffers run when converting, not on a verified cache hit."""
-    from infer.loader import place
+    from infer.assembly import place
 
     path = tiny_gguf("Q8_0", 0)
     checked: list[str] = []

@@ -39,8 +39,8 @@ import torch
 from mask_helpers import causal_mask, sliding_window_causal_mask
 from safetensors.torch import load_file, save_file
 
+from infer.assembly.weight_map import get_weight_map
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig, load_config
-from infer.loader.weight_map import get_weight_map
 from infer.loader.weights import SafetensorsSource, load_weights
 from infer.models import model_class
 from infer.models.common import RotaryEmbedding, rope_tables

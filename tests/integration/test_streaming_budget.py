@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import infer
+from infer.assembly.build import ModelBuilder
+from infer.assembly.options import LoadOptions
 from infer.engine import SamplingParams
-from infer.loader.build import ModelBuilder
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, StreamingExecutor, build_streamed
 from infer.testing import build_tokenizer
@@ -45,7 +45,7 @@ import tokenizers  # what infer.load imports on its way: part of the fixed overh
 import torch
 import infer.api
 from infer.engine import SamplingParams, collect
-from infer.loader.build import build_empty
+from infer.assembly.build import build_empty
 from infer.loader.config import load_config
 from infer.streaming import StreamingConfig
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 from model_checks import left_pad
 
-from infer.loader.build import ModelBuilder, load_model
+from infer.assembly.build import ModelBuilder, load_model
+from infer.assembly.options import LoadOptions
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.models.base import DecoderLM
-from infer.models.common import set_deterministic
+from infer.models.projections import set_deterministic
 from infer.streaming import StreamingConfig, build_streamed
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64, 12, 180, 33], [8, 1, 77, 150]]  # longer than the sliding window (8)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from mask_helpers import causal_mask, sliding_window_causal_mask
 
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, config_from_dict
+from infer.models.attend import attend
 from infer.models.common import (
     Attention,
     GatedMLP,
@@ -25,7 +26,6 @@ from infer.models.common import (
     RotaryEmbedding,
     activation,
     apply_rotary,
-    attend,
     attention_from_config,
     make_rotary_embeddings,
     rope_inv_freq,

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from infer.loader.build import build_empty
+from infer.assembly.build import build_empty
+from infer.assembly.names import map_names
 from infer.loader.config import ModelConfig
-from infer.loader.names import map_names
-from infer.loader.place import unpermute_rows
 from infer.loader.source import StoredTensor
 from infer.models import architecture
-from infer.models.arch import Fix
+from infer.models.arch import Fix, unpermute_rows
 
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from infer.host import rows
-from infer.models.common import set_deterministic
+from infer.models.projections import set_deterministic
 from infer.quant import (
     QuantizedEmbedding,
     QuantizedLinear,
@@ -392,7 +392,7 @@ def _linears() -> dict[str, nn.Module]:
     torch.manual_seed(0)
     k, n = 576, 200
     dense = nn.Linear(k, n, bias=True)
-    from infer.models.common import Linear
+    from infer.models.projections import Linear
 
     float_lin = Linear(k, n, bias=True)
     float_lin.load_state_dict(dense.state_dict())

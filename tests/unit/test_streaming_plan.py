@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import infer
+from infer.assembly.options import LoadOptions
 from infer.kv.cache import KVCache
 from infer.loader.config import load_config
-from infer.loader.options import LoadOptions
 from infer.loader.weights import SafetensorsSource
 from infer.streaming import BudgetError, StreamingConfig, plan_streamed
 from infer.streaming.build import _host_cache_units

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from infer.loader.config import config_from_dict
-from infer.loader.weight_map import (
+from infer.assembly.weight_map import (
     gemma3_weight_map,
     get_weight_map,
     llama_weight_map,
     qwen3_weight_map,
 )
+from infer.loader.config import config_from_dict
 
 MAPS: dict[str, Callable[[int], dict[str, str]]] = {
     "llama": llama_weight_map,
@@ -155,7 +155,7 @@ def test_map_matches_transformers_and_our_model_at_dev_size(
     """Map keys are exactly transformers' parameter names, values exactly ours (built on meta)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from infer.loader.build import build_empty
+    from infer.assembly.build import build_empty
 
     data = dev_configs[name]
     config = config_from_dict(data)

@@ -20,8 +20,7 @@ import torch
 from infer.aot.export import build
 from infer.aot.keys import fingerprint
 from infer.aot.prune import prune
-from infer.loader.checkpoint import open_checkpoint
-from infer.loading import build_model
+from infer.loading import build_model, open_checkpoint
 from infer.models.base import DecoderLM
 from infer.sampling import Sampling
 

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` (or any initialized default process group), ``infer.load(path,
 tensor_parallel=T, pipeline_parallel=P)`` builds on every rank the part of the model it holds
-(`infer.loader.build.Partition`) and installs the executors that make the parts compute the
+(`infer.assembly.build.Partition`) and installs the executors that make the parts compute the
 whole; every rank returns the same `LLM`, run in lockstep. See docs/distributed.md.
 """
 
@@ -13,13 +13,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from infer.assembly.build import Build, ModelBuilder, Partition, load_model
+from infer.assembly.options import LoadOptions
 from infer.distributed.executor import PipelineExecutor, TensorParallelExecutor
 from infer.distributed.modules import RowParallel
 from infer.distributed.runtime import DEFAULT_TIMEOUT_S, Parallel, agree, setup, shared_seed
 from infer.distributed.shard import TensorParallel, split_layers
-from infer.loader.build import Build, ModelBuilder, Partition, load_model
 from infer.loader.config import ModelConfig
-from infer.loader.options import LoadOptions
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM, Executor, ResidentExecutor
 

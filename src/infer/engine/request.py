@@ -2,7 +2,7 @@
 
 The engine hands a request's tokens to its handle as they are sampled (`RequestHandle.put`:
 token ids, logprobs, and at the end the finish reason); the handle turns them into `Delta`
-events with text (`infer.engine.text.TextStream`: incrementally, stop strings found and cut).
+events with text (`infer.text.stream.TextStream`: incrementally, stop strings found and cut).
 A handle read by asyncio code (the server: `RequestHandle.aiter`) does that on the event loop's
 thread, off the thread that runs the model; a handle read in plain Python does it as each token
 arrives (on the thread that runs the step, which for `LLM.generate` is the caller's own). A stop
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.engine.text import Decoder, TextStream, cut_at_stop
 from infer.params import SamplingParams
+from infer.text.stream import Decoder, TextStream, cut_at_stop
 
 if TYPE_CHECKING:
     from infer.speculative.state import NoiseQueue, SpecState

@@ -20,9 +20,8 @@ from gguf.constants import GGMLQuantizationType, TokenType
 from gguf.quants import quantize
 
 from infer.loader.config import ModelConfig, config_from_dict
-from infer.loader.place import unpermute_rows
 from infer.models import architecture
-from infer.models.arch import Architecture, Fix, GGUFRules, fix_for
+from infer.models.arch import Architecture, Fix, GGUFRules, fix_for, unpermute_rows
 
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 

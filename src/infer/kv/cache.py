@@ -17,7 +17,7 @@ import torch
 
 from infer.loader.config import SLIDING_ATTENTION, ModelConfig
 
-KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.common.attend)
+KEY_CHUNK = 64  # attention reduces over keys in chunks of this many (see models.attend.attend)
 
 
 class HookState(Protocol):

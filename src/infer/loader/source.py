@@ -4,7 +4,7 @@ Everything that builds a model reads weights through this interface, whatever th
 format: `infer.loader.weights.SafetensorsSource` (a directory, one file or shards),
 `infer.gguf.source.GGUFSource` (a GGUF file). A new source (a checkpoint behind HTTP
 range requests, say) implements these members and nothing else; the model builder
-(`infer.loader.build`) maps its names to modules, places the values, quantizes them
+(`infer.assembly.build`) maps its names to modules, places the values, quantizes them
 and streams them exactly as it does for the built-in ones.
 """
 

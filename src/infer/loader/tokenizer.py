@@ -1,7 +1,7 @@
 """`Tokenizer`: the one place that touches transformers' tokenizer classes.
 
 `FastTokenizer` serves a saved ``tokenizer.json`` with the `tokenizers` library alone
-(importing transformers' tokenizer classes costs 3-6 s per process on 2 cores): for GGUF
+(importing transformers' tokenizer classes costs seconds per process): for GGUF
 files, and for checkpoint directories whose tokenizer is transformers' generic fast tokenizer
 with nothing in its config that transformers would apply on top of ``tokenizer.json``
 (`generic_tokenizer`); every other directory goes through ``AutoTokenizer``.

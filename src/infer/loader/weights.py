@@ -230,9 +230,9 @@ def _read_header(file: Path) -> list[tuple[StoredTensor, int]]:
 def realign(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
     """``tensor``, copied if its data is not ``alignment``-byte aligned.
 
-    Tensors read from a safetensors file start wherever the header put them; CPU
-    matmul kernels on a misaligned weight ran ~15x slower here (8.9 ms vs 0.6 ms for
-    a 1536x576 matvec), so weights are realigned once at load.
+    Tensors read from a safetensors file start wherever the header put them, and CPU matmul
+    kernels are far slower on a misaligned weight (docs/performance.md), so weights are
+    realigned once at load.
     """
     if tensor.device.type == "cpu" and tensor.data_ptr() % alignment:
         return tensor.clone()

@@ -15,10 +15,13 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
+    from pathlib import Path
+
     from infer.loader.config import ModelConfig
     from infer.models.base import DecoderLM
 
@@ -38,6 +41,22 @@ def fix_for(rules: Mapping[str, Fix], name: str) -> Fix | None:
         if name == suffix or name.endswith("." + suffix):
             return fix
     return None
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation for ``n_heads`` heads of ``n_rows // n_heads`` rows.
+
+    The converter reordered each head's rows from ``[first half | second half]`` (HF
+    rotate-half) to interleaved pairs ``(0, half), (1, half+1), ...``. Stored row
+    ``h*hd + 2*i + j`` is HF row ``h*hd + j*half + i``; this returns, for each HF
+    row, the stored row to take.
+    """
+    head_dim = n_rows // n_heads
+    half = head_dim // 2
+    h = torch.arange(n_heads)[:, None, None]
+    j = torch.arange(2)[None, :, None]
+    i = torch.arange(half)[None, None, :]
+    return (h * head_dim + 2 * i + j).reshape(-1)  # [n_rows], in HF order (h, j, i)
 
 
 # Tensor parallelism (Megatron-style): how each linear module splits across ranks, by the
@@ -85,6 +104,21 @@ GGUF_NONLAYER: Mapping[str, str] = {
 }
 
 
+class GGUFKeys(Protocol):
+    """What an architecture's GGUF reader asks of a file (`infer.gguf.metadata.GGUFMetadata` has it):
+    its ``{arch}.*`` keys, checked, and its tensor table."""
+
+    @property
+    def path(self) -> Path: ...
+    def get(self, key: str) -> Any: ...
+    def opt_int(self, key: str, default: int | None = None) -> int | None: ...
+    def opt_float(self, key: str, default: float | None = None) -> float | None: ...
+    def opt_str(self, key: str) -> str | None: ...
+    def has_tensor(self, name: str) -> bool: ...
+    def float_vector(self, name: str) -> list[float]: ...
+    def int(self, key: str) -> int: ...
+
+
 @dataclass(frozen=True)
 class GGUFRules:
     """How an architecture is stored in GGUF (llama.cpp's names, metadata and converter changes).
@@ -102,7 +136,7 @@ class GGUFRules:
     layer: Mapping[str, str]
     nonlayer: Mapping[str, str] = field(default_factory=lambda: dict(GGUF_NONLAYER))
     fixes: Mapping[str, Fix] = field(default_factory=dict)
-    metadata: Callable[[GGUFMetadata], dict[str, Any]] | None = None
+    metadata: Callable[[GGUFKeys], dict[str, Any]] | None = None
     write_metadata: Callable[[Any, str, ModelConfig], None] | None = None
     config_tensors: tuple[str, ...] = ()
 
@@ -155,9 +189,11 @@ __all__ = [
     "TP_ROLES",
     "Architecture",
     "Fix",
+    "GGUFKeys",
     "GGUFRules",
     "fix_for",
     "hf_model_prefix",
     "hf_name",
     "sliding_everywhere",
+    "unpermute_rows",
 ]

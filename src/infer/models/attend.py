@@ -125,9 +125,8 @@ class AttentionProbe:
     ) -> torch.Tensor:
         """Attention with its probabilities materialized, as transformers' eager attention computes
         it (K/V repeated per query head, float32 scores and softmax): ``q [B, H, T, hd]`` over
-        ``k, v [B, Hkv, S, hd]``. Per head, not folded as `_fold_gqa` folds: the scores' product
-        took 379 ms instead of 425 ms over SmolLM2's 30 layers at 512 tokens (one thread, AMD EPYC
-        Zen 3)."""
+        ``k, v [B, Hkv, S, hd]``. Per head, not folded as `_fold_gqa` folds: faster here
+        (docs/notebooks.md)."""
         B, H, _, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         if Hkv != H:  # query head h reads KV head h // G
@@ -178,10 +177,10 @@ def attend_any(
     """`attend_tiled` in the deterministic mode (every key from slot 0, in tiles), else `attend`.
 
     Keys and values held in a narrower dtype than the queries (a ``kv_dtype="bfloat16"`` cache
-    under float32 activations) are widened to the queries' dtype for the product: on CPU torch's
-    fused attention is 2-8x slower on bfloat16 inputs than on float32 ones (decode shapes of
-    SmolLM2, AMD EPYC, docs/engine.md), and the widening is exact. A cache may return fewer keys
-    than its mask is wide (an int8 cache reads back only the slots in use): the mask is cut to them.
+    under float32 activations) are widened to the queries' dtype for the product: torch's fused CPU
+    attention is much slower on bfloat16 inputs (docs/engine.md), and the widening is exact. A
+    cache may return fewer keys than its mask is wide (an int8 cache reads back only the slots in
+    use): the mask is cut to them.
     """
     if mask is not None and mask.shape[-1] > k.shape[2]:
         mask = mask[..., : k.shape[2]]
@@ -321,8 +320,8 @@ def _attend_sdpa_cuda(
 ) -> torch.Tensor:
     B, H, T, D = q.shape
     qf, mask = _fold_gqa(q, mask, k.shape[1])
-    # cuDNN's SDPA builds a new graph whenever the key length changes: 1.35 ms of host time
-    # per call measured on an H100. Flash and memory-efficient attention have no such cost.
+    # cuDNN's SDPA builds a new graph whenever the key length changes (its host cost:
+    # docs/performance.md); flash and memory-efficient attention do not.
     with sdpa_kernel(_CUDA_SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, H, T, D)  # SDPA may return a non-contiguous layout (CUDA)

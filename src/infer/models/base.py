@@ -21,8 +21,9 @@ from torch import nn
 
 from infer.kv.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.common import Attention, Linear, make_rotary_embeddings
+from infer.models.common import Attention, make_rotary_embeddings
 from infer.models.hooks import HookWatch, calls_hooks
+from infer.models.projections import Linear
 from infer.models.record import record_forward
 from infer.quant.head import fixed_order_dots
 from infer.quant.linear import QuantizedLinear
@@ -190,11 +191,10 @@ def _run_block(
 
 
 # Compiled in-process (``torch.compile``), the blocks form one nested region: traced and
-# code-generated once per kind of layer, which halves the compile (SmolLM2: 29 s instead of 60 s
-# cold). But a region's inputs cannot be written in place: its K/V writes become a copy of the
-# layer's whole cache, written back after the block (~16 µs a layer on SmolLM2). An ahead-of-time
-# build, compiled in the background where compile time costs the user nothing, turns regions off
-# (`layer_regions`) and its K/V writes stay in place: decode 151 -> 193 tok/s on SmolLM2.
+# code-generated once per kind of layer, which halves the compile. But a region's inputs cannot be
+# written in place: its K/V writes become a copy of the layer's whole cache and back. An
+# ahead-of-time build, compiled in the background where compile time costs the user nothing, turns
+# regions off (`layer_regions`) so its K/V writes stay in place (docs/performance.md has both costs).
 _run_block_region = torch.compiler.nested_compile_region(_run_block)
 _REGIONS = [True]
 
@@ -246,7 +246,7 @@ class DecoderLM(nn.Module):
 
     block_class: type[nn.Module]  # the architecture's transformer block, built from a config
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
-    deterministic: bool = False  # `infer.models.common.set_deterministic`: caches without rings
+    deterministic: bool = False  # `infer.models.projections.set_deterministic`: caches without rings
     kv_dtype: torch.dtype | None = None  # what KV caches hold (`cache_dtype`); None: the model's dtype
 
     def __init__(self, config: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:

@@ -4,20 +4,17 @@ sliding-window layers with their own RoPE base."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from infer.models.arch import Architecture, Fix, GGUFRules
+from infer.models.arch import Architecture, Fix, GGUFKeys, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import RMSNorm, attention_from_config, mlp_from_config
 from infer.models.llama import GGUF_ATTENTION, GGUF_MLP, LlamaTransformerBlock
 from infer.models.qwen3 import GGUF_QK_NORM
-
-if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
 
 
 class Gemma3TransformerBlock(LlamaTransformerBlock):
@@ -98,7 +95,7 @@ _NORMS = (
 )
 
 
-def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     hidden, heads = meta.int("embedding_length"), meta.int("attention.head_count")
     n_layers = meta.int("block_count")
     head_dim = meta.opt_int("attention.key_length") or hidden // heads

@@ -11,22 +11,21 @@ transposes once (`Fix.TRANSPOSE`); llama.cpp's converter already wrote them
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.loader.config import FULL_ATTENTION, ModelConfig
-from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFRules
+from infer.models.arch import GGUF_NONLAYER, TP_ROLES, Architecture, Fix, GGUFKeys, GGUFRules
+from infer.models.attend import attend_any
 from infer.models.base import DecoderLM
-from infer.models.common import KVStore, Linear, activation, attend_any
-
-if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
+from infer.models.common import KVStore, activation
+from infer.models.projections import Linear
 
 
 class GPT2Attention(nn.Module):
-    deterministic: bool = False  # `infer.models.common.set_deterministic`
+    deterministic: bool = False  # `infer.models.projections.set_deterministic`
     output_projection = "c_proj"  # the module whose input is the heads' outputs [B, T, H * hd]
 
     def __init__(self, config: ModelConfig) -> None:
@@ -151,7 +150,7 @@ def normalize(raw: dict[str, Any], source: str) -> None:
         )
 
 
-def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     return {
         "rms_norm_eps": meta.opt_float("attention.layer_norm_epsilon", 1e-5),
         "hidden_act": "gelu_new",

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.loader.config import FREQ_FACTORS, ModelConfig
-from infer.models.arch import Architecture, Fix, GGUFRules
+from infer.models.arch import Architecture, Fix, GGUFKeys, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import KVStore, RMSNorm, attention_from_config, mlp_from_config
-
-if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
 
 
 class LlamaTransformerBlock(nn.Module):
@@ -93,7 +90,7 @@ GGUF_PERMUTED = {
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     """Llama's GGUF extras: projection biases when the file has them, Llama 3.1+ RoPE factors."""
     raw: dict[str, Any] = {
         "attention_bias": meta.has_tensor("blk.0.attn_q.bias"),

@@ -3,26 +3,16 @@ and an optional sliding window on every layer."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.loader.config import ModelConfig
-from infer.models.arch import Architecture, GGUFRules, sliding_everywhere
-from infer.models.common import (
-    Attention,
-    Fusable,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    activation,
-    attention_from_config,
-)
+from infer.models.arch import Architecture, GGUFKeys, GGUFRules, sliding_everywhere
+from infer.models.common import Attention, GatedMLP, RMSNorm, activation, attention_from_config
 from infer.models.llama import LlamaForCausalLM, LlamaTransformerBlock, gguf_layer
-
-if TYPE_CHECKING:
-    from infer.gguf.metadata import GGUFMetadata
+from infer.models.projections import Fusable, Linear
 
 
 class Phi3Attention(Attention):
@@ -82,7 +72,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 # --------------------------------------------------------------------------- checkpoints
 
 
-def gguf_metadata(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if meta.has_tensor(name):
             raise ValueError(

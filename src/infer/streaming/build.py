@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.loader.build import ModelBuilder, release_freed_memory, reset_buffers
+from infer.assembly.build import ModelBuilder, release_freed_memory, reset_buffers
+from infer.assembly.names import Entry
+from infer.assembly.options import LoadOptions
+from infer.assembly.place import assign_parameter
 from infer.loader.config import ModelConfig
-from infer.loader.names import Entry
-from infer.loader.options import LoadOptions
-from infer.loader.place import assign_parameter
 from infer.loader.source import WeightSource
 from infer.models.base import DecoderLM
 from infer.streaming.config import StreamingConfig
@@ -160,8 +160,10 @@ def _walk(builder: ModelBuilder, streaming: StreamingConfig) -> _Walk:
 
 
 def _streaming(options: LoadOptions) -> StreamingConfig:
-    if options.streaming is None:
-        raise ValueError("a streamed build needs LoadOptions.streaming (a StreamingConfig)")
+    if not isinstance(options.streaming, StreamingConfig):
+        raise ValueError(
+            f"a streamed build needs LoadOptions.streaming (a StreamingConfig), got {options.streaming!r}"
+        )
     return options.streaming
 
 
@@ -186,7 +188,7 @@ def build_streamed(builder: ModelBuilder, *, max_context: int | None = None) -> 
     """The builder's model with its layers streaming from its source under the memory budget of
     its options (``options.streaming``, a `StreamingConfig`).
 
-    The same walk as `infer.loader.build.load_model`, with the stream store as its
+    The same walk as `infer.assembly.build.load_model`, with the stream store as its
     destination; ``max_context`` overrides ``streaming.max_context``. Raises `BudgetError`
     (a `ValueError`) when settings the user gave cannot fit the budget, with what would
     fit. On success the model owns the source: it is closed with the executor. A builder

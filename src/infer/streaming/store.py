@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from infer.loader.place import check_finite
+from infer.assembly.place import check_finite
 from infer.loader.source import StoredTensor, WeightSource, pread_into
 
 SCRATCH_BYTES = 8 * 2**20  # conversion buffer: the only memory a read allocates

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from infer.loader.weight_map import llama_weight_map
+from infer.assembly.weight_map import llama_weight_map
 
 _ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 

@@ -1,37 +1,12 @@
 """An on-disk cache of GGUF matrices converted for the packed kernels (the "repack").
 
-`QuantizedLinear.from_gguf` turns GGML blocks into int4 planes and scale/zero tensors
-(or a dense copy for the types the kernel cannot take); on the real models that is most
-of a load. A `RepackCache` keeps the result of one GGUF file in one safetensors file
-under ``cache_root() / "repack"``, so a later process maps it instead of converting.
-
-* **Which file**: named after the GGUF file's absolute path and the conversion's
-  parameters (compute dtype, device), so loading the same file another way keeps its own
-  entry and a changed file replaces its entry rather than adding one.
-* **Whether it is current**: the key stored in the file's metadata must equal the one
-  computed now: the GGUF file's absolute path, size, ``mtime_ns`` and a fingerprint
-  (sha256 of its header and of 16 blocks sampled across its tensor data), the compute
-  dtype and device, `FORMAT_VERSION`, torch's version and the int4 layout's row block
-  (which torch picks by CPU). Each matrix's entry also
-  records its GGML type, shape and ``exact_rescoring``; its tensors must have exactly
-  the names, shapes and dtypes conversion produces, and their bytes the checksum stored
-  for them (a matrix checked for NaN / inf when written is not checked again).
-  Anything else (a corrupt, truncated or stale file, a missing tensor) is a miss: the
-  matrix is converted and the whole file is written again.
-* **Reading** maps the file (`infer.host.filemap.MappedFile`): each buffer is a view of the
-  mapping with a storage of its own, paged in as it is used; no copy is made.
-* **Writing** (after a load that converted anything) streams each tensor from the
-  loaded model into a temporary file, which then replaces the entry atomically
-  (``os.replace``): no second copy of the model is held, and a reader never sees a
-  partial file. A cache directory that cannot be written only costs speed. Writing
-  also deletes the entries of GGUF files that no longer exist, then the least recently
-  used entries (by modification time, which a hit sets: access times move whenever a
-  header is read) until the directory holds at
-  most `max_bytes` (``INFER_REPACK_CACHE_MAX``, bytes with an optional K/M/G suffix;
-  default `DEFAULT_MAX_BYTES`, 4 GiB). The entry just written is never removed, so one
-  model larger than the cap still keeps its own.
-
-Not cached: tensor-parallel parts (each rank converts its slice) and streamed models.
+Converting GGML blocks into int4 planes and scales (`QuantizedLinear.from_gguf`) is most of a
+load; a `RepackCache` keeps one GGUF file's converted matrices in one safetensors file under
+``cache_root() / "repack"``, which a later process maps instead of converting. An entry is used
+only when its key (the file's path, size, mtime and sampled fingerprint, the conversion's dtype and
+device, the format, torch and layout versions) and every tensor's name, shape, dtype and checksum
+match; anything else is a miss, converted and written again atomically. docs/gguf.md, *Repack
+cache*, has the key, the eviction and the disk use.
 """
 
 from __future__ import annotations
@@ -106,9 +81,8 @@ def gguf_layout(qtype: QType, n: int, k: int, compute_dtype: torch.dtype, exact_
 def _checksum(tensor: torch.Tensor) -> int:
     """The tensor's bytes summed as little-endian 64-bit words, mod 2^64 (the tail bytes as one more
     word). Any damage within one word changes it (every flipped bit or byte); truncation and bad
-    headers are safetensors' errors. A word-wise sum in torch runs at the memory's speed (600 MiB:
-    22 ms on 2 threads against zlib's CRC-32 in 234 ms, AMD EPYC Zen 3), and addition mod 2^64
-    does not depend on the order torch sums in."""
+    headers are safetensors' errors. A word-wise sum in torch runs at the memory's speed (against
+    CRC-32: docs/gguf.md), and addition mod 2^64 does not depend on the order torch sums in."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel() // 8 * 8
     total = int(flat[:n].view(torch.int64).sum()) if n else 0

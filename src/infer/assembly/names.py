@@ -1,19 +1,10 @@
 """Checkpoint tensor names -> our parameter names, once, for both formats.
 
-`map_names` applies the architecture's rules (`infer.models.arch.Architecture`) to
-every stored tensor of a `WeightSource`:
-
-* ``naming == "hf"``: ``from_hf`` (``model.`` + our name for most architectures); the
-  language model of a multimodal checkpoint is un-nested (``language_model.model.*``,
-  ``model.language_model.*``) and its vision tower left out; stored buffers
-  (``rotary_emb.inv_freq``, GPT-2's mask buffers) are left out by name.
-* ``naming == "gguf"``: llama.cpp's names (``blk.3.attn_q.weight``) through the
-  architecture's GGUF tables; tensors that describe the config (``rope_freqs``) are
-  left out.
-
-Anything else is an error naming the tensors. The result also says what llama.cpp's
-or HF's layout changed in each tensor (`Fix`), and is checked against the config's
-counts and sizes before any model is built (`check_dimensions`).
+`map_names` applies the architecture's rules (`infer.models.arch.Architecture`) to every stored
+tensor of a `WeightSource` (HF names through ``from_hf``, a multimodal checkpoint's language model
+un-nested and its vision tower left out; llama.cpp's names through the GGUF tables), records what a
+converter changed in each (`Fix`), and raises naming any tensor it cannot place.
+`check_dimensions` holds the config's counts against the stored tensors before a model is built.
 """
 
 from __future__ import annotations

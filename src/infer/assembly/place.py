@@ -1,19 +1,10 @@
 """The one step that fills a module of a model skeleton from stored tensors.
 
-`place_module` reads a module's tensors from the `WeightSource`, checks their shapes
-(and, with ``validate``, that they are finite), undoes what a converter changed
-(`Fix`), converts the dtype, and puts the result in the module:
-
-* a float matrix stays an ``nn.Linear`` / ``nn.Embedding`` parameter, or, with
-  ``quantize`` ("q4_0" / "int8"), the linear is swapped for a packed
-  `QuantizedLinear` as soon as its tensors are in;
-* a packed GGUF matrix becomes a `QuantizedLinear` (or a `QuantizedEmbedding`; a tied
-  head is packed once and the embedding reads its rows);
-* norms, biases and other vectors become float parameters.
-
-With ``lazy`` the float tensors that need nothing but a dtype conversion are not read
-at all: they stay on the meta device and are returned, so a streamed model can read
-them from the checkpoint later, one layer group at a time.
+`place_module` reads a module's tensors, checks their shapes (and, with ``validate``, that they
+are finite), undoes a converter's change (`Fix`), converts the dtype and puts the result in the
+module: a float parameter, a linear quantized at load (``quantize``), or a packed GGUF matrix as a
+`QuantizedLinear` / `QuantizedEmbedding`. With ``lazy``, float tensors needing only a dtype
+conversion stay unread on the meta device, for a streamed model to read later.
 """
 
 from __future__ import annotations
@@ -24,12 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infer.assembly.names import Entry
+from infer.assembly.repack_cache import RepackCache
 from infer.gguf.source import GGUFSource
 from infer.host.pages import drop_mapped_pages
-from infer.loader.names import Entry
-from infer.loader.repack_cache import RepackCache
 from infer.loader.source import Slice, WeightSource, read_tensor
-from infer.models.arch import Fix
+from infer.models.arch import Fix, unpermute_rows
 from infer.quant import QuantizedEmbedding, QuantizedLinear, dequantize
 from infer.quant.convert import quantize_linear
 from infer.quant.ggml import QType, block_size, scale_fields_finite, type_size
@@ -45,7 +36,7 @@ class PlaceOptions:
     matrix products of packed modules (GGUF files: bfloat16 by default). ``quantize``:
     quantize float linear layers at load. ``validate``: refuse non-finite weights.
     ``tie``: the head reuses the embedding. ``repack``: where converted GGUF matrices
-    are looked up and kept (`infer.loader.repack_cache`); None converts every time.
+    are looked up and kept (`infer.assembly.repack_cache`); None converts every time.
     """
 
     dtype: torch.dtype
@@ -56,22 +47,6 @@ class PlaceOptions:
     num_heads: int
     num_kv_heads: int
     repack: RepackCache | None = None
-
-
-def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's Q/K permutation for ``n_heads`` heads of ``n_rows // n_heads`` rows.
-
-    The converter reordered each head's rows from ``[first half | second half]`` (HF
-    rotate-half) to interleaved pairs ``(0, half), (1, half+1), ...``. Stored row
-    ``h*hd + 2*i + j`` is HF row ``h*hd + j*half + i``; this returns, for each HF
-    row, the stored row to take.
-    """
-    head_dim = n_rows // n_heads
-    half = head_dim // 2
-    h = torch.arange(n_heads)[:, None, None]
-    j = torch.arange(2)[None, :, None]
-    i = torch.arange(half)[None, None, :]
-    return (h * head_dim + 2 * i + j).reshape(-1)  # [n_rows], in HF order (h, j, i)
 
 
 def _rows_fixed(entry: Entry, rows: torch.Tensor, opts: PlaceOptions) -> torch.Tensor:
@@ -353,5 +328,4 @@ __all__ = [
     "check_finite",
     "place_module",
     "tied_head",
-    "unpermute_rows",
 ]

@@ -1,6 +1,6 @@
 """`LoadOptions`: everything `infer.load` was asked, as one value that travels the load path.
 
-The resolver (`infer.loader.checkpoint`) fills in what depends on the checkpoint (the
+The resolver (`infer.loading`) fills in what depends on the checkpoint (the
 dtype a safetensors config names, a GGUF file's packed-product dtype); the builder, the
 placement, the streaming and the parallel builds read what they need from it. Nothing
 threads ``dtype`` / ``compute_dtype`` / ``quantize`` / ``validate`` one by one.
@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from infer.quant.convert import check_scheme
-
-if TYPE_CHECKING:  # (a run-time import would run infer.streaming's __init__, which imports the loader)
-    from infer.streaming.config import StreamingConfig
 
 ProgressFn = Callable[[int, int], None]  # (modules done, modules total)
 
@@ -36,7 +32,7 @@ class LoadOptions:
     * ``tensor_parallel`` / ``pipeline_parallel``: split across processes (`infer.distributed`).
     * ``deterministic``: fixed-tile products and attention (docs/numerics.md); otherwise a
       resident model gets its Q/K/V and gate/up projections fused.
-    * ``repack_cache``: keep a GGUF file's converted matrices on disk (`infer.loader.repack_cache`;
+    * ``repack_cache``: keep a GGUF file's converted matrices on disk (`infer.assembly.repack_cache`;
       resident, one-process loads only).
     * ``progress(done, total)``: called as modules load.
     """
@@ -46,7 +42,7 @@ class LoadOptions:
     quantize: str | None = None
     validate: bool = True
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    streaming: StreamingConfig | None = None
+    streaming: object | None = None  # an `infer.streaming.StreamingConfig`, checked by the streamed build
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     deterministic: bool = False

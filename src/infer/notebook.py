@@ -1,7 +1,7 @@
 """What `infer.LLM` offers a notebook beside generation: interventions, scores, the logit lens, and a
 short description of itself (``repr``, and Jupyter's rich display).
 
-`Experimenting` is a base class of `infer.LLM`; its methods are thin: the work is in
+`NotebookMethods` is a base class of `infer.LLM`; its methods are thin: the work is in
 `infer.interventions`, `infer.scores` and `infer.models.record` (``llm.model(ids,
 output_hidden_states=True, output_attentions=True)``). docs/notebooks.md says what each returns,
 costs and runs.
@@ -75,7 +75,7 @@ def describe_model(model: DecoderLM) -> dict[str, str]:
     return {"parameters": _count(params), "quantization": quant, "weights": _size(sum(storages.values()))}
 
 
-class Experimenting:
+class NotebookMethods:
     """`infer.LLM`'s notebook methods (see the module's docstring)."""
 
     config: ModelConfig
@@ -201,4 +201,4 @@ class Experimenting:
         return f"<table><caption style='text-align:left'><b>infer.LLM</b></caption>{rows}</table>"
 
 
-__all__ = ["Experimenting", "describe_model"]
+__all__ = ["NotebookMethods", "describe_model"]

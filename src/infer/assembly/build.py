@@ -1,21 +1,11 @@
 """One builder for every checkpoint and every mode: a walk over the model's modules.
 
-`ModelBuilder` maps a `WeightSource`'s names to our modules (`infer.loader.names`),
-checks the config against them, builds the model skeleton on the meta device (no
-memory) and then fills it module by module with `infer.loader.place.place_module`.
-Where the filled modules go is the caller's choice: a destination is a function of the
-builder (`Build`):
-
-* `load_model` (resident): each module moves to the device as soon as it is filled,
-  so peak memory is the model plus one module's temporaries;
-* `infer.streaming.build.build_streamed`: the same walk, whose destination is the
-  stream store (float tensors stay in the checkpoint, converted ones go to a local
-  file) and then the plan's resident layers and group buffers.
-
-Safetensors and GGUF files, float or packed, with or without ``quantize``: the same
-code with a different source and options. Every stored tensor must map to a parameter
-and every parameter must be filled; errors name the file, the tensor, the expected
-and the found value.
+`ModelBuilder` maps a `WeightSource`'s names to our parameters (`infer.assembly.names`), checks
+the config against them, builds the model on the meta device and fills it module by module
+(`infer.assembly.place`). Where the filled modules go is a destination (`Build`): `load_model`
+(resident: each module to the device as it is filled) or `infer.streaming.build_streamed`.
+Every stored tensor must map to a parameter and every parameter be filled; errors name the
+file, the tensor, the expected and the found value (docs/architecture.md, *One load path*).
 """
 
 from __future__ import annotations
@@ -23,24 +13,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from infer.assembly.names import Entry, check_dimensions, map_names, stored_name
+from infer.assembly.options import LoadOptions, ProgressFn
+from infer.assembly.place import PlaceOptions, place_module, tied_head
+from infer.assembly.repack_cache import RepackCache
 from infer.host.pages import release_freed_memory
 from infer.loader.config import ModelConfig
-from infer.loader.names import Entry, check_dimensions, map_names, stored_name
-from infer.loader.options import LoadOptions, ProgressFn
-from infer.loader.place import PlaceOptions, place_module, tied_head
-from infer.loader.repack_cache import RepackCache
-from infer.loader.source import WeightSource
+from infer.loader.source import Slice, WeightSource
 from infer.models import architecture
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from infer.distributed.shard import TensorParallel
 
 NONLAYER = ("embed_tokens", "embed_positions", "norm", "lm_head")
 
@@ -97,6 +84,21 @@ def _check_types(entries: dict[str, Entry], source: str) -> None:
             )
 
 
+class Sharding(Protocol):
+    """A rank's tensor-parallel share (`infer.distributed.shard.TensorParallel`), as its builder and
+    `infer.distributed` read it: the config of its part, each parameter's slice, the row-parallel
+    modules, its vocabulary rows, the rank count."""
+
+    @property
+    def local_config(self) -> ModelConfig: ...
+    @property
+    def vocab_range(self) -> tuple[int, int]: ...
+    @property
+    def size(self) -> int: ...
+    def slice_for(self, param: str) -> Slice | None: ...
+    def row_parallel(self, module: str) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Partition:
     """The part of a model one rank of a parallel run builds and holds.
@@ -110,7 +112,7 @@ class Partition:
     layers: range
     embed: bool = True
     head: bool = True
-    tensor_parallel: TensorParallel | None = None
+    tensor_parallel: Sharding | None = None
 
 
 class ModelBuilder:
@@ -120,7 +122,7 @@ class ModelBuilder:
     and the modules outside the layers. ``place(group)`` fills them on the CPU. With a
     ``partition`` only its layers and modules are placed (the rest stay on the meta
     device), each tensor-parallel weight from its rank's part of the stored tensor.
-    ``repack``: the on-disk cache of converted GGUF matrices (`infer.loader.repack_cache`)
+    ``repack``: the on-disk cache of converted GGUF matrices (`infer.assembly.repack_cache`)
     that placement reads and fills. A destination (`Build`: `load_model`,
     `infer.streaming.build_streamed`) takes the builder and walks it.
     """
@@ -270,6 +272,7 @@ __all__ = [
     "ModelBuilder",
     "Partition",
     "ProgressFn",
+    "Sharding",
     "build_empty",
     "load_model",
     "release_freed_memory",

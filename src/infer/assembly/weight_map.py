@@ -31,7 +31,7 @@ def _config(model_type: str, num_layers: int) -> ModelConfig:
 
 def weight_map_for(config: ModelConfig) -> dict[str, str]:
     """HF tensor name -> our parameter name for every parameter of ``config``'s model."""
-    from infer.loader.build import build_empty
+    from infer.assembly.build import build_empty
 
     arch = architecture(config.model_type, "config")
     names = [name for name, _ in build_empty(config).named_parameters(remove_duplicate=False)]
