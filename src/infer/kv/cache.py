@@ -55,6 +55,14 @@ def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def _ring_size(config: ModelConfig, capacity: int, rings: bool, dtype: torch.dtype) -> int | None:
+    """Slots of each sliding-window layer's ring, or None where they keep slot order (``rings=False``,
+    no window, or an int8 cache)."""
+    if not rings or config.sliding_window is None or dtype == torch.int8:
+        return None
+    return min(config.sliding_window, capacity)
+
+
 def bucket(n: int, least: int = 1) -> int:
     """The power of two at or above ``n`` and ``least``: the shapes of compiled steps (rows, slots,
     prompt tokens) come in these buckets, so that a few graphs serve every batch."""
@@ -319,9 +327,8 @@ class KVCache:
         # ``rings=False`` (the deterministic mode): sliding-window layers keep every slot, in slot
         # order like the full-attention layers, and mask by the window; more memory, but a key's
         # place in the buffer no longer depends on how the prompt was fed.
-        ring = rings and self.window is not None and dtype != torch.int8  # int8 caches keep slot order
         self.dtype = dtype
-        self.ring_size = min(self.window, self.capacity) if ring and self.window is not None else None
+        self.ring_size = _ring_size(config, self.capacity, rings, dtype)
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
         self.ring_slots: torch.Tensor | None = None
@@ -357,14 +364,12 @@ class KVCache:
         per_slot *= torch.empty((), dtype=dtype).element_size()
         if dtype == torch.int8:  # a float32 scale per token and head
             per_slot += 2 * batch_size * config.num_key_value_heads * 4
-            rings = False
         capacity = round_up(max_len, KEY_CHUNK)
+        ring = _ring_size(config, capacity, rings, dtype)
         total = 0
         for i in range(config.num_hidden_layers) if layers is None else layers:
-            sliding = config.layer_type(i) == SLIDING_ATTENTION and config.sliding_window is not None
-            ring = rings and sliding and config.sliding_window
-            slots = min(config.sliding_window, capacity) if ring and config.sliding_window else capacity
-            total += slots * per_slot
+            sliding = config.layer_type(i) == SLIDING_ATTENTION
+            total += (ring if sliding and ring is not None else capacity) * per_slot
         return total
 
     @property
