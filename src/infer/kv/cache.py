@@ -27,10 +27,8 @@ class HookState(Protocol):
 
 
 class KVModel(Protocol):
-    """What KV memory (`infer.kv.slots.KVSlots`, `infer.kv.prefix.PrefixStore`) needs of
-    the model it holds K/V for (`infer.models.base.DecoderLM`): the cache's shape, dtype and device,
-    the layers this process keeps, whether its attention reads a shared prefix, and its hooks'
-    state (K/V computed under other hooks are not reused)."""
+    """What KV memory (`KVSlots`, `PrefixStore`) needs of the model it holds K/V for
+    (`infer.models.base.DecoderLM`); K/V computed under other hooks are not reused."""
 
     @property
     def config(self) -> ModelConfig: ...
@@ -112,10 +110,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 class LayerKV:
     """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers).
 
-    With an int8 cache, ``k``/``v`` hold int8 values and ``k_scale``/``v_scale`` ``[B, Hkv,
-    capacity]`` one float32 scale per token and head (`quantize_int8`); otherwise the scales are
-    None and ``k``/``v`` hold the values in the cache's dtype. int8 values are read back in the
-    activations' dtype.
+    An int8 cache also holds ``k_scale``/``v_scale`` ``[B, Hkv, capacity]``, one float32 scale per
+    token and head (`quantize_int8`; None otherwise); its values are read back in the activations'
+    dtype.
     """
 
     def __init__(
