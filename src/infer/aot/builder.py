@@ -247,7 +247,7 @@ def pending(directory: Path) -> list[str]:
 
 def add(directory: Path, requests: list[dict[str, Any]]) -> None:
     """Queue ``requests`` (each with a ``key``), each written whole then renamed into place,
-    ahead of what is queued already and in their order (the queue's order: the module's doc)."""
+    ahead of what is queued already and in their order (docs/engine.md, *Compiled steps*)."""
     q = queue_dir(directory)
     q.mkdir(parents=True, exist_ok=True)
     now = time.time_ns()

@@ -297,39 +297,33 @@ def lost_ranks() -> str | None:
     nobody known). A rank that reported its own error is named with it."""
     if _LATEST is None:
         return None
-    ranks, silence, store = _LATEST.silent()  # (time for the heartbeat to read what was reported)
-    reported = _LATEST.reported()
+    lost, _ = _lost(_LATEST)
+    return lost
+
+
+def _lost(beat: Heartbeat) -> tuple[str | None, bool]:
+    """What ``beat`` knows of a lost rank: ``(message, whether the rank reported its own error)``."""
+    ranks, silence, store = beat.silent()  # (time for the heartbeat to read what was reported)
+    reported = beat.reported()
     if reported:
-        return _failed(reported)
+        return _failed(reported), True
     if store:
-        return f"{_LATEST.store_host} stopped answering (the rendezvous store silent for {silence:.1f} s)"
+        why = f"the rendezvous store it holds has been silent for {silence:.1f} s"
+        return f"{beat.store_host} stopped answering ({why})", False
     if ranks:
-        who = "rank" if len(ranks) == 1 else "ranks"
-        return f"{who} {', '.join(map(str, ranks))} stopped answering (no sign of life for {silence:.1f} s)"
-    return None
+        who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+        why = f"no sign of life for {silence:.1f} s; killed, stopped or hung"
+        return f"{who} stopped answering ({why})", False
+    return None, False
 
 
 def describe_failure(parallel: Parallel, error: BaseException) -> str:
     """Which rank failed (with its own error, where it reported one) or stopped answering, for the
     collective that failed with ``error``."""
     cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-    beat = parallel.heartbeat
-    if beat is not None:
-        ranks, silence, store = beat.silent()  # (time for the heartbeat to read what was reported)
-        reported = beat.reported()
-        if reported:
-            return _failed(reported)
-        if store:
-            return (
-                f"{beat.store_host} stopped answering (the rendezvous store it holds has been silent "
-                f"for {silence:.1f} s); the collective failed: {cause}"
-            )
-        if ranks:
-            who = "rank" if len(ranks) == 1 else "ranks"
-            return (
-                f"{who} {', '.join(map(str, ranks))} stopped answering (no sign of life for {silence:.1f} s; "
-                f"killed, stopped or hung); the collective failed: {cause}"
-            )
+    lost, reported = _lost(parallel.heartbeat) if parallel.heartbeat is not None else (None, False)
+    if lost is not None:
+        return lost if reported else f"{lost}; the collective failed: {cause}"
     others = [r for r in range(parallel.world) if r != parallel.rank]
     return f"one of ranks {others} stopped answering; the collective failed: {cause}"
 

@@ -27,10 +27,8 @@ class HookState(Protocol):
 
 
 class KVModel(Protocol):
-    """What KV memory (`infer.kv.slots.KVSlots`, `infer.kv.prefix.PrefixStore`) needs of
-    the model it holds K/V for (`infer.models.base.DecoderLM`): the cache's shape, dtype and device,
-    the layers this process keeps, whether its attention reads a shared prefix, and its hooks'
-    state (K/V computed under other hooks are not reused)."""
+    """What KV memory (`KVSlots`, `PrefixStore`) needs of the model it holds K/V for
+    (`infer.models.base.DecoderLM`); K/V computed under other hooks are not reused."""
 
     @property
     def config(self) -> ModelConfig: ...
@@ -53,6 +51,14 @@ class KVModel(Protocol):
 
 def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+def _ring_size(config: ModelConfig, capacity: int, rings: bool, dtype: torch.dtype) -> int | None:
+    """Slots of each sliding-window layer's ring, or None where they keep slot order (``rings=False``,
+    no window, or an int8 cache)."""
+    if not rings or config.sliding_window is None or dtype == torch.int8:
+        return None
+    return min(config.sliding_window, capacity)
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -104,10 +110,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 class LayerKV:
     """K/V storage of one layer: ``[B, Hkv, capacity, hd]`` each (a ring for sliding-window layers).
 
-    With an int8 cache, ``k``/``v`` hold int8 values and ``k_scale``/``v_scale`` ``[B, Hkv,
-    capacity]`` one float32 scale per token and head (`quantize_int8`); otherwise the scales are
-    None and ``k``/``v`` hold the values in the cache's dtype. int8 values are read back in the
-    activations' dtype.
+    An int8 cache also holds ``k_scale``/``v_scale`` ``[B, Hkv, capacity]``, one float32 scale per
+    token and head (`quantize_int8`; None otherwise); its values are read back in the activations'
+    dtype.
     """
 
     def __init__(
@@ -319,9 +324,8 @@ class KVCache:
         # ``rings=False`` (the deterministic mode): sliding-window layers keep every slot, in slot
         # order like the full-attention layers, and mask by the window; more memory, but a key's
         # place in the buffer no longer depends on how the prompt was fed.
-        ring = rings and self.window is not None and dtype != torch.int8  # int8 caches keep slot order
         self.dtype = dtype
-        self.ring_size = min(self.window, self.capacity) if ring and self.window is not None else None
+        self.ring_size = _ring_size(config, self.capacity, rings, dtype)
         shape = (batch_size, config.num_key_value_heads, config.computed_head_dim)
         self.layers: list[LayerKV] = []
         self.ring_slots: torch.Tensor | None = None
@@ -357,14 +361,12 @@ class KVCache:
         per_slot *= torch.empty((), dtype=dtype).element_size()
         if dtype == torch.int8:  # a float32 scale per token and head
             per_slot += 2 * batch_size * config.num_key_value_heads * 4
-            rings = False
         capacity = round_up(max_len, KEY_CHUNK)
+        ring = _ring_size(config, capacity, rings, dtype)
         total = 0
         for i in range(config.num_hidden_layers) if layers is None else layers:
-            sliding = config.layer_type(i) == SLIDING_ATTENTION and config.sliding_window is not None
-            ring = rings and sliding and config.sliding_window
-            slots = min(config.sliding_window, capacity) if ring and config.sliding_window else capacity
-            total += slots * per_slot
+            sliding = config.layer_type(i) == SLIDING_ATTENTION
+            total += (ring if sliding and ring is not None else capacity) * per_slot
         return total
 
     @property

@@ -82,7 +82,7 @@ class StreamingConfig:
     Args:
         layer_group_size: layers moved to the device as one unit (>= 1; None: chosen).
         memory_budget: the device memory the model may use, as bytes or a string
-            (``"6GB"``, ``"512MiB"``). It covers the resident weights, the group buffers,
+            (``"6GB"``, the default; ``"512MiB"``). It covers the resident weights, the group buffers,
             the KV cache for ``max_batch_size`` x ``max_context`` tokens and the
             activation workspace of one forward of ``max_prefill_tokens`` tokens. On
             CPU, device memory is the process's anonymous memory.
@@ -110,7 +110,7 @@ class StreamingConfig:
             process, `infer.combinations.REFUSED`).
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
         read_timeout: seconds a forward waits for one unit's weights before raising
-            ``TimeoutError`` (a stalled disk or network file system); ``None`` waits forever.
+            ``TimeoutError`` (a stalled disk or network file system; default 60); ``None``: forever.
     """
 
     layer_group_size: int | None = None
