@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import infer.models  # noqa: F401  (registers the architectures' config rules: small_config builds gemma3_text)
 from infer.kv.cache import KEY_CHUNK, KVCache, StepKV, StepPlan, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, config_from_dict
 from infer.testing import SLIDING_WINDOW

@@ -219,7 +219,7 @@ class StreamingExecutor(ResidentExecutor):
         """The logits, one chunk of vocabulary rows at a time when the head streams.
 
         In the deterministic mode (the head's ``tile_rows``) each chunk (a multiple of
-        `infer.rows.COLUMN_TILE` rows, from row 0) runs in the resident head's row and
+        `infer.host.rows.COLUMN_TILE` rows, from row 0) runs in the resident head's row and
         column tiles: the same logits, bit for bit.
         """
         if not self._head_units:
