@@ -1,7 +1,7 @@
 """`GGUFMetadata`: typed access to one GGUF file's ``{arch}.*`` metadata keys and tensor table.
 
 The architecture records' GGUF readers (`infer.models.arch.GGUFRules.metadata`) take one;
-this module imports nothing of infer's but the reader's type, so the models can name it.
+it implements `infer.models.arch.GGUFKeys`, the Protocol they name it by (the models sit below GGUF).
 """
 
 from __future__ import annotations
