@@ -141,6 +141,7 @@ def test_budget_error_advice_is_printed_in_full(
     tiny_ckpt_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = str(tiny_ckpt_factory("llama"))
+    capsys.readouterr()  # what writing the checkpoint printed (transformers' progress bar) is not the CLI's
     assert main(["generate", path, "Hello", "--memory-budget", "1KB", "--quiet"]) == 1
     err = capsys.readouterr().err
     print(f"\n{err}")
