@@ -409,14 +409,16 @@ def run_with_cache(
     stop_at_layer: int | None = None,
     *,
     fwd_hooks: Hooks = (),
+    splices: dict[str, Splice] | None = None,
 ) -> tuple[torch.Tensor, ActivationCache]:
     """``(logits, cache)`` of one forward of ``input`` (text, token ids, or a ``[B, T]`` tensor),
     as TransformerLens' ``run_with_cache``: ``cache[name]`` holds the activation at each point
     ``names_filter`` picks (None: all; a name, a list, or a predicate on names), nothing else is
     kept. ``stop_at_layer``: return the residual stream before that block instead of logits.
-    ``fwd_hooks`` run too (the cache holds what they return). Without gradients."""
+    ``fwd_hooks`` run too (the cache holds what they return); ``splices``: SAEs by point
+    (`infer.lens.sae`). Without gradients."""
     model = _model(llm)
-    session = Session(model, fwd_hooks, cache=True if names_filter is None else names_filter)
+    session = Session(model, fwd_hooks, cache=True if names_filter is None else names_filter, splices=splices)
     with torch.no_grad():
         out = _forward(llm, session, input, stop_at_layer)
     return out, session.cache
@@ -428,13 +430,15 @@ def run_with_hooks(
     fwd_hooks: Hooks = (),
     bwd_hooks: Hooks = (),
     stop_at_layer: int | None = None,
+    *,
+    splices: dict[str, Splice] | None = None,
 ) -> torch.Tensor:
     """Logits of one forward of ``input`` with ``fwd_hooks`` (pairs ``(name or filter, fn)``) run at
     their points, TransformerLens' ``run_with_hooks``. With ``bwd_hooks`` the forward records
     gradients (outside inference mode, whatever the caller's mode) and each ``fn(grad, hook)`` runs
     when a backward from the result passes its point (a returned tensor replaces the gradient)."""
     model = _model(llm)
-    session = Session(model, fwd_hooks, bwd_hooks)
+    session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
     if bwd_hooks:
         with torch.inference_mode(False), torch.enable_grad():
             return _forward(llm, session, input, stop_at_layer)
@@ -446,13 +450,15 @@ _HOOKS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def hooks(llm: LLM, fwd_hooks: Hooks = (), bwd_hooks: Hooks = ()) -> Iterator[LLM]:
+def hooks(
+    llm: LLM, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), *, splices: dict[str, Splice] | None = None
+) -> Iterator[LLM]:
     """``with hooks(llm, fwd_hooks=[...]):`` keeps the hooks on the model's modules until the block
     ends, for every forward meanwhile: ``llm.model(ids)`` and generation (whose steps run eagerly
     while a hook is present and see only their new tokens). The points inside attention are
     refused (they need a whole-sequence forward: `run_with_hooks`)."""
     model = _model(llm)
-    session = Session(model, fwd_hooks, bwd_hooks)
+    session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
     if session.internal:
         raise ValueError(
             f"hooks(): {', '.join(session.internal)} are computed inside attention and can be hooked "
