@@ -22,18 +22,24 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from infer.lens.points import NameFilter, Point, points, select, unknown_name
-from infer.models import attend as attend_module
-from infer.models.attend import AttentionProbe, attend
+from infer.models.attend import attend, recording_attention
 
-if TYPE_CHECKING:
-    from infer.llm import LLM
+
+class LLM(Protocol):
+    """What `infer.lens` needs of an `infer.LLM` (a Protocol: `infer.llm` builds on this package)."""
+
+    model: Any  # infer.models.base.DecoderLM
+    parallel: Any
+
+    def encode(self, prompt: Any, what: str = "prompt") -> list[int]: ...
+
 
 Input = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
 
@@ -254,12 +260,11 @@ class _Stop(Exception):
         self.residual = residual
 
 
-class _LensProbe(AttentionProbe):
-    """Attention of the blocks in ``layers`` with the internal points (`infer.models.attend`'s
-    probe seam); other blocks' attention runs `attend` as usual."""
+class _LensProbe:
+    """Attention of the blocks in ``layers`` with the internal points (run by the probe of
+    `infer.models.attend.recording_attention`); other blocks' attention runs `attend` as usual."""
 
     def __init__(self, session: Session, layers: set[int]) -> None:
-        super().__init__()
         self.session = session
         self.layers = layers
         self.layer: int | None = None
@@ -317,12 +322,9 @@ def _probing(session: Session) -> Iterator[list[RemovableHandle]]:
             probe.layer = None
 
         handles += [attn.register_forward_pre_hook(enter), attn.register_forward_hook(leave)]
-    before = attend_module._PROBE[0]
-    attend_module._PROBE[0] = probe
-    try:
+    with recording_attention() as recorder:  # attention on this thread calls recorder.attend
+        setattr(recorder, "attend", probe.attend)  # noqa: B010
         yield handles
-    finally:
-        attend_module._PROBE[0] = before
 
 
 # ---- inputs --------------------------------------------------------------------------------------
@@ -334,7 +336,8 @@ def _model(llm: LLM) -> nn.Module:
             "infer.lens: this LLM runs tensor / pipeline parallel (each rank holds a slice of the "
             "model); hook points need the whole model in one process"
         )
-    return llm.model
+    model: nn.Module = llm.model
+    return model
 
 
 def token_ids(llm: LLM, input: Input) -> torch.Tensor:
@@ -349,9 +352,9 @@ def token_ids(llm: LLM, input: Input) -> torch.Tensor:
             )
         return ids.to(device=llm.model.device, dtype=torch.long)
     if isinstance(input, str) or (isinstance(input, Sequence) and input and isinstance(input[0], int)):
-        rows = [llm.encode(input, "input")]  # type: ignore[arg-type]
+        rows = [llm.encode(input, "input")]
     elif isinstance(input, Sequence) and input:
-        rows = [llm.encode(p, f"input[{i}]") for i, p in enumerate(input)]  # type: ignore[arg-type]
+        rows = [llm.encode(p, f"input[{i}]") for i, p in enumerate(input)]
     else:
         raise TypeError(f"input: expected text, token ids or a tensor, got {input!r:.80}")
     lengths = sorted({len(r) for r in rows})

@@ -22,7 +22,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -30,9 +30,6 @@ from torch import nn
 
 from infer.lens import run
 from infer.lens.points import NameFilter
-
-if TYPE_CHECKING:
-    from infer.llm import LLM
 
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -153,7 +150,7 @@ def _splices(saes: Sequence[SAE], use_error_term: bool) -> dict[str, run.Splice]
 
 
 def run_with_saes(
-    llm: LLM,
+    llm: run.LLM,
     input: run.Input,
     saes: Sequence[SAE],
     *,
@@ -166,7 +163,7 @@ def run_with_saes(
 
 
 def run_with_cache_with_saes(
-    llm: LLM,
+    llm: run.LLM,
     input: run.Input,
     saes: Sequence[SAE],
     names_filter: NameFilter = None,
@@ -182,7 +179,7 @@ def run_with_cache_with_saes(
 
 
 @contextlib.contextmanager
-def saes(llm: LLM, saes: Sequence[SAE], *, use_error_term: bool = False) -> Iterator[LLM]:
+def saes(llm: run.LLM, saes: Sequence[SAE], *, use_error_term: bool = False) -> Iterator[run.LLM]:
     """``with saes(llm, [sae]):`` the SAEs spliced in for every forward meanwhile, generation
     included (SAELens' ``HookedSAETransformer.saes`` context; `infer.lens.run.hooks`)."""
     with run.hooks(llm, splices=_splices(saes, use_error_term)) as out:
