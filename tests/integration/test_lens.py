@@ -352,6 +352,41 @@ def test_edits_match_the_same_edits_in_transformers(pair: tuple[infer.LLM, Any],
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_score_edits_match_transformers(pair: tuple[infer.LLM, Any], arch: str) -> None:
+    """Scores masked to each query's own key (and the rotated keys passed through a hook) make z
+    equal v: transformers with o_proj's input replaced by its v_proj output (heads repeated)."""
+    llm, hf = pair
+    H, Hkv, hd = _dims(hf)
+    B, T = IDS.shape
+
+    def only_self(s: torch.Tensor, hook: Any) -> torch.Tensor:
+        return s.masked_fill(~torch.eye(T, dtype=torch.bool), float("-inf"))
+
+    hooks: list[tuple[str, lens.HookFn]] = [("blocks.0.attn.hook_attn_scores", only_self)]
+    if arch != "gpt2":
+        hooks.append(("blocks.0.attn.hook_rot_k", lambda k, h: k.clone()))
+    ours = lens.run_with_hooks(llm, IDS, fwd_hooks=hooks)
+    v_point = _hf_points(hf, arch)["blocks.0.attn.hook_v"]
+    captured: dict[str, torch.Tensor] = {}
+    handle = v_point[0].register_forward_hook(lambda m, a, o: captured.update(v=v_point[2](o)))
+    edits: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "blocks.0.attn.hook_z": lambda t: (
+            captured["v"].repeat_interleave(H // Hkv, dim=2).reshape(B, T, H * hd)
+        )
+    }
+    try:
+        with torch.no_grad(), _hf_capture(hf, arch, edits):
+            want = hf(IDS).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        moved = _err(hf(IDS).logits, want)
+    err = _err(ours, want)
+    print(f"\n{arch}: logits with edited scores vs transformers' z = v {err:.2e} (moved {moved:.2e})")
+    assert moved > 100 * TOL and err <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_gradients_at_points_match_transformers(pair: tuple[infer.LLM, Any], arch: str) -> None:
     llm, hf = pair
     names = [

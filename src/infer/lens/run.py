@@ -206,7 +206,7 @@ class Session:
                 continue
             if p.name in self.used or any(s.startswith(p.name + ".") for s in self.used):
                 groups.setdefault((p.module, p.side), []).append(p)
-                if p.residual is not None and p.name in self.fwd:
+                if p.residual is not None:  # where an edit of hook_resid_mid joins the residual
                     groups.setdefault((p.residual, "output"), [])
         handles: list[RemovableHandle] = []
         if stop_at_layer is not None:
