@@ -6,6 +6,8 @@ them off after. Hook functions are TransformerLens' ``fn(tensor, hook)``: ``hook
 point's name; a returned tensor (same shape and dtype) replaces the activation, None keeps it.
 
 * Nothing else is hooked: the other blocks keep their fused products and default attention.
+  A run's hooks act on the calling thread only (a generation the engine steps meanwhile on
+  another thread is untouched); those of `hooks` on every thread.
 * The points inside attention (``hook_rot_q``, ``hook_rot_k``, ``hook_attn_scores``,
   ``hook_pattern``) run the layers that use them through the eager attention
   `infer.models.attend` offers inspection (its probe seam, this thread only), as transformers'
@@ -137,6 +139,9 @@ class Session:
         self.used = set(self.fwd) | set(self.bwd) | self.cached | set(self.splices)
         self.hook_points = {n: HookPoint(n, (by_name.get(n) or self.sub[n]).layer) for n in self.names}
         self.pending: dict[str, torch.Tensor] = {}  # block -> an edit of its hook_resid_mid
+        # A run's hooks act on its own thread only (an engine stepping another request meanwhile
+        # is left alone, as `infer.models.record` does); None: every thread (`hooks`).
+        self.thread: int | None = None
 
     # ---- what the installed hooks call ---------------------------------------------------
 
@@ -217,7 +222,8 @@ class Session:
             first = [p for p in self.points if p.layer is None and p.module == f"layers.{stop_at_layer}"]
 
             def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
-                raise _Stop(self.at(first, args[0]))
+                if self.mine():
+                    raise _Stop(self.at(first, args[0]))
 
             handles.append(layers[stop_at_layer].register_forward_pre_hook(stop, prepend=True))
         try:
@@ -233,8 +239,14 @@ class Session:
             raise
         return handles
 
+    def mine(self) -> bool:
+        """Whether the calling thread is the one this session's hooks act on."""
+        return self.thread is None or self.thread == threading.get_ident()
+
     def _pre(self, group: list[Point]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            if not self.mine():
+                return None
             x = self.at(group, args[0])
             return None if x is args[0] else (x, *args[1:])
 
@@ -242,6 +254,8 @@ class Session:
 
     def _post(self, module_name: str, group: list[Point]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
+            if not self.mine():
+                return None
             x = out
             delta = self.pending.pop(module_name, None)
             if delta is not None:
@@ -316,10 +330,12 @@ def _probing(session: Session) -> Iterator[list[RemovableHandle]]:
         attn: Any = blocks[i].attn if hasattr(blocks[i], "attn") else blocks[i].self_attn
 
         def enter(module: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
-            probe.layer = i
+            if session.mine():
+                probe.layer = i
 
         def leave(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            probe.layer = None
+            if session.mine():
+                probe.layer = None
 
         handles += [attn.register_forward_pre_hook(enter), attn.register_forward_hook(leave)]
     with recording_attention() as recorder:  # attention on this thread calls recorder.attend
@@ -379,6 +395,7 @@ def _forward(llm: LLM, session: Session, input: Input, stop_at_layer: int | None
     ids = token_ids(llm, input)
     stop = _stop_index(model, stop_at_layer)
     n = len(model.layers)  # type: ignore[arg-type]
+    session.thread = threading.get_ident()
     handles = session.install(stop if stop is not None and stop < n else None)
     try:
         with _probing(session) as probe_handles:
