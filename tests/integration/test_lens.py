@@ -481,6 +481,22 @@ def test_errors_and_what_is_kept(pair: tuple[infer.LLM, Any], arch: str) -> None
     assert torch.equal(last, rc["blocks.2.hook_resid_post"])
     with pytest.raises(KeyError, match=r"this cache holds: blocks\.1\.attn\.hook_q"):
         cache["blocks.0.attn.hook_q"]
+    # the inputs: a text (the tokenizer's ids), ids, a [T] tensor, rows of one length
+    text = "Hello there"
+    ids = llm.encode(text)
+    by_text, c1 = lens.run_with_cache(llm, text, "hook_embed")
+    by_ids, c2 = lens.run_with_cache(llm, torch.tensor(ids), "hook_embed")
+    assert by_text.shape[:2] == (1, len(ids)) and torch.equal(by_text, by_ids)
+    assert torch.equal(c1["hook_embed"], c2["hook_embed"])
+    rows, _ = lens.run_with_cache(llm, [ids, ids[::-1]], "hook_embed")
+    assert rows.shape[0] == 2 and torch.equal(rows[0], by_ids[0])
+    with pytest.raises(ValueError, match=r"different lengths \[3, 4\]"):
+        lens.run_with_cache(llm, [[1, 2, 3], [1, 2, 3, 4]], "hook_embed")
+    seen: list[tuple[str, int]] = []
+    lens.run_with_hooks(
+        llm, IDS, fwd_hooks=[(lambda n: n.endswith("hook_z"), lambda z, h: seen.append((h.name, h.layer())))]
+    )
+    assert seen == [(f"blocks.{i}.attn.hook_z", i) for i in range(llm.config.num_hidden_layers)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
