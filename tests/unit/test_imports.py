@@ -81,6 +81,7 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.realmodels",
         "infer.notebook",
         "infer.scores",
+        "infer.lens",
     ),
     # 7: front ends and test support
     ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),

@@ -1,0 +1,29 @@
+"""Interpretability in TransformerLens' vocabulary on infer's models (docs/notebooks.md, "Hook points").
+
+`run_with_cache`, `run_with_hooks` and `hooks` take an `infer.LLM`; hook points have TransformerLens'
+names (`hook_names`, `infer.lens.points`); `load_sae` reads a sparse autoencoder saved by SAELens and
+splices it in at its point (`infer.lens.sae`).
+"""
+
+from infer.lens.points import Point, points
+from infer.lens.run import (
+    ActivationCache,
+    HookFn,
+    HookPoint,
+    hook_names,
+    hooks,
+    run_with_cache,
+    run_with_hooks,
+)
+
+__all__ = [
+    "ActivationCache",
+    "HookFn",
+    "HookPoint",
+    "Point",
+    "hook_names",
+    "hooks",
+    "points",
+    "run_with_cache",
+    "run_with_hooks",
+]

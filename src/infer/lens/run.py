@@ -1,0 +1,509 @@
+"""TransformerLens' calls on an `infer.LLM`: `run_with_cache`, `run_with_hooks`, `hooks`.
+
+A run installs torch forward hooks (pre-hooks for a module's input) on the modules whose
+boundaries hold the points it uses (`infer.lens.points`), one per module and side, and takes
+them off after. Hook functions are TransformerLens' ``fn(tensor, hook)``: ``hook.name`` is the
+point's name; a returned tensor (same shape and dtype) replaces the activation, None keeps it.
+
+* Nothing else is hooked: the other blocks keep their fused products and default attention.
+  A run's hooks act on the calling thread only (a generation the engine steps meanwhile on
+  another thread is untouched); those of `hooks` on every thread.
+* The points inside attention (``hook_rot_q``, ``hook_rot_k``, ``hook_attn_scores``,
+  ``hook_pattern``) run the layers that use them through the eager attention
+  `infer.models.attend` offers inspection (its probe seam, this thread only), as transformers'
+  eager attention computes it: float32 scores and pattern, the model's own rotated q/k and mask.
+  Whole-sequence runs only: `hooks` (which generation honours) refuses them.
+* ``hook_resid_mid`` is read at the second norm's input; an edit of it is also added to the
+  block's output (the residual add reads the unedited sum): equal within one rounding.
+* Backward hooks are tensor hooks (``register_hook``) on the points' activations: they run
+  whenever a backward passes through them, also after the call returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from infer.lens.points import NameFilter, Point, points, select, unknown_name
+from infer.models.attend import attend, recording_attention
+
+
+class LLM(Protocol):
+    """What `infer.lens` needs of an `infer.LLM` (a Protocol: `infer.llm` builds on this package)."""
+
+    model: Any  # infer.models.base.DecoderLM
+    parallel: Any
+
+    def encode(self, prompt: Any, what: str = "prompt") -> list[int]: ...
+
+
+Input = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
+
+
+class HookPoint:
+    """What a hook function gets as ``hook``: the point's ``name``, its ``layer()`` and a ``ctx``
+    dict kept for the run (TransformerLens' `HookPoint` attributes)."""
+
+    def __init__(self, name: str, layer: int | None) -> None:
+        self.name = name
+        self._layer = layer
+        self.ctx: dict[Any, Any] = {}
+
+    def layer(self) -> int:
+        if self._layer is None:
+            raise ValueError(f"{self.name} is not inside a block")
+        return self._layer
+
+    def __repr__(self) -> str:
+        return f"HookPoint({self.name!r})"
+
+
+HookFn = Callable[[torch.Tensor, HookPoint], "torch.Tensor | None"]
+Hooks = Sequence[tuple[NameFilter, HookFn]]
+
+
+class ActivationCache(dict[str, torch.Tensor]):
+    """``cache[name]``: the activation a run kept at that point (detached). A missing name says
+    which were kept."""
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise KeyError(f"{name!r} was not cached; this cache holds: {', '.join(self) or 'nothing'}")
+
+
+class Splice:
+    """Something run at a point after its hooks, replacing the activation (an SAE:
+    `infer.lens.sae.SAE`). ``names``: the sub-points it offers, ``f"{point}.{name}"``."""
+
+    names: tuple[str, ...] = ()
+
+    def run(self, x: torch.Tensor, apply: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _fn_name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
+
+
+def _check_result(result: Any, value: torch.Tensor, name: str, fn: Any, kind: str) -> torch.Tensor:
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"{kind} hook {_fn_name(fn)} on {name} returned {type(result).__name__}; "
+            "expected a tensor or None"
+        )
+    if result.shape != value.shape or result.dtype != value.dtype:
+        raise ValueError(
+            f"{kind} hook {_fn_name(fn)} on {name} returned shape {tuple(result.shape)} {result.dtype}; "
+            f"expected shape {tuple(value.shape)} {value.dtype} (the activation's)"
+        )
+    return result
+
+
+class Session:
+    """The hooks, cache and splices of one run (or one `hooks` context)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        fwd: Hooks = (),
+        bwd: Hooks = (),
+        cache: NameFilter | bool = False,
+        splices: dict[str, Splice] | None = None,
+    ) -> None:
+        self.model = model
+        self.points = points(model)
+        self.splices = dict(splices or {})
+        by_name = {p.name: p for p in self.points}
+        for name in self.splices:
+            if name not in by_name:
+                raise unknown_name(name, list(by_name))
+        self.sub = {f"{n}.{s}": by_name[n] for n, sp in self.splices.items() for s in sp.names}
+        self.names = [*by_name, *self.sub]
+        self.fwd: dict[str, list[HookFn]] = {}
+        self.bwd: dict[str, list[HookFn]] = {}
+        for table, given, what in ((self.fwd, fwd, "fwd_hooks"), (self.bwd, bwd, "bwd_hooks")):
+            for i, entry in enumerate(given):
+                if not (isinstance(entry, tuple | list) and len(entry) == 2 and callable(entry[1])):
+                    raise TypeError(f"{what}[{i}]: expected a (name or filter, fn) pair, got {entry!r}")
+                for name in select(self.names, entry[0], f"{what}[{i}]"):
+                    table.setdefault(name, []).append(entry[1])
+        self.cached: set[str] = set()
+        if cache is not False:
+            self.cached = set(select(self.names, None if cache is True else cache))
+        self.cache = ActivationCache()
+        self.used = set(self.fwd) | set(self.bwd) | self.cached | set(self.splices)
+        self.hook_points = {n: HookPoint(n, (by_name.get(n) or self.sub[n]).layer) for n in self.names}
+        self.pending: dict[str, torch.Tensor] = {}  # block -> an edit of its hook_resid_mid
+        # A run's hooks act on its own thread only (an engine stepping another request meanwhile
+        # is left alone, as `infer.models.record` does); None: every thread (`hooks`).
+        self.thread: int | None = None
+
+    # ---- what the installed hooks call ---------------------------------------------------
+
+    def apply(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The point's forward hooks, the cache, backward hooks and a splice on ``value``."""
+        if name not in self.used:
+            return value
+        hook = self.hook_points[name]
+        for fn in self.fwd.get(name, ()):
+            result = fn(value, hook)
+            if result is not None:
+                value = _check_result(result, value, name, fn, "forward")
+        if name in self.cached:
+            self.cache[name] = value.detach()
+        if name in self.bwd and torch.is_grad_enabled():
+            if not value.requires_grad:  # nothing before it needs a gradient: start the graph here
+                value = value.detach().requires_grad_(True)
+            value.register_hook(self._backward(name, value))  # type: ignore[no-untyped-call]
+        splice = self.splices.get(name)
+        if splice is not None:
+            value = splice.run(value, lambda sub, x: self.apply(f"{name}.{sub}", x))
+        return value
+
+    def _backward(self, name: str, value: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        hook = self.hook_points[name]
+
+        def run(grad: torch.Tensor) -> torch.Tensor:
+            for fn in self.bwd[name]:
+                result = fn(grad, hook)
+                if result is not None:
+                    grad = _check_result(result, grad, name, fn, "backward")
+            return grad
+
+        return run
+
+    def at(self, group: list[Point], x: torch.Tensor) -> torch.Tensor:
+        """The points of one module boundary, in order, on its tensor ``x``."""
+        for p in group:
+            v = x if p.part is None else x[..., p.part[0] : p.part[1]]
+            if p.heads is not None:
+                v = v.reshape(*v.shape[:-1], p.heads, -1)  # [..., H * hd] -> [..., H, hd]
+            new = self.apply(p.name, v)
+            if new is v and (p.name not in self.bwd or v is x):  # (a gradient hook needs its view used)
+                continue
+            if p.residual is not None:
+                self.pending[p.residual] = self.pending.get(p.residual, 0) + (new - v)
+            flat = new.flatten(-2) if p.heads is not None else new
+            x = (
+                flat
+                if p.part is None
+                else torch.cat([x[..., : p.part[0]], flat, x[..., p.part[1] :]], dim=-1)
+            )
+        return x
+
+    # ---- installing ----------------------------------------------------------------------
+
+    @property
+    def internal(self) -> list[str]:
+        """The used points computed inside attention."""
+        return [p.name for p in self.points if p.internal and p.name in self.used]
+
+    def install(self, stop_at_layer: int | None = None) -> list[RemovableHandle]:
+        """The torch hooks this session needs on the model (see the module's docstring)."""
+        groups: dict[tuple[str, str], list[Point]] = {}
+        for p in self.points:
+            if p.internal:
+                continue
+            if p.name in self.used or any(s.startswith(p.name + ".") for s in self.used):
+                groups.setdefault((p.module, p.side), []).append(p)
+                if p.residual is not None:  # where an edit of hook_resid_mid joins the residual
+                    groups.setdefault((p.residual, "output"), [])
+        handles: list[RemovableHandle] = []
+        if stop_at_layer is not None:
+            layers = self.model.layers
+            assert isinstance(layers, nn.ModuleList)
+
+            # TransformerLens' stop_at_layer=0 still runs hook_embed (here the first block's input)
+            first = [p for p in self.points if p.layer is None and p.module == f"layers.{stop_at_layer}"]
+
+            def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
+                if self.mine():
+                    raise _Stop(self.at(first, args[0]))
+
+            handles.append(layers[stop_at_layer].register_forward_pre_hook(stop, prepend=True))
+        try:
+            for (module_name, side), group in groups.items():
+                module = self.model.get_submodule(module_name)
+                if side == "input":
+                    handles.append(module.register_forward_pre_hook(self._pre(group)))
+                else:
+                    handles.append(module.register_forward_hook(self._post(module_name, group)))
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        return handles
+
+    def mine(self) -> bool:
+        """Whether the calling thread is the one this session's hooks act on."""
+        return self.thread is None or self.thread == threading.get_ident()
+
+    def _pre(self, group: list[Point]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            if not self.mine():
+                return None
+            x = self.at(group, args[0])
+            return None if x is args[0] else (x, *args[1:])
+
+        return hook
+
+    def _post(self, module_name: str, group: list[Point]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
+            if not self.mine():
+                return None
+            x = out
+            delta = self.pending.pop(module_name, None)
+            if delta is not None:
+                x = x + delta
+            x = self.at(group, x)
+            return None if x is out else x
+
+        return hook
+
+
+class _Stop(Exception):
+    """Raised by the pre-hook of ``stop_at_layer``'s block: carries the residual stream."""
+
+    def __init__(self, residual: torch.Tensor) -> None:
+        super().__init__("stop_at_layer")
+        self.residual = residual
+
+
+class _LensProbe:
+    """Attention of the blocks in ``layers`` with the internal points (run by the probe of
+    `infer.models.attend.recording_attention`); other blocks' attention runs `attend` as usual."""
+
+    def __init__(self, session: Session, layers: set[int]) -> None:
+        self.session = session
+        self.layers = layers
+        self.layer: int | None = None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        i = self.layer
+        if i is None or i not in self.layers:
+            return attend(q, k, v, mask, scale, softcap)
+        s, n = self.session, f"blocks.{i}.attn"
+        q = s.apply(f"{n}.hook_rot_q", q.transpose(1, 2)).transpose(1, 2)  # as [B, T, H, hd]
+        k = s.apply(f"{n}.hook_rot_k", k.transpose(1, 2)).transpose(1, 2)  # as [B, S, Hkv, hd]
+        B, H, _, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        if Hkv != H:  # query head h reads KV head h // G
+            k = k[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+            v = v[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            visible = mask if mask.dtype == torch.bool else mask == 0
+            scores = scores.masked_fill(~visible, float("-inf"))
+        scores = s.apply(f"{n}.hook_attn_scores", scores)
+        pattern = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key: zeros
+        pattern = s.apply(f"{n}.hook_pattern", pattern)
+        return torch.matmul(pattern, v.float()).to(q.dtype)  # [B, H, T, hd]
+
+
+@contextlib.contextmanager
+def _probing(session: Session) -> Iterator[list[RemovableHandle]]:
+    """The internal points' probe on this thread, and hooks telling it which block runs."""
+    layers = {p.layer for p in session.points if p.internal and p.name in session.used}
+    handles: list[RemovableHandle] = []
+    if not layers:
+        yield handles
+        return
+    probe = _LensProbe(session, {i for i in layers if i is not None})
+    blocks = session.model.layers
+    assert isinstance(blocks, nn.ModuleList)
+    for i in probe.layers:
+        attn: Any = blocks[i].attn if hasattr(blocks[i], "attn") else blocks[i].self_attn
+
+        def enter(module: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
+            if session.mine():
+                probe.layer = i
+
+        def leave(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if session.mine():
+                probe.layer = None
+
+        handles += [attn.register_forward_pre_hook(enter), attn.register_forward_hook(leave)]
+    with recording_attention() as recorder:  # attention on this thread calls recorder.attend
+        setattr(recorder, "attend", probe.attend)  # noqa: B010
+        yield handles
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+
+
+def _model(llm: LLM) -> nn.Module:
+    if getattr(llm, "parallel", None) is not None:
+        raise ValueError(
+            "infer.lens: this LLM runs tensor / pipeline parallel (each rank holds a slice of the "
+            "model); hook points need the whole model in one process"
+        )
+    model: nn.Module = llm.model
+    return model
+
+
+def token_ids(llm: LLM, input: Input) -> torch.Tensor:
+    """``input`` as token ids ``[B, T]`` on the model's device: a text, a list of ids, a list of
+    texts or of id lists (all of one length: nothing is padded), or a ``[T]`` / ``[B, T]`` tensor."""
+    if isinstance(input, torch.Tensor):
+        ids = input[None] if input.ndim == 1 else input
+        if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(
+                f"input: expected token ids [T] or [B, T] of an integer dtype, got "
+                f"shape {tuple(input.shape)} {input.dtype}"
+            )
+        return ids.to(device=llm.model.device, dtype=torch.long)
+    if isinstance(input, str) or (isinstance(input, Sequence) and input and isinstance(input[0], int)):
+        rows = [llm.encode(input, "input")]
+    elif isinstance(input, Sequence) and input:
+        rows = [llm.encode(p, f"input[{i}]") for i, p in enumerate(input)]
+    else:
+        raise TypeError(f"input: expected text, token ids or a tensor, got {input!r:.80}")
+    lengths = sorted({len(r) for r in rows})
+    if len(lengths) > 1:
+        raise ValueError(f"input: the rows have different lengths {lengths}; give rows of one length")
+    return torch.tensor(rows, dtype=torch.long, device=llm.model.device)
+
+
+def _stop_index(model: nn.Module, stop_at_layer: int | None) -> int | None:
+    if stop_at_layer is None:
+        return None
+    n = len(model.layers)  # type: ignore[arg-type]
+    if not isinstance(stop_at_layer, int) or isinstance(stop_at_layer, bool) or not -n <= stop_at_layer <= n:
+        raise ValueError(f"stop_at_layer: expected an int in [-{n}, {n}] (the model has {n} blocks)")
+    return stop_at_layer % n if stop_at_layer != n else n
+
+
+def _forward(llm: LLM, session: Session, input: Input, stop_at_layer: int | None) -> torch.Tensor:
+    """One whole-sequence forward with the session's hooks: logits ``[B, T, V]``, or the residual
+    stream ``[B, T, D]`` before block ``stop_at_layer`` (TransformerLens: exclusive)."""
+    model = session.model
+    ids = token_ids(llm, input)
+    stop = _stop_index(model, stop_at_layer)
+    n = len(model.layers)  # type: ignore[arg-type]
+    session.thread = threading.get_ident()
+    handles = session.install(stop if stop is not None and stop < n else None)
+    try:
+        with _probing(session) as probe_handles:
+            handles += probe_handles
+            try:
+                h = model.forward_hidden(ids)  # type: ignore[operator]
+            except _Stop as stopped:
+                return stopped.residual
+            if stop == n:
+                return h  # type: ignore[no-any-return]
+            logits: torch.Tensor = model.head(h)  # type: ignore[operator]
+            return logits
+    finally:
+        for handle in handles:
+            handle.remove()
+        session.pending.clear()
+
+
+# ---- the calls -----------------------------------------------------------------------------------
+
+
+def hook_names(llm: LLM) -> list[str]:
+    """Every hook point name of ``llm``'s model, in the order a forward reaches them."""
+    return [p.name for p in points(_model(llm))]
+
+
+def run_with_cache(
+    llm: LLM,
+    input: Input,
+    names_filter: NameFilter = None,
+    stop_at_layer: int | None = None,
+    *,
+    fwd_hooks: Hooks = (),
+    splices: dict[str, Splice] | None = None,
+) -> tuple[torch.Tensor, ActivationCache]:
+    """``(logits, cache)`` of one forward of ``input`` (text, token ids, or a ``[B, T]`` tensor),
+    as TransformerLens' ``run_with_cache``: ``cache[name]`` holds the activation at each point
+    ``names_filter`` picks (None: all; a name, a list, or a predicate on names), nothing else is
+    kept. ``stop_at_layer``: return the residual stream before that block instead of logits.
+    ``fwd_hooks`` run too (the cache holds what they return); ``splices``: SAEs by point
+    (`infer.lens.sae`). Without gradients."""
+    model = _model(llm)
+    session = Session(model, fwd_hooks, cache=True if names_filter is None else names_filter, splices=splices)
+    with torch.no_grad():
+        out = _forward(llm, session, input, stop_at_layer)
+    return out, session.cache
+
+
+def run_with_hooks(
+    llm: LLM,
+    input: Input,
+    fwd_hooks: Hooks = (),
+    bwd_hooks: Hooks = (),
+    stop_at_layer: int | None = None,
+    *,
+    splices: dict[str, Splice] | None = None,
+) -> torch.Tensor:
+    """Logits of one forward of ``input`` with ``fwd_hooks`` (pairs ``(name or filter, fn)``) run at
+    their points, TransformerLens' ``run_with_hooks``. With ``bwd_hooks`` the forward records
+    gradients (outside inference mode, whatever the caller's mode) and each ``fn(grad, hook)`` runs
+    when a backward from the result passes its point (a returned tensor replaces the gradient)."""
+    model = _model(llm)
+    session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
+    if bwd_hooks:
+        with torch.inference_mode(False), torch.enable_grad():
+            return _forward(llm, session, input, stop_at_layer)
+    with torch.no_grad():
+        return _forward(llm, session, input, stop_at_layer)
+
+
+_HOOKS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def hooks(
+    llm: LLM, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), *, splices: dict[str, Splice] | None = None
+) -> Iterator[LLM]:
+    """``with hooks(llm, fwd_hooks=[...]):`` keeps the hooks on the model's modules until the block
+    ends, for every forward meanwhile: ``llm.model(ids)`` and generation (whose steps run eagerly
+    while a hook is present and see only their new tokens). The points inside attention are
+    refused (they need a whole-sequence forward: `run_with_hooks`)."""
+    model = _model(llm)
+    session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
+    if session.internal:
+        raise ValueError(
+            f"hooks(): {', '.join(session.internal)} are computed inside attention and can be hooked "
+            "only in a whole-sequence forward on this thread: use run_with_hooks / run_with_cache"
+        )
+    with _HOOKS_LOCK:
+        handles = session.install()
+    try:
+        yield llm
+    finally:
+        for handle in handles:
+            handle.remove()
+        session.pending.clear()
+
+
+__all__ = [
+    "ActivationCache",
+    "HookFn",
+    "HookPoint",
+    "Input",
+    "Session",
+    "Splice",
+    "hook_names",
+    "hooks",
+    "run_with_cache",
+    "run_with_hooks",
+    "token_ids",
+]
