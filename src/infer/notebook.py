@@ -2,13 +2,14 @@
 short description of itself (``repr``, and Jupyter's rich display).
 
 `NotebookMethods` is a base class of `infer.LLM`; its methods are thin: the work is in
-`infer.interventions`, `infer.scores` and `infer.models.record` (``llm.model(ids,
-output_hidden_states=True, output_attentions=True)``). docs/notebooks.md says what each returns,
-costs and runs.
+`infer.interventions`, `infer.scores`, `infer.lens` (TransformerLens' hook points: `run_with_cache`,
+`run_with_hooks`, `hooks`) and `infer.models.record` (``llm.model(ids, output_hidden_states=True,
+output_attentions=True)``). docs/notebooks.md says what each returns, costs and runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, overload
@@ -17,6 +18,9 @@ import torch
 
 from infer.combinations import check_intervention
 from infer.interventions import Intervention, Interventions, Positions, intervene
+from infer.lens import ActivationCache, hooks, run_with_cache, run_with_hooks
+from infer.lens.points import NameFilter
+from infer.lens.run import Hooks, Input
 from infer.scores import LogitLens, TokenScores, logit_lens, score
 
 if TYPE_CHECKING:
@@ -87,6 +91,28 @@ class NotebookMethods:
 
     def encode(self, prompt: str | list[int], what: str = "prompt") -> list[int]:
         raise NotImplementedError  # `infer.LLM.encode`
+
+    # ---- hook points (TransformerLens' names: infer.lens) ---------------------------------------
+
+    def run_with_cache(
+        self, input: Input, names_filter: NameFilter = None, stop_at_layer: int | None = None, *,
+        fwd_hooks: Hooks = (),
+    ) -> tuple[torch.Tensor, ActivationCache]:  # fmt: skip
+        """``(logits, cache)`` of one forward, ``cache[name]`` at each hook point ``names_filter``
+        picks (`infer.lens.run_with_cache`)."""
+        return run_with_cache(self, input, names_filter, stop_at_layer, fwd_hooks=fwd_hooks)
+
+    def run_with_hooks(
+        self, input: Input, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), stop_at_layer: int | None = None
+    ) -> torch.Tensor:
+        """Logits of one forward with ``fwd_hooks`` (and ``bwd_hooks``) at their hook points
+        (`infer.lens.run_with_hooks`)."""
+        return run_with_hooks(self, input, fwd_hooks, bwd_hooks, stop_at_layer)
+
+    def hooks(self, fwd_hooks: Hooks = (), bwd_hooks: Hooks = ()) -> contextlib.AbstractContextManager[Any]:
+        """``with llm.hooks(fwd_hooks=[...]):`` the hooks stay on for every forward and generation
+        meanwhile (`infer.lens.hooks`)."""
+        return hooks(self, fwd_hooks, bwd_hooks)
 
     # ---- interventions ---------------------------------------------------------------------
 

@@ -507,11 +507,14 @@ def test_hooks_context_edits_generation(pair: tuple[infer.LLM, Any], arch: str) 
     prompt = IDS[0, :9].tolist()
     edit = [("blocks.1.hook_resid_post", lambda t, h: _steer(t) * 1.5)]
     plain = llm.generate(prompt, max_new_tokens=8).token_ids
-    with lens.hooks(llm, fwd_hooks=edit):
+    with llm.hooks(fwd_hooks=edit):  # LLM's methods are infer.lens' calls
         steered = llm.generate(prompt, max_new_tokens=8).token_ids
     assert not llm.model.hooks.active()
     ids = list(prompt)
     for _ in range(8):
-        ids.append(int(lens.run_with_hooks(llm, [ids], fwd_hooks=edit)[0, -1].argmax()))
+        ids.append(int(llm.run_with_hooks([ids], fwd_hooks=edit)[0, -1].argmax()))
+    logits, cache = llm.run_with_cache([ids], "blocks.1.hook_resid_post")
+    assert list(cache) == ["blocks.1.hook_resid_post"]
+    assert torch.equal(logits, lens.run_with_cache(llm, [ids], "blocks.1.hook_resid_post")[0])
     print(f"\n{arch}: plain {plain}\n  steered {steered}\n  recomputed {ids[len(prompt) :]}")
     assert steered != plain and steered == ids[len(prompt) :]
