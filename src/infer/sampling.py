@@ -4,7 +4,7 @@
 ``torch.compile``-d or exported into a package: plain tensor code, per-row values as tensors,
 no host read), the host calls it for a row whose logits it processed (`sample_row`) and for a
 verify pass's positions. Randomness comes in as Gumbel noise drawn outside any graph from each
-row's own ``torch.Generator`` (`gumbel_noise`; a step's rows assembled by `stack_noise`), so a
+row's own ``torch.Generator`` (`gumbel_noise`; a step's rows assembled by `step_sampling`), so a
 seeded row draws the same tokens alone or in any batch.
 
 Top-k and top-p are one filter (`top_k_top_p`): what `sample` draws among and what
@@ -14,13 +14,14 @@ lets a host draw sort a few candidates instead of the vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from infer.params import SamplingParams
 
+GREEDY = SamplingParams()
 CANDIDATES = 512  # a filtered row drawn on the host is sorted among its best this many tokens (`narrow`)
 
 
@@ -167,13 +168,24 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
     return -torch.log(e.clamp_min(torch.finfo(torch.float32).tiny))
 
 
-def stack_noise(rows: Sequence[torch.Tensor | None], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """Gumbel noise ``[B, vocab]`` from each row's ``[1, vocab]`` (zeros for a greedy row, None);
-    None when no row samples. The one place a step's noise is assembled."""
+def step_sampling(
+    params: Sequence[SamplingParams | None],
+    noise: Callable[[int], torch.Tensor | None],
+    vocab: int,
+    device: torch.device,
+    exact_head: bool = False,
+) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
+    """A step's sampling inputs: its mode, values and Gumbel noise ``[B, vocab]`` (None when no row
+    samples). ``params[i]``: row i's settings (None: an idle row, greedy); ``noise(i)``: row i's
+    noise ``[1, vocab]`` (None: zeros), asked in row order only when some row samples."""
+    mode, values = sampling_inputs([GREEDY if p is None else p for p in params], device, exact_head)
+    if mode.greedy:
+        return mode, values, None
+    rows = [None if p is None else noise(i) for i, p in enumerate(params)]
     if all(r is None for r in rows):
-        return None
+        return mode, values, None
     zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-    return torch.cat([zeros if r is None else r for r in rows])
+    return mode, values, torch.cat([zeros if r is None else r for r in rows])
 
 
 __all__ = [
@@ -186,6 +198,6 @@ __all__ = [
     "sample",
     "sample_row",
     "sampling_inputs",
-    "stack_noise",
+    "step_sampling",
     "top_k_top_p",
 ]
