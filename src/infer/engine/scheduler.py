@@ -146,12 +146,8 @@ class Scheduler:
         prefix cache: ``r`` takes that row), or a running request's tokens, computed or still to
         be computed (``r`` shares them: `KVSlots.share_prefix`, stored once; or, while they are
         being computed, waits for them: `resolve_waits`), if at least `MIN_SHARED` tokens.
-        Otherwise an empty row, else the least recently used, else (every row busy) a new one.
-
-        Rows are added only when every row is busy, so the KV memory follows the number of
-        requests that ran at once, not the number of different prompts seen: sequential calls
-        with unrelated 4,096-token prompts would keep 16 rows (2.4 GB for Gemma 3 270M) if a new
-        row were preferred to a kept prefix."""
+        Otherwise an empty row, else the least recently used, else (every row busy) a new one: KV
+        memory follows the requests that ran at once, not the prompts seen (docs/engine.md)."""
         slots = self.slots
         slots.check_hooks()  # K/V computed under other forward hooks are not reused
         busy = {q.row for q in self.running.values()}
@@ -255,9 +251,8 @@ class Scheduler:
 
     def _prefill(self, idle: bool) -> list[Forward]:
         """Chunks of the prompts being read: runs of contiguous rows, one forward each, up to the
-        budget's tokens in all. Running streams wait for these forwards: a short chunk. Nobody waits
-        (``idle``): a long one, which dequantizes each packed weight once for more tokens (Gemma 3, a
-        4,096-token prompt: 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads)."""
+        budget's tokens in all: a short chunk while streams decode (they wait for it), a long one
+        when nobody waits (``idle``: each packed weight dequantized once for more tokens)."""
         running, b = self.running, self.policy
         reading = sorted(row for row, r in running.items() if not r.decoding and r.waits is None)
         groups: list[list[int]] = []
