@@ -201,14 +201,12 @@ def _speculative(
 
     if lookup == 0 and draft is None:
         raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
-    if isinstance(draft, str) and draft == "self":
-        if llm.source.suffix == ".gguf":  # its default: packed products on bfloat16 activations
-            draft = load(llm.source, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
-        else:
-            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic,
-                         kv_dtype=kv_dtype)  # fmt: skip
-    elif draft is not None and not isinstance(draft, LLM):
-        draft = load(draft, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
+    if draft is not None and not isinstance(draft, LLM):
+        itself = isinstance(draft, str) and draft == "self"
+        # "self": a GGUF file at its default (packed products on bfloat16 activations), else Q4_0
+        quantize = "q4_0" if itself and llm.source.suffix != ".gguf" else None
+        source = llm.source if itself else draft
+        draft = load(source, device=device, quantize=quantize, deterministic=deterministic, kv_dtype=kv_dtype)
     if draft is not None:
         check_draft(llm, draft)
     return Speculative(lookup, draft, DEFAULT_TOKENS if tokens is None else tokens)

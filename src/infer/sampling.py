@@ -1,15 +1,10 @@
 """Sampling, in one place: what a row draws its next token from, in the step and on the host.
 
-`sample` is the one sampling function of infer: the step calls it inside its graph (eager,
-``torch.compile``-d or exported into a package: plain tensor code, per-row values as tensors,
-no host read), the host calls it for a row whose logits it processed (`sample_row`) and for a
+`sample` is the one sampling function: the step calls it inside its graph (plain tensor code,
+per-row values as tensors, no host read), the host for a processed row (`sample_row`) and for a
 verify pass's positions. Randomness comes in as Gumbel noise drawn outside any graph from each
-row's own ``torch.Generator`` (`gumbel_noise`; a step's rows assembled by `step_sampling`), so a
-seeded row draws the same tokens alone or in any batch.
-
-Top-k and top-p are one filter (`top_k_top_p`): what `sample` draws among and what
-`probabilities` (the distribution rejection sampling compares) renormalizes over. `narrow`
-lets a host draw sort a few candidates instead of the vocabulary.
+row's own ``torch.Generator`` (`gumbel_noise`, assembled per step by `step_sampling`), so a seeded
+row draws the same tokens alone or in any batch. `top_k_top_p` is the one top-k / top-p filter.
 """
 
 from __future__ import annotations

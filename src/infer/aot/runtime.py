@@ -37,10 +37,8 @@ MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 
 def pays(model: DecoderLM) -> bool:
     """Whether a compiled decode step is faster than the eager one for ``model``: not when a
-    packed weight has no kernel for its compute dtype (``dtype=torch.float32`` on a GGUF file:
-    every step dequantizes every weight, and inductor's fused dequantization loop is slower than
-    eager's in-place passes: SmolLM2 float32 decoded 9.1 tok/s from its package, 19.4 eagerly,
-    AMD EPYC)."""
+    packed weight has no kernel for its compute dtype (``dtype=torch.float32`` on a GGUF file;
+    docs/performance.md, *Compiled by default*)."""
     from infer.quant.linear import QuantizedLinear
 
     return not any(

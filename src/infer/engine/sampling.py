@@ -1,12 +1,7 @@
 """The sampling stage: what each forward of a plan samples with (`Sampler.draws`) and what its
-rows get from its output (`Sampler.sample`).
-
-Inside the step each row is sampled with its own values and noise (`infer.sampling.sample`).
-After it, the host reads the step's tokens once; a row with a `RowProcessor` (a constraint, a bias,
-a penalty) is drawn again from its processed logits (`resample_processed`, by the host sampler
-`infer.sampling.sample_row`); a verify pass's rows keep the proposals the target agrees with
-(`infer.speculative.verified_tokens`). Which head a forward needs (`exact_head`) is policy the
-scheduler asks here when it plans the forward. How a row is sampled is `infer.sampling`'s."""
+rows get from its output (`Sampler.sample`): the step's tokens, a processed row drawn again on
+the host (`resample_processed`), a verify pass's kept proposals (`infer.speculative.verified_tokens`).
+How a row is sampled is `infer.sampling`'s."""
 
 from __future__ import annotations
 
