@@ -16,7 +16,7 @@ import torch
 
 from infer.params import SamplingParams
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams()  # an idle row of a step
 CANDIDATES = 512  # a filtered row drawn on the host is sorted among its best this many tokens (`narrow`)
 
 
