@@ -84,8 +84,8 @@ def load(
     ``deterministic`` runs every matrix product on fixed tiles of rows and attention on
     fixed tiles of queries and keys, so a prompt's logits are bitwise the same whatever
     else is in its batch, however its prompt is chunked, and whether its layers are
-    resident or streamed — on any CPU. It costs speed at small batches (a batch of one
-    computes a tile of 16 rows); docs/numerics.md has the contract and the figures.
+    resident or streamed — on any CPU. It costs speed at small batches; docs/numerics.md has
+    the contract and the figures.
 
     ``cache``: keep what loading computes from a GGUF file (its matrices converted for the
     packed kernels) in a file under the user's cache directory, and reuse it in later
@@ -177,9 +177,7 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None) -> torch.dtype | None:
 def default_kv_dtype(model: DecoderLM) -> torch.dtype | None:
     """The KV dtype of a model loaded without ``kv_dtype``: on CUDA, bfloat16 where its matrix
     products are packed bfloat16 products under wider activations (a GGUF file's default); else
-    None, the model's own dtype. On CPU a narrower KV costs more than it saves: torch's fused
-    attention runs 2-8x slower on bfloat16 inputs than on float32 ones (and widening each step's
-    keys costs a copy), measured on decode shapes of SmolLM2 on an AMD EPYC (docs/engine.md)."""
+    None, the model's own dtype (on CPU a narrower KV costs more than it saves: docs/engine.md)."""
     from infer.quant.linear import QuantizedLinear
 
     if model.device.type != "cuda" or model.dtype in (torch.bfloat16, torch.float16):
@@ -203,25 +201,19 @@ def _speculative(
 
     if lookup == 0 and draft is None:
         raise ValueError("speculative_tokens needs lookup >= 1 or a draft model")
-    if isinstance(draft, str) and draft == "self":
-        if llm.source.suffix == ".gguf":  # its default: packed products on bfloat16 activations
-            draft = load(llm.source, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
-        else:
-            draft = load(llm.source, device=device, quantize="q4_0", deterministic=deterministic,
-                         kv_dtype=kv_dtype)  # fmt: skip
-    elif draft is not None and not isinstance(draft, LLM):
-        draft = load(draft, device=device, deterministic=deterministic, kv_dtype=kv_dtype)
+    if draft is not None and not isinstance(draft, LLM):
+        itself = isinstance(draft, str) and draft == "self"
+        # "self": a GGUF file at its default (packed products on bfloat16 activations), else Q4_0
+        quantize = "q4_0" if itself and llm.source.suffix != ".gguf" else None
+        source = llm.source if itself else draft
+        draft = load(source, device=device, quantize=quantize, deterministic=deterministic, kv_dtype=kv_dtype)
     if draft is not None:
         check_draft(llm, draft)
     return Speculative(lookup, draft, DEFAULT_TOKENS if tokens is None else tokens)
 
 
 def compile_by_default(device: torch.device) -> bool | Literal["auto"]:
-    """What `load` compiles when ``compile`` is not given: ``"auto"`` on CPU, nothing elsewhere.
-
-    ``"auto"`` never waits for a compiler: a decode step runs a package built ahead of time
-    by another process, or eagerly where there is none (`infer.aot`; the missing shapes are
-    built after the process, in the machine's idle time). Measured (docs/performance.md,
-    *Compiled by default*). On CUDA packages are not built yet: ``compile=True`` there.
-    """
+    """What `load` compiles when ``compile`` is not given: ``"auto"`` on CPU (it never waits for a
+    compiler: `infer.aot`; docs/performance.md, *Compiled by default*), nothing elsewhere (CUDA
+    packages are not built yet)."""
     return "auto" if device.type == "cpu" else False

@@ -1,19 +1,8 @@
-"""What cannot combine: the one table of option pairs infer refuses, and of those where one gives way.
-
-A run of infer is a choice of options at load (streamed, quantized, compiled, parallel,
-deterministic, speculating), on a call (an intervention) and per request (a constraint, a bias,
-penalties, logprobs). Almost every pair runs, and a speed-only option in it changes no greedy
-token (tests/integration/test_route_matrix.py runs every option alone and in pairs). The
-exceptions live here, each with its reason:
-
-* `REFUSED`: pairs that cannot run; the check of their stage (`check_load` at load,
-  `check_intervention` when an intervention is made, `check_request` when a request is
-  submitted) raises a `ValueError` naming both options as they were given, and why.
-* `GIVES_WAY`: pairs that run, one of the two without effect (the answer is the other's alone):
-  what runs instead, and the code that decides it.
-
-docs/architecture.md (*What cannot combine*) shows both tables as `markdown` writes them;
-tests/unit/test_combinations.py checks that it does.
+"""What cannot combine: the one table of option pairs infer refuses (`REFUSED`: the check of their
+stage, `check_load`, `check_intervention` or `check_request`, raises a `ValueError` naming both
+options as given, and why), and of those where one gives way (`GIVES_WAY`: what runs instead, and
+the code that decides it). docs/architecture.md (*What cannot combine*) shows both tables as
+`markdown` writes them; tests/unit/test_combinations.py checks that it does.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""How a loaded model runs a forward: `Execution`, chosen once at load, called by the engine's runner
-for every forward (prompt chunks, decode steps, verify passes, a draft model's steps).
-
-An `Execution` composes the model's placement (its `Executor`: resident, streamed, tensor- or
-pipeline-parallel, fixed when the model was built) with the mode of each step: eager (the exact
-reference), ``torch.compile`` whole per shape bucket, or ahead-of-time compiled packages of decode
-steps (`infer.aot`, ``compile="auto"``, the CPU default). `Execution.choose` holds the rules: a
-streamed or parallel model runs eagerly; packages only where they pay and outside the
-deterministic mode. What cannot combine at all is refused earlier, by name
-(`infer.combinations`). `model_step` is plain tensor code with fixed shapes, so the same code runs
-in every mode (docs/architecture.md, *The step: eager or compiled*).
-"""
+"""How a loaded model runs a forward: `Execution`, chosen once at load (`Execution.choose`), called by
+the engine's runner for every forward (prompt chunks, decode steps, verify passes, a draft model's
+steps): the model's placement (its `Executor`) with the mode of each step, eager, ``torch.compile``
+per shape bucket, or ahead-of-time packages of decode steps (`infer.aot`). `model_step` is plain
+tensor code with fixed shapes, so the same code runs in every mode (docs/architecture.md, *The
+step: eager or compiled*)."""
 
 from __future__ import annotations
 
@@ -70,10 +64,8 @@ def model_step(
     every fed token, ``feed.last [N]``) and sampling.
 
     Returns ``(tokens [B], logits [B, V] float32, nonfinite [B], hidden [B, D])`` (a verify pass:
-    ``[N]``, ``[N, V]``, ``[N]``, ``[N, D]``; see
-    `StepOutput`: the hidden state lets a caller compute exact logits of some tokens after a
-    greedy step, `DecoderLM.exact_logits`). Tensors only: no host synchronization, no
-    data-dependent branches.
+    ``[N]``, ``[N, V]``, ``[N]``, ``[N, D]``; `StepOutput`). Tensors only: no host synchronization,
+    no data-dependent branches.
     """
     ids, last = feed.ids, feed.last
     h = model.hidden(ids, cache, None, feed.n_new)  # [B, T, D]

@@ -208,17 +208,11 @@ class LLM(NotebookMethods):
 
     def _encode_batch(self, prompt: Any) -> tuple[list[list[int]], bool]:
         """``(token ids per prompt, is_batch)`` for a prompt or a list of prompts."""
-        if (
-            isinstance(prompt, list | tuple)
-            and prompt
-            and all(isinstance(p, str | list | tuple) for p in prompt)
-        ):
+        many = isinstance(prompt, list | tuple) and len(prompt) > 0
+        items = [isinstance(p, str | list | tuple) for p in prompt] if many else []
+        if items and all(items):
             return [self.encode(p, f"prompt {i}") for i, p in enumerate(prompt)], True
-        if (
-            isinstance(prompt, list | tuple)
-            and prompt
-            and any(isinstance(p, str | list | tuple) for p in prompt)
-        ):
+        if any(items):
             raise TypeError("a batch of prompts must hold only strings or lists of token ids")
         return [self.encode(prompt)], False
 
@@ -437,12 +431,10 @@ class LLM(NotebookMethods):
         result = self._generate([self.encode(chat.ids)], params)[0]
         content, calls = read_reply(self, chat, result.token_ids, result.text)
         if calls:
-            result.text, result.tool_calls, result.finish_reason, result.parsed = (
-                content,
-                calls,
-                "tool_calls",
-                None,
-            )
+            result.text = content
+            result.tool_calls = calls
+            result.finish_reason = "tool_calls"
+            result.parsed = None
         return result
 
     def perplexity(

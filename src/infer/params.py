@@ -2,11 +2,9 @@
 point shares (the Python API, the CLI's options, the server's bodies, the engine).
 
 Torch-free, so the CLI can name the bounds in its ``--help`` before torch is imported. A bad value
-is a `ParamError` (a `ValueError`) or a `ParamTypeError` (a `TypeError`) carrying the name of the
-argument it is about in ``param``: the server answers 400 naming that field without guessing it
-from the message. Also what every way of generating shares: each prompt's seed in a seeded batch
-(`row_seed`, `SamplingParams.row`), text that must be valid Unicode (`check_unicode`), and the
-error of non-finite logits (`NonFiniteLogitsError`, also `infer.NonFiniteLogitsError`).
+is a `ParamError` (a `ValueError`) or a `ParamTypeError` (a `TypeError`) whose ``param`` names the
+argument (the server answers 400 naming that field). Also each prompt's seed in a seeded batch
+(`row_seed`), `check_unicode` and `NonFiniteLogitsError`.
 """
 
 from __future__ import annotations

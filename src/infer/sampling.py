@@ -1,26 +1,22 @@
 """Sampling, in one place: what a row draws its next token from, in the step and on the host.
 
-`sample` is the one sampling function of infer: the step calls it inside its graph (eager,
-``torch.compile``-d or exported into a package: plain tensor code, per-row values as tensors,
-no host read), the host calls it for a row whose logits it processed (`sample_row`) and for a
+`sample` is the one sampling function: the step calls it inside its graph (plain tensor code,
+per-row values as tensors, no host read), the host for a processed row (`sample_row`) and for a
 verify pass's positions. Randomness comes in as Gumbel noise drawn outside any graph from each
-row's own ``torch.Generator`` (`gumbel_noise`; a step's rows assembled by `stack_noise`), so a
-seeded row draws the same tokens alone or in any batch.
-
-Top-k and top-p are one filter (`top_k_top_p`): what `sample` draws among and what
-`probabilities` (the distribution rejection sampling compares) renormalizes over. `narrow`
-lets a host draw sort a few candidates instead of the vocabulary.
+row's own ``torch.Generator`` (`gumbel_noise`, assembled per step by `step_sampling`), so a seeded
+row draws the same tokens alone or in any batch. `top_k_top_p` is the one top-k / top-p filter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from infer.params import SamplingParams
 
+GREEDY = SamplingParams()  # an idle row of a step
 CANDIDATES = 512  # a filtered row drawn on the host is sorted among its best this many tokens (`narrow`)
 
 
@@ -167,13 +163,24 @@ def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: tor
     return -torch.log(e.clamp_min(torch.finfo(torch.float32).tiny))
 
 
-def stack_noise(rows: Sequence[torch.Tensor | None], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """Gumbel noise ``[B, vocab]`` from each row's ``[1, vocab]`` (zeros for a greedy row, None);
-    None when no row samples. The one place a step's noise is assembled."""
+def step_sampling(
+    params: Sequence[SamplingParams | None],
+    noise: Callable[[int], torch.Tensor | None],
+    vocab: int,
+    device: torch.device,
+    exact_head: bool = False,
+) -> tuple[Sampling, SamplingValues | None, torch.Tensor | None]:
+    """A step's sampling inputs: its mode, values and Gumbel noise ``[B, vocab]`` (None when no row
+    samples). ``params[i]``: row i's settings (None: an idle row, greedy); ``noise(i)``: row i's
+    noise ``[1, vocab]`` (None: zeros), asked in row order only when some row samples."""
+    mode, values = sampling_inputs([GREEDY if p is None else p for p in params], device, exact_head)
+    if mode.greedy:
+        return mode, values, None
+    rows = [None if p is None else noise(i) for i, p in enumerate(params)]
     if all(r is None for r in rows):
-        return None
+        return mode, values, None
     zeros = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-    return torch.cat([zeros if r is None else r for r in rows])
+    return mode, values, torch.cat([zeros if r is None else r for r in rows])
 
 
 __all__ = [
@@ -186,6 +193,6 @@ __all__ = [
     "sample",
     "sample_row",
     "sampling_inputs",
-    "stack_noise",
+    "step_sampling",
     "top_k_top_p",
 ]

@@ -1,14 +1,9 @@
 """The runtime loader: running packages in a process, and one model's cache of them.
 
-`Package` loads a package (~10 ms, no tracing) onto the model's own tensors and runs a decode
-step with it, checking what compiled code cannot (the weights against the package's record at
-load, the step's inputs at every call: a mismatch is a `ValueError`, never a crash).
-`PackageCache` is what `infer.execution.Execution` asks for the package of a step's shape: loaded on
-demand, at most `MAX_LOADED` per process (least recently used dropped); a missing one is looked
-at again every `PackageCache.RECHECK_S`, so a package built while the process runs is picked
-up; a damaged one is removed and its shape stays eager. What is queued for a build when a
-package is missing is its base's (`infer.aot.queue.BuildQueue`). `pays` says whether a model
-gets packages at all.
+`Package` loads a package onto the model's own tensors and runs a decode step with it, checking
+what compiled code cannot (the weights at load, the step's inputs at every call: a mismatch is a
+`ValueError`, never a crash). `PackageCache` is what `infer.execution.Execution` asks for the
+package of a step's shape. `pays` says whether a model gets packages at all.
 """
 
 from __future__ import annotations
@@ -42,10 +37,8 @@ MAX_LOADED = 8  # packages one process holds (each ~10 MB of code)
 
 def pays(model: DecoderLM) -> bool:
     """Whether a compiled decode step is faster than the eager one for ``model``: not when a
-    packed weight has no kernel for its compute dtype (``dtype=torch.float32`` on a GGUF file:
-    every step dequantizes every weight, and inductor's fused dequantization loop is slower than
-    eager's in-place passes: SmolLM2 float32 decoded 9.1 tok/s from its package, 19.4 eagerly,
-    AMD EPYC)."""
+    packed weight has no kernel for its compute dtype (``dtype=torch.float32`` on a GGUF file;
+    docs/performance.md, *Compiled by default*)."""
     from infer.quant.linear import QuantizedLinear
 
     return not any(
@@ -147,14 +140,12 @@ class Package:
 
 
 class PackageCache(BuildQueue):
-    """The packages of one model: loaded on demand; the missing ones queued for the builder.
-
-    A step whose package is missing runs eagerly and its shape is queued at once for the
-    cache directory's builder (`infer.aot.builder`), which builds it while the machine is idle;
-    `prepare` queues shapes ahead of need (`infer.aot.queue.BuildQueue`). A package that
-    appears while this process runs (built meanwhile) is picked up: a missing path is looked at
-    again every `RECHECK_S`. ``queue_missing=False`` notes missing shapes (`missing`) without
-    queueing them, for a caller that builds them itself (`build_missing` queues them).
+    """The packages of one model: loaded on demand, at most `MAX_LOADED` (least recently used
+    dropped). A step whose package is missing runs eagerly and its shape is queued for the cache
+    directory's builder (`infer.aot.builder`; `prepare` queues shapes ahead of need); a missing
+    path is looked at again every `RECHECK_S`, so a package built meanwhile is picked up; a
+    damaged one is removed and its shape stays eager. ``queue_missing=False`` notes missing
+    shapes (`missing`) without queueing them (`build_missing` queues them).
     """
 
     RECHECK_S = 1.0

@@ -1,21 +1,7 @@
-"""The executors that make a rank's part of a model compute the whole model's result.
-
-Tensor parallelism (within a stage): `TensorParallelExecutor` looks up the vocabulary rows
-a rank holds and all-reduces them, and all-gathers the vocabulary slices of the logits,
-so every rank has the full logits; its layers run by the executor it wraps (resident or
-streamed), whose row-parallel linears all-reduce their partial sums
-(`infer.distributed.modules.RowParallel`).
-
-Pipeline parallelism (across stages): `PipelineExecutor` runs a stage's layers (by the
-executor it wraps) between a receive from the previous stage and a send to the next
-(micro-batch by micro-batch, so stages work on different rows at once); only the first
-stage embeds, and the last stage's logits are broadcast to every stage, so every rank
-samples the same tokens.
-
-Both are `infer.models.base.Executor` implementations chosen at load
-(`infer.distributed.parallelize`): ``PipelineExecutor(TensorParallelExecutor(inner))``
-with either mode alone when the other is 1.
-"""
+"""The executors that make a rank's part of a model compute the whole model's result: a
+vocabulary-parallel embedding and head (`TensorParallelExecutor`) and a stage's layers between a
+receive and a send (`PipelineExecutor`), stacked as ``PipelineExecutor(TensorParallelExecutor(inner))``
+by `infer.distributed.parallelize` (docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -87,17 +73,11 @@ class TensorParallelExecutor(Wrapping, ResidentExecutor):
 class PipelineExecutor(Wrapping):
     """Runs this stage's layers between a receive from the previous stage and a send to the next.
 
-    Every rank of every stage calls it with the same shapes (generation runs in lockstep);
-    the first stage starts from the embedding, the others from what the previous stage
-    sends; the last stage's head computes the logits, which every stage receives (a
-    broadcast down each column of ranks). A batch runs as ``micro_batches`` slices of its
-    rows, each sent on (without waiting) as soon as it is done, so while a stage computes
-    slice ``m`` the next stage computes slice ``m - 1``. A row's result does not depend on
-    the rows computed beside it (`infer.host.rows`), so the slicing changes nothing in the
-    outputs. ``inner`` runs the stage's embedding, layers and head; when its layers stream
-    (``streamed``: a `StreamingExecutor` planned for those layers alone) every weight is
-    read once per slice, so a streamed stage runs its batch whole. ``dtype``: the
-    activations' and logits' dtype on every stage.
+    Every rank calls it with the same shapes (generation runs in lockstep); the last stage's
+    logits are broadcast to every stage. A batch runs as ``micro_batches`` slices of its rows, each
+    sent on as soon as it is done (a row's result does not depend on its neighbours:
+    `infer.host.rows`); a ``streamed`` stage runs its batch whole (each slice would read every
+    weight again). ``dtype``: the activations' and logits' dtype on every stage.
     """
 
     def __init__(

@@ -1,11 +1,8 @@
 """`Engine`: continuous batching over one loaded model.
 
-Each iteration (`Engine.step`) is one plan handed from stage to stage: schedule (`Scheduler`: who
-runs, in which rows, the plan's KV operations and forwards) -> run (`Runner`, through the model's
-`infer.execution.Execution`; under torchrun every rank runs the plan) -> sample (`Sampler`) ->
-output (`Outputs`, then `Scheduler.update`). `infer.engine.driver` says which thread runs it. In
-the deterministic mode a request's tokens and logits do not depend on the other rows of a step
-(docs/numerics.md). docs/engine.md, *The flow of one step*, has the details.
+Each iteration (`Engine.step`) is one plan handed from stage to stage: schedule (`Scheduler`) ->
+run (`Runner`) -> sample (`Sampler`) -> output (`Outputs`, then `Scheduler.update`);
+`infer.engine.driver` says which thread runs it. docs/engine.md, *The flow of one step*.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Which thread runs the engine's iterations.
+"""Which thread runs the engine's iterations (the **driver**: one at a time).
 
-One thread at a time runs an iteration (the **driver**). A caller that waits for its tokens in
-plain Python (iterating a `RequestHandle`: `LLM.generate`, `stream`, `chat`, the CLI) runs them
-itself while nobody else does, so the model runs on the caller's thread: torch's OpenMP workers
-spin between the regions of the thread that last used them, and a step issued from another
-thread paid ~2x per small op at 2 threads (docs/performance.md). Callers that cannot block
-(`Engine.submit`, asyncio's `RequestHandle.aiter`: the server) get a background thread (started
-on demand, gone after `IDLE_EXIT_S` idle) that drives whenever no caller does. The background
-thread holds its engine only while working, so an idle engine (and the model it owns) can be
-garbage collected.
-
-The driver owns the hand-off between threads: the lock, the background thread, the callers' wait
-for room in the queue (`Driver.submit`) and the engine's closing; an iteration is
-`infer.engine.Engine.step` given the requests the free rows take from the queue.
+A caller that waits for its tokens in plain Python (iterating a `RequestHandle`: `LLM.generate`,
+`stream`, `chat`, the CLI) runs them itself while nobody else does: torch's OpenMP workers are
+fastest on the thread that last used them (docs/engine.md, *Threads*). Callers that cannot block
+(`Engine.submit`, asyncio's `RequestHandle.aiter`: the server) get a background thread, started
+on demand and gone after `IDLE_EXIT_S` idle, that holds its engine only while working (an idle
+engine and its model can be garbage collected).
 """
 
 from __future__ import annotations

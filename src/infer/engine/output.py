@@ -1,14 +1,11 @@
 """The output stage: what a plan's sampled tokens do to their requests.
 
-`Outputs.take(plan, sampled)` walks each forward's rows: a prompt chunk read moves the request's
-prompt on; each token a row gives is checked (non-finite logits, a constraint's verdict), its
-logprobs computed, and handed to the request's handle (which decodes the text and finds stop
-strings: `infer.engine.request.RequestHandle`) until one ends the request (an EOS id, a completed
-constraint, its length). A verify pass's row gives several tokens and a plain step's one: the same
-path takes them, and a row whose request took fewer tokens than it was fed is rolled back to what
-it took (``Update.keep``, which the scheduler applies with the rest of the `Update`: the requests
-that ended, the counts). It writes the requests' own state only (their tokens, their noise, their
-acceptance estimates); the scheduler's tables are the scheduler's."""
+`Outputs.take(plan, sampled)` checks each token a row gives (non-finite logits, a constraint's
+verdict), computes its logprobs and hands it to the request's handle until one ends the request
+(an EOS id, a completed constraint, its length); a row whose request took fewer tokens than it
+was fed is rolled back to what it took (``Update.keep``). It writes the requests' own state only;
+the scheduler applies the rest of the `Update`.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """One engine under ``torchrun``: rank 0 plans, every rank runs the same plan.
 
-Rank 0's runner (`Broadcasting`) sends each plan to the other ranks before running it: its typed
-KV operations, each with how it went on rank 0, and its forwards (drafted tokens included). The
-other ranks (`Follower`) make the same operations on slots of the same shape and run the same
-forwards on their part of the model, so the forwards' collectives meet; an outcome that differs
-from rank 0's is a `DivergenceError`, never a run on diverged slots. Only rank 0 samples, decodes
-text and talks to clients. `Ranks` is what an `LLM` holds for all of it (docs/engine.md, *Under
-torchrun*).
+Rank 0's runner (`Broadcasting`) sends each plan (its typed KV operations, each with how it went
+on rank 0, and its forwards) to the other ranks (`Follower`), which make the same operations and
+run the same forwards on their part of the model; an outcome that differs from rank 0's is a
+`DivergenceError`. Only rank 0 samples. `Ranks` is what an `LLM` holds for all of it
+(docs/engine.md, *Under torchrun*).
 """
 
 from __future__ import annotations
@@ -66,6 +64,11 @@ STOP = "stop"
 KEEPALIVE = "keepalive"
 
 
+def _shape(slots: KVSlots[Any]) -> tuple[int, int, bool]:
+    """What a follower's slots must match of rank 0's: ``(max_rows, context, share)``."""
+    return (slots.max_rows, slots.context, slots.share)
+
+
 def _outcome(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
@@ -91,13 +94,9 @@ class Broadcasting(Runner):
             broadcast_object(self.parallel, message)
             self._sent = time.monotonic()
 
-    def _shape(self) -> tuple[int, int, bool]:
-        s = self.slots
-        return (s.max_rows, s.context, s.share)
-
     def _step(self, forwards: list[Wired]) -> Step:
         ran, self._ran = self._ran, None
-        return Step(self._shape(), self.slots.take_ops(), forwards, ran)
+        return Step(_shape(self.slots), self.slots.take_ops(), forwards, ran)
 
     def send(self, plan: Plan) -> None:
         """Send the plan to the other ranks (they run it with this rank)."""
@@ -158,8 +157,7 @@ class Follower:
         self._ran: list[str | None] = []  # how the last plan's forwards went here
 
     def _slots(self, shape: tuple[int, int, bool]) -> Runner:
-        s = None if self.runner is None else self.runner.slots
-        if self.runner is None or s is None or (s.max_rows, s.context, s.share) != shape:
+        if self.runner is None or _shape(self.runner.slots) != shape:
             max_rows, context, share = shape
             self.runner = Runner(KVSlots(self.model, max_rows, context, share=share), self.execution)
         return self.runner

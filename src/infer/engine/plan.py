@@ -1,13 +1,7 @@
-"""One iteration's plan, the one object that flows through `infer.engine.Engine.step`.
-
-`Scheduler.schedule` makes a `Plan`: the KV operations made since the last plan, typed
-(`infer.kv.ops`: what `KVSlots.apply` does), and the forwards to run, in order (`Forward`: its
-rows, what each fed row is fed, the padding, the head's mode, and for a verify pass each row's
-proposals). `Runner.run` runs the forwards (`Ran`), the sampling stage reads their tokens
-(`Sampled`), the output stage takes them (`Update`), and the scheduler applies that. Under
-torchrun rank 0 sends `Plan.wire` to the other ranks: the operations (each with how it went on
-rank 0) and the forwards without the requests, which they apply and run on their own part of the
-model (`infer.engine.parallel`).
+"""One iteration's plan, the one object that flows through `infer.engine.Engine.step`: the KV
+operations made since the last plan (`infer.kv.ops`) and the forwards to run (`Forward`), then
+what each stage hands the next (`Ran`, `Sampled`, `Update`). Under torchrun rank 0 sends
+`Plan.wire` to the other ranks (`infer.engine.parallel`).
 """
 
 from __future__ import annotations

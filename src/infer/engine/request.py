@@ -1,13 +1,9 @@
 """A request inside the engine (`Request`) and the caller's side of it (`RequestHandle`).
 
-The engine hands a request's tokens to its handle as they are sampled (`RequestHandle.put`:
-token ids, logprobs, and at the end the finish reason); the handle turns them into `Delta`
-events with text (`infer.text.stream.TextStream`: incrementally, stop strings found and cut).
-A handle read by asyncio code (the server: `RequestHandle.aiter`) does that on the event loop's
-thread, off the thread that runs the model; a handle read in plain Python does it as each token
-arrives (on the thread that runs the step, which for `LLM.generate` is the caller's own). A stop
-string found there ends the request: the handle's stream ends with "stop" at once and the engine
-frees the row at its next iteration.
+The engine hands a request's tokens to its handle as they are sampled (`RequestHandle.put`); the
+handle turns them into `Delta` events with text (`infer.text.stream.TextStream`), on the event
+loop's thread for an asyncio reader (`RequestHandle.aiter`), else as each token arrives. A stop
+string found there ends the stream at once; the engine frees the row at its next iteration.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The one place the engine runs a model: a plan's forwards over ranges of KV rows.
 
-`Runner.run` runs each forward of an `infer.engine.plan.Plan` in order (`Runner.step`: a decode
-step, a prefill chunk, or a verify pass whose every fed token goes through the head) through the
-model's `infer.execution.Execution`, and hands back what each gave (`infer.engine.plan.Ran`). With
-a draft model (`infer.speculative.Drafter`, its own slots and runner) it first lets the draft read
-the prompts a plan finishes and draft the proposals a verify pass asks for, so the scheduler only
-plans. Each forward takes its rows' view from `KVSlots` and tells it what was written; a forward
-that fails leaves the rows as they were. A parallel run's rank 0 uses
-`infer.engine.parallel.Broadcasting`, which sends each plan to the other ranks before running it.
+`Runner.run` runs each forward of an `infer.engine.plan.Plan` in order through the model's
+`infer.execution.Execution` (a draft model, when there is one, first reads the prompts the plan
+finishes and drafts what its verify passes ask for), and hands back what each gave
+(`infer.engine.plan.Ran`); a forward that fails leaves its rows as they were. A parallel run's
+rank 0 uses `infer.engine.parallel.Broadcasting`, which sends each plan to the other ranks first.
 """
 
 from __future__ import annotations
@@ -94,12 +91,9 @@ class Runner:
     ) -> StepOutput:
         """One forward over rows ``[lo, hi)``: row ``r`` in ``feeds`` is fed ``feeds[r]``, the others
         nothing. Each row's last fed token goes through the head and sampling; with
-        ``mode.every_token`` (a verify pass) every fed token does, and the output has one entry per
-        fed token, row by row (logit ``i`` of a row predicts the token after its ``i``-th fed token):
-        from its package where one serves its shape (`infer.aot`), else eagerly like a prefill chunk
-        (rows read their shared prefixes as a step does); in the deterministic mode each row's
-        logits are bitwise its one-token steps'. ``pad_to``: tokens per row (a compiled prefill's
-        bucket), where every row has the room."""
+        ``mode.every_token`` (a verify pass) every fed token does, one output entry per fed token,
+        row by row (logit ``i`` of a row predicts the token after its ``i``-th fed token).
+        ``pad_to``: tokens per row (a compiled prefill's bucket), where every row has the room."""
         slots = self.slots
         T = max(len(t) for t in feeds.values())
         if pad_to > T and all(slots.length(r) + pad_to <= slots.context for r in range(lo, hi)):

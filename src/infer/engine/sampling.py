@@ -1,12 +1,7 @@
 """The sampling stage: what each forward of a plan samples with (`Sampler.draws`) and what its
-rows get from its output (`Sampler.sample`).
-
-Inside the step each row is sampled with its own values and noise (`infer.sampling.sample`).
-After it, the host reads the step's tokens once; a row with a `RowProcessor` (a constraint, a bias,
-a penalty) is drawn again from its processed logits (`resample_processed`, by the host sampler
-`infer.sampling.sample_row`); a verify pass's rows keep the proposals the target agrees with
-(`infer.speculative.verified_tokens`). Which head a forward needs (`exact_head`) is policy the
-scheduler asks here when it plans the forward. How a row is sampled is `infer.sampling`'s."""
+rows get from its output (`Sampler.sample`): the step's tokens, a processed row drawn again on
+the host (`resample_processed`), a verify pass's kept proposals (`infer.speculative.verified_tokens`).
+How a row is sampled is `infer.sampling`'s."""
 
 from __future__ import annotations
 
@@ -17,15 +12,13 @@ import torch
 from infer.engine.plan import Draw, Forward, Plan, Ran, Row, Sampled
 from infer.engine.request import Request
 from infer.execution import StepOutput
-from infer.params import SamplingParams
-from infer.sampling import Sampling, gumbel_noise, sample_row, sampling_inputs, stack_noise
+from infer.sampling import Sampling, gumbel_noise, sample_row, step_sampling
 from infer.speculative import verified_tokens
 
 RESCORED = 64  # a greedy processed row's best allowed tokens re-scored exactly (`resample_processed`)
 # Greedy processed rows up to which a step keeps its greedy head; with more, the exact head (its cost
 # grows less with the rows than the greedy scan's). Each re-scores its candidates with either head.
 RESCORED_ROWS = 2
-GREEDY = SamplingParams()
 
 ExactLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,21 +57,19 @@ class Sampler:
         if forward.kind == "verify":
             return Draw(Sampling(greedy=True, exact_head=forward.exact_head, every_token=True))
         requests = [forward.requests.get(row) for row in range(forward.lo, forward.hi)]
-        params = [GREEDY if r is None else r.params for r in requests]
-        mode, values = sampling_inputs(params, self.device, exact_head=forward.exact_head)
-        if mode.greedy:
-            return Draw(mode, values)
-        rows: list[torch.Tensor | None] = []
-        for r in requests:
+
+        def noise(i: int) -> torch.Tensor | None:
+            r = requests[i]
             if r is None or r.generator is None:
-                rows.append(None)
-            elif r.noise is not None and forward.kind == "decode":
-                rows.append(r.noise.peek(1))  # the next token's; the output stage drops what it took
-            elif r.noise is not None:
-                rows.append(r.noise.take())
-            else:
-                rows.append(gumbel_noise(1, self.vocab, r.generator, self.device))
-        return Draw(mode, values, stack_noise(rows, self.vocab, self.device))
+                return None
+            if r.noise is not None and forward.kind == "decode":
+                return r.noise.peek(1)  # the next token's; the output stage drops what it took
+            if r.noise is not None:
+                return r.noise.take()
+            return gumbel_noise(1, self.vocab, r.generator, self.device)
+
+        params = [None if r is None else r.params for r in requests]
+        return Draw(*step_sampling(params, noise, self.vocab, self.device, forward.exact_head))
 
     def sample(self, plan: Plan, ran: list[Ran]) -> list[Sampled]:
         """What each forward gives the rows that take tokens: a decode step's rows and the prompts a
@@ -140,21 +131,11 @@ def resample_processed(
     tokens: list[int],
 ) -> None:
     """Resample in ``tokens`` the rows that take a token this step and have a `RowProcessor`: their
-    exact logits, processed (penalties, bias), sampled among the tokens the constraint allows
-    with `infer.sampling.sample_row`, the row's own values and the noise the step drew for it (so
-    a seeded row draws as it would alone).
-
-    A step's logits are exact at each row's top few only (a packed head's greedy scan: its argmax,
-    `infer.quant.linear.QuantizedLinear.greedy`; the exact head: its top 16, the rest bfloat16
-    products whose rounding depends on the kernel), so a greedy processed row, whichever head the
-    step ran, takes its `RESCORED` best allowed tokens by those logits, computes their logits
-    exactly from the step's hidden state (``exact_logits``: `Runner.exact_logits`, each logit the
-    same bits whichever candidates it is computed with), processes them again, and picks the best,
-    the lowest id among equals: exact arithmetic's choice over the whole vocabulary whenever it is
-    among those candidates (the head's own greedy scan ranks the exact winner within its first 51
-    on real text), at the cost of 64 rows of the head instead of every one (Gemma 3: 262,144).
-    Without ``exact_logits`` (a parallel run) the step's head is exact (`exact_head`) and the row
-    takes its best processed logit."""
+    logits processed (penalties, bias) and drawn among the tokens the constraint allows, with the
+    row's own values and the noise the step drew for it (`infer.sampling.sample_row`). A greedy row
+    with ``exact_logits`` (`Runner.exact_logits`) re-scores its `RESCORED` best allowed tokens
+    exactly and takes the best, the lowest id among equals; without it (a parallel run) the step's
+    head is exact (`exact_head`). docs/structured.md, *The seam in the engine*, says why."""
     picked = [
         (j, r, r.processor) for j, r in enumerate(requests)
         if r is not None and r.processor is not None and len(feeds.get(lo + j, ())) == len(r.pending)

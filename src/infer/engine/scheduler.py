@@ -1,11 +1,9 @@
 """Which requests run, in which rows, and what each iteration does: the plan.
 
-`Scheduler` holds the waiting queue, the running requests (by row) and the counters. `schedule`
-admits requests into rows (the longest prefix of the prompt the engine already holds wins),
-ends the cancelled ones and makes the `infer.engine.plan.Plan`: the decode step (or a verify pass,
-`infer.speculative`), then prompt chunks within a token budget. The policy is here and only here.
-`update` applies the output stage's result. It changes KV slots only through typed operations
-(`KVSlots.apply`) and never runs a model.
+`Scheduler` holds the waiting queue, the running requests (by row) and the counters; `schedule`
+admits requests (the longest prefix of the prompt the engine holds wins), ends the cancelled ones
+and makes the `infer.engine.plan.Plan`; `update` applies the output stage's result. The policy is
+here and only here; KV slots change only through typed operations (`KVSlots.apply`).
 """
 
 from __future__ import annotations
@@ -14,8 +12,9 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from infer.engine.plan import Forward, Plan, Update
+from infer.engine.plan import Forward, Kind, Plan, Update
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.sampling import exact_head
 from infer.execution import MIN_PREFILL
@@ -146,12 +145,8 @@ class Scheduler:
         prefix cache: ``r`` takes that row), or a running request's tokens, computed or still to
         be computed (``r`` shares them: `KVSlots.share_prefix`, stored once; or, while they are
         being computed, waits for them: `resolve_waits`), if at least `MIN_SHARED` tokens.
-        Otherwise an empty row, else the least recently used, else (every row busy) a new one.
-
-        Rows are added only when every row is busy, so the KV memory follows the number of
-        requests that ran at once, not the number of different prompts seen: sequential calls
-        with unrelated 4,096-token prompts would keep 16 rows (2.4 GB for Gemma 3 270M) if a new
-        row were preferred to a kept prefix."""
+        Otherwise an empty row, else the least recently used, else (every row busy) a new one: KV
+        memory follows the requests that ran at once, not the prompts seen (docs/engine.md)."""
         slots = self.slots
         slots.check_hooks()  # K/V computed under other forward hooks are not reused
         busy = {q.row for q in self.running.values()}
@@ -223,41 +218,41 @@ class Scheduler:
         if shared:
             slots.apply(Shrink())  # the leader's long prompt moved to the store: its slots may go
 
+    def _forward(self, kind: Kind, lo: int, hi: int, feeds: dict[int, list[int]], **extra: Any) -> Forward:
+        """A forward of ``kind`` over rows ``[lo, hi)`` feeding ``feeds`` to their running requests,
+        with their lengths before it and the head they need (`exact_head`)."""
+        requests = {i: self.running[i] for i in feeds}
+        exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=kind == "verify")
+        base = {i: self.slots.length(i) for i in feeds}
+        return Forward(kind, lo, hi, feeds, exact, requests, base, **extra)
+
     def _decode(self, rows: list[int]) -> Forward:
         """The decode step of ``rows`` (ascending): each one's last sampled token; a verify pass of
         their proposals instead when the speculator finds one that pays."""
         running, slots = self.running, self.slots
-        requests = {i: running[i] for i in rows}
-        base = {i: slots.length(i) for i in rows}
         lo, hi = rows[0], rows[-1] + 1
         if self.speculator is not None:
             # A verify pass feeds every row of its span its width (the idle ones padding): the running
             # row nearest the end of the context bounds everyone's.
             room = min(self.policy.context - slots.length(i) for i in range(lo, hi) if i in running)
-            proposed = self.speculator.propose(list(requests.values()), base, room)
+            lengths = {i: slots.length(i) for i in rows}
+            proposed = self.speculator.propose([running[i] for i in rows], lengths, room)
             if proposed is not None:
                 lookup = proposed.proposals
-                feeds = {
-                    i: r.pending + (lookup[i].tokens if i in lookup else []) for i, r in requests.items()
-                }
-                exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=True)
-                return Forward("verify", lo, hi, feeds, exact, requests, base, proposals=lookup,
-                               drafting=proposed.drafting)  # fmt: skip
+                feeds = {i: running[i].pending + (lookup[i].tokens if i in lookup else []) for i in rows}
+                return self._forward("verify", lo, hi, feeds, proposals=lookup, drafting=proposed.drafting)
         if self.policy.bucketed:
             # A power-of-two window of rows around the decoding ones (few graphs, one per size),
             # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
             width = min(slots.rows, bucket(hi - lo))
             lo = min(lo, slots.rows - width)
             hi = lo + width
-        feeds = {i: r.pending for i, r in requests.items()}
-        exact = exact_head(list(requests.values()), self.policy.exact_allowed)
-        return Forward("decode", lo, hi, feeds, exact, requests, base)
+        return self._forward("decode", lo, hi, {i: running[i].pending for i in rows})
 
     def _prefill(self, idle: bool) -> list[Forward]:
         """Chunks of the prompts being read: runs of contiguous rows, one forward each, up to the
-        budget's tokens in all. Running streams wait for these forwards: a short chunk. Nobody waits
-        (``idle``): a long one, which dequantizes each packed weight once for more tokens (Gemma 3, a
-        4,096-token prompt: 818 tok/s in chunks of 256, 1,161 in chunks of 2,048; AMD EPYC, 2 threads)."""
+        budget's tokens in all: a short chunk while streams decode (they wait for it), a long one
+        when nobody waits (``idle``: each packed weight dequantized once for more tokens)."""
         running, b = self.running, self.policy
         reading = sorted(row for row, r in running.items() if not r.decoding and r.waits is None)
         groups: list[list[int]] = []
@@ -277,18 +272,16 @@ class Scheduler:
             if b.per_forward is not None:
                 T = max(1, min(T, b.per_forward // len(group)))
             feeds = {i: running[i].pending[:T] for i in group}
-            requests = {i: running[i] for i in group}
             reads: list[Request] = []
             if self.speculator is not None:  # a draft model reads the prompts that end here
-                ending = [r for r in requests.values() if len(r.pending) <= T]
+                ending = [running[i] for i in group if len(running[i].pending) <= T]
                 reads = self.speculator.draft_reads(ending)
             pad_to = 0
             if b.bucketed:
                 pad_to = bucket(T, MIN_PREFILL) if T > 1 else 1
-            exact = exact_head(list(requests.values()), self.policy.exact_allowed)
-            base = {i: self.slots.length(i) for i in group}
-            forwards.append(Forward("prefill", group[0], group[-1] + 1, feeds, exact, requests, base, pad_to,
-                                    draft_reads=reads))  # fmt: skip
+            forwards.append(
+                self._forward("prefill", group[0], group[-1] + 1, feeds, pad_to=pad_to, draft_reads=reads)
+            )
             left -= sum(len(t) for t in feeds.values())
         return forwards
 

@@ -23,17 +23,13 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class PassCost:
-    """What a pass of the model costs here, measured.
+    """What a pass of the model costs here, measured (docs/speculative.md, *How many tokens to propose*).
 
-    ``observe(rows, width, seconds)`` records one decode step (``width`` 1) or verify pass
-    (``width`` tokens per row) of ``rows`` decoding rows: the median of the last 8 of each
-    shape is its cost. Verify passes of one row count are a curve in the width: made
-    non-decreasing (a wider pass never costs less than a narrower one measured), interpolated
-    between measured widths and extended past them along the last two measured (else by the
-    prior). With no verify pass of that row count measured, the prior: ``decode(rows) *
-    f(rows * width) / f(rows) * g`` with ``f(N) = 1 + N / KNEE_TOKENS`` and ``g`` the median
-    ratio of measured verify passes to that model (how much more an eager verify pass costs
-    than a packaged decode step on this machine; 1 until measured).
+    ``observe(rows, width, seconds)`` records a decode step (``width`` 1) or verify pass; the median
+    of the last 8 of a shape is its cost. Verify passes of one row count are a non-decreasing curve
+    in the width, interpolated and extended along its last two points. Unmeasured: ``decode(rows) *
+    f(rows * width) / f(rows) * g``, ``f(N) = 1 + N / KNEE_TOKENS``, ``g`` the median ratio of measured
+    verify passes to that prior (1 until measured).
     """
 
     def __init__(self) -> None:
@@ -102,15 +98,11 @@ class PassCost:
 
 
 class Realized:
-    """How verify passes delivered against the planner's expectation of them.
+    """How verify passes delivered against the planner's expectation of them (docs/speculative.md).
 
-    Each pass settled (`settle`) adds the tokens it gave and the ones expected of it, the seconds
-    it took (its forward and the proposing: a draft's steps, its catch-up with the last pass's
-    tokens) and the seconds predicted; ``factor`` is ``(given / expected) * (predicted / took)``
-    over those sums, decayed by `DECAY` a pass, from a prior of one pass that went as planned. The
-    planner scales every pass's expected rate by it, so proposals kept less often than their
-    estimates say, or passes that cost more than their measured parts (a draft's catch-up, the
-    proposing itself), stop being chosen over plain steps (clamped to [`LOW`, `HIGH`]).
+    ``factor``: ``(given / expected) * (predicted / took)`` over the settled passes' tokens and
+    seconds (proposing included), decayed by `DECAY` a pass from a prior of one pass that went as
+    planned, clamped to [`LOW`, `HIGH`]; the planner scales every pass's expected rate by it.
     """
 
     LOW, HIGH = 0.05, 2.0

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 
 from infer.execution import StepOutput
 from infer.kv.prefix import common_prefix
-from infer.params import SamplingParams
-from infer.sampling import Sampling, SamplingValues, gumbel_noise, probabilities, sampling_inputs, stack_noise
+from infer.sampling import Sampling, SamplingValues, gumbel_noise, probabilities, step_sampling
 from infer.speculative.acceptance import PassCost
 from infer.speculative.state import Speculating
-
-GREEDY = SamplingParams()  # an idle row of a draft step
 
 
 class DraftSlots(Protocol):
@@ -115,15 +113,10 @@ class Drafter:
             lo, hi = active[0].row, active[-1].row + 1
             by_row = {r.row: r for r in active}
             span = [by_row.get(row) for row in range(lo, hi)]
-            mode, values = sampling_inputs([GREEDY if r is None else r.params for r in span], device)
-            noise = None
-            if not mode.greedy:
-                drawn_rows = [
-                    None if r is None or r.noise is None else gumbel_noise(1, V, r.noise.generator, device)
-                    for r in span
-                ]
-                noise = stack_noise(drawn_rows, V, device)
-            out = self.runner.step(lo, hi, {r.row: feeds[r.row] for r in active}, mode, values, noise)
+            params = [None if r is None else r.params for r in span]
+            noise = partial(_draft_noise, span, V, device)
+            mode, values, drawn_noise = step_sampling(params, noise, V, device)
+            out = self.runner.step(lo, hi, {r.row: feeds[r.row] for r in active}, mode, values, drawn_noise)
             drawn: list[int] = out.tokens.tolist()
             for r in active:
                 b = r.row - lo
@@ -143,6 +136,14 @@ class Drafter:
             out_rows[r.row] = (toks[:cut], drawn_from)
         self.drafting = time.perf_counter() - t_start - self.reading
         return out_rows
+
+
+def _draft_noise(
+    span: list[Speculating | None], vocab: int, device: torch.device, b: int
+) -> torch.Tensor | None:
+    """Row ``b``'s noise ``[1, vocab]`` in a draft step, from its request's generator (None: none)."""
+    r = span[b]
+    return None if r is None or r.noise is None else gumbel_noise(1, vocab, r.noise.generator, device)
 
 
 def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,11 +1,6 @@
 """`Speculator`: when the scheduler plans a decode step, the verify pass that pays: its width, the
 n-gram lookup's proposals and the rows a draft model drafts for; the measured cost of passes
-(`observe`).
-
-It plans and runs nothing: the pass is a forward of the engine's plan like any other
-(`infer.engine.plan.Forward`, kind "verify"), the draft's steps are run by the engine's runner
-(`infer.engine.runner.Runner.draft`), the pass's tokens are read by the sampling stage
-(`verified_tokens`) and taken, and the rejected ones rolled back, by the output stage."""
+(`observe`). It plans and runs nothing (`infer.speculative` says who does)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """`StreamingExecutor`: runs a `DecoderLM` with most of its weights living outside the device.
 
-It is the model's ``executor``: resident layers run as they are; for every streamed
-group it takes the group's buffer from the pipeline, points the layers' parameters at
-views of that buffer, runs them, points them back at meta placeholders (so a stray use
-fails loudly instead of reading another group's weights) and hands the buffer back for
-the next load. An embedding that does not fit is read row by row from the checkpoint
-(only the rows a step looks up); a head that does not fit is computed chunk by chunk of
-vocabulary rows, each chunk brought in through the same buffers and reader as the
-layer groups.
+For every streamed group it takes the group's buffer from the pipeline, points the layers'
+parameters at views of it, runs them and points them back at meta placeholders (a stray use
+fails loudly); an embedding that does not fit is read row by row from the checkpoint, a head
+chunk by chunk of vocabulary rows (docs/streaming.md).
 """
 
 from __future__ import annotations
