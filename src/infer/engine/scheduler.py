@@ -12,7 +12,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from infer.engine.plan import Forward, Kind, Plan, Update
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
@@ -22,7 +21,7 @@ from infer.kv.cache import KVModel, bucket
 from infer.kv.ops import Reserve, Rollback, SetBound, SharePrefix, Shrink
 from infer.kv.prefix import common_prefix
 from infer.kv.slots import KVSlots
-from infer.speculative import Speculator
+from infer.speculative import Proposal, Speculator
 
 MIN_SHARED = 32  # prompt tokens a running request must share with a new one to be stored once for both
 COUNTERS = ("requests", "finished", "prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
@@ -218,13 +217,25 @@ class Scheduler:
         if shared:
             slots.apply(Shrink())  # the leader's long prompt moved to the store: its slots may go
 
-    def _forward(self, kind: Kind, lo: int, hi: int, feeds: dict[int, list[int]], **extra: Any) -> Forward:
+    def _forward(
+        self,
+        kind: Kind,
+        lo: int,
+        hi: int,
+        feeds: dict[int, list[int]],
+        *,
+        pad_to: int = 0,
+        proposals: dict[int, Proposal] | None = None,
+        drafting: dict[int, tuple[int, float]] | None = None,
+        draft_reads: list[Request] | None = None,
+    ) -> Forward:
         """A forward of ``kind`` over rows ``[lo, hi)`` feeding ``feeds`` to their running requests,
         with their lengths before it and the head they need (`exact_head`)."""
         requests = {i: self.running[i] for i in feeds}
         exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=kind == "verify")
         base = {i: self.slots.length(i) for i in feeds}
-        return Forward(kind, lo, hi, feeds, exact, requests, base, **extra)
+        return Forward(kind, lo, hi, feeds, exact, requests, base, pad_to, proposals or {}, drafting or {},
+                       draft_reads or [])  # fmt: skip
 
     def _decode(self, rows: list[int]) -> Forward:
         """The decode step of ``rows`` (ascending): each one's last sampled token; a verify pass of
