@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import html
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
 from infer.combinations import check_intervention
 from infer.interventions import Intervention, Interventions, Positions, intervene
-from infer.lens import ActivationCache, hooks, run_with_cache, run_with_hooks
+from infer.lens import ActivationCache, hooks, run_with_cache, run_with_hooks, save_activations
 from infer.lens.points import NameFilter
 from infer.lens.run import Hooks, Input
 from infer.scores import LogitLens, TokenScores, logit_lens, score
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from infer.engine import Engine
     from infer.loader.config import ModelConfig
     from infer.loader.tokenizer import Tokenizer
@@ -113,6 +113,15 @@ class NotebookMethods:
         """``with llm.hooks(fwd_hooks=[...]):`` the hooks stay on for every forward and generation
         meanwhile (`infer.lens.hooks`)."""
         return hooks(self, fwd_hooks, bwd_hooks)
+
+    def save_activations(
+        self, inputs: Any, names: NameFilter, out_dir: str | os.PathLike[str], *, batch_size: int = 8,
+        shard_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None, progress: bool = True,
+    ) -> Path:  # fmt: skip
+        """The activations at hook points ``names`` of every sequence of ``inputs``, written to
+        ``out_dir`` as shards of safetensors with an index (`infer.lens.save_activations`)."""
+        return save_activations(self, inputs, names, out_dir, batch_size=batch_size, shard_bytes=shard_bytes,
+                                dtype=dtype, progress=progress)  # fmt: skip
 
     # ---- interventions ---------------------------------------------------------------------
 

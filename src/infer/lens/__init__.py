@@ -2,7 +2,8 @@
 
 `run_with_cache`, `run_with_hooks` and `hooks` take an `infer.LLM`; hook points have TransformerLens'
 names (`hook_names`, `infer.lens.points`); `load_sae` reads a sparse autoencoder saved by SAELens and
-splices it in at its point (`infer.lens.sae`).
+splices it in at its point (`infer.lens.sae`); `save_activations` writes activations to disk in
+shards (`infer.lens.save`).
 """
 
 from infer.lens.points import Point, points
@@ -15,9 +16,11 @@ from infer.lens.run import (
     run_with_cache,
     run_with_hooks,
 )
+from infer.lens.save import Activations, save_activations
 
 __all__ = [
     "ActivationCache",
+    "Activations",
     "HookFn",
     "HookPoint",
     "Point",
@@ -26,4 +29,5 @@ __all__ = [
     "points",
     "run_with_cache",
     "run_with_hooks",
+    "save_activations",
 ]

@@ -1,0 +1,81 @@
+"""`infer.lens.save_activations`: shards read back equal to `run_with_cache`, memory bounded by the
+shard size, an interrupted run resumed to the same files' contents, and bad arguments refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import infer
+import infer.lens as lens
+from infer.lens.save import Activations, load_shard
+
+NAMES = ["hook_embed", "blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"]
+
+
+@pytest.fixture
+def llm(tiny_ckpt_factory: Callable[..., Path]) -> infer.LLM:
+    return infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32)
+
+
+def _inputs() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    lengths = [7, 7, 7, 12, 3, 3, 9]  # runs of one length share a forward
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_saved_activations_equal_run_with_cache(llm: infer.LLM, tmp_path: Path) -> None:
+    inputs = _inputs()
+    index = llm.save_activations(inputs, NAMES, tmp_path, batch_size=2, shard_bytes=4096, progress=False)
+    saved = Activations(tmp_path)
+    assert len(saved) == len(inputs) and len(saved.shards) > 1  # small shards: several files
+    assert json.loads(index.read_text())["complete"]
+    worst = 0.0
+    for i, ids in enumerate(inputs):
+        _, want = llm.run_with_cache([ids], NAMES)
+        got = saved.sequence(i)
+        for n in NAMES:
+            assert got[n].shape == want[n][0].shape, n
+            worst = max(worst, (got[n] - want[n][0]).abs().max().item())
+    print(f"\nlargest |saved - run_with_cache|: {worst:.2e} over {len(inputs)} sequences")
+    assert worst <= 1e-5
+    shard = load_shard(saved.shards[0])
+    assert shard["sequence"].dtype == torch.int64 and shard["position"].tolist()[:7] == list(range(7))
+
+
+def test_an_interrupted_run_resumes(llm: infer.LLM, tmp_path: Path) -> None:
+    inputs = _inputs()
+    whole = tmp_path / "whole"
+    llm.save_activations(inputs, NAMES, whole, batch_size=1, shard_bytes=1, progress=False)
+
+    def interrupted() -> Iterator[list[int]]:
+        yield from inputs[:4]
+        raise KeyboardInterrupt
+
+    part = tmp_path / "part"
+    with pytest.raises(KeyboardInterrupt):
+        llm.save_activations(interrupted(), NAMES, part, batch_size=1, shard_bytes=1, progress=False)
+    assert len(Activations(part)) == 4  # every finished shard is on disk, the index says so
+    llm.save_activations(inputs, NAMES, part, batch_size=1, shard_bytes=1, progress=False)
+    a, b = Activations(whole), Activations(part)
+    assert len(a) == len(b) == len(inputs)
+    for i in range(len(inputs)):
+        for n in NAMES:
+            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (i, n)
+
+
+def test_bad_arguments_are_refused(llm: infer.LLM, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"blocks\.0\.hook_resid_post"):
+        llm.save_activations([[1, 2, 3]], ["blocks.0.hook_resid_psot"], tmp_path, progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        llm.save_activations([[1, 2, 3]], NAMES, tmp_path, batch_size=0, progress=False)
+    llm.save_activations([[1, 2, 3]], NAMES, tmp_path, progress=False)
+    with pytest.raises(ValueError, match="another out_dir"):  # an index of other points is not mixed in
+        llm.save_activations([[1, 2, 3]], NAMES[:1], tmp_path, progress=False)
+    with pytest.raises(FileNotFoundError, match="index"):
+        Activations(tmp_path / "nothing")
+    assert lens.save_activations is not None
