@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from infer.lens.points import NameFilter, points, select
 from infer.lens.run import LLM, run_with_cache, token_ids
@@ -119,6 +118,8 @@ def save_activations(
         seq_ids.clear()
         positions.clear()
         first, held, count = first + count, 0, 0
+
+    from tqdm.auto import tqdm
 
     total = len(rows) if isinstance(rows, Sequence) else None
     bar = tqdm(total=total, initial=done, unit="seq", desc="activations", disable=not progress)
