@@ -80,9 +80,10 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.realmodels",
         "infer.experiment",
         "infer.scores",
+        "infer.loglikelihood",
     ),
     # 7: front ends and test support
-    ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
+    ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing", "infer.evaluation"),
 ]
 
 
