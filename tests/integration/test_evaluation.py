@@ -114,3 +114,41 @@ def test_bad_arguments_are_named(checkpoint: Path) -> None:
         InferLM(None)
     with pytest.raises(ValueError, match="num_beams"):
         InferLM._sampling({"do_sample": False, "temperature": 0.0, "num_beams": 4})
+
+
+@pytest.mark.slow
+def test_cli_prints_lm_evals_table_and_writes_the_samples(
+    checkpoint: Path, hf_result: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``infer eval``: lm-eval's table on stdout; ``--output-path``'s samples are the hf backend's."""
+    import json
+
+    from infer.cli import main
+
+    out = tmp_path / "results.json"
+    code = main([
+        "eval", str(checkpoint), "--tasks", "tiny_choices", "--include-path", str(TASKS_DIR), "--limit", "4",
+        "--num-fewshot", "2", "--batch-size", "5", "--max-length", str(MAX_LENGTH), "--dtype", "float32",
+        "--output-path", str(out), "--quiet",
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    print(printed)
+    assert code == 0
+    assert "tiny_choices" in printed and "acc" in printed and "|" in printed
+    samples = {s["doc_id"]: s["resps"] for s in json.loads(out.read_text())["samples"]["tiny_choices"]}
+    assert sorted(samples) == [0, 1, 2, 3]
+    for s in hf_result["samples"]["tiny_choices"]:
+        if s["doc_id"] in samples:
+            for (mine,), (ref,) in zip(samples[s["doc_id"]], s["resps"], strict=True):
+                assert abs(float(mine[0]) - ref[0]) <= ABS and bool(mine[1]) == ref[1]
+
+
+def test_cli_names_an_unknown_task(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.cli import main
+
+    code = main(
+        ["eval", str(checkpoint), "--tasks", "tiny_choices,no_such_task", "--include-path", str(TASKS_DIR)]
+    )
+    err = capsys.readouterr().err
+    print(err)
+    assert code == 1 and "no_such_task" in err and "--tasks" in err
