@@ -31,7 +31,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from infer.loglikelihood import score_rows
+from infer.loglikelihood import RowScores, score_rows
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -176,7 +176,7 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
             for _, context, continuation in chunk:
                 tokens = (context + continuation)[-(L + 1) :]
                 rows.append((tokens, len(tokens) - len(continuation)))
-            for (key, _, _), scored in zip(chunk, score_rows(self.llm.model, rows), strict=True):
+            for (key, _, _), scored in zip(chunk, self.score(rows), strict=True):
                 answer = (scored.total, scored.greedy)
                 out.append(answer)
                 if key is not None:
@@ -185,6 +185,10 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
         bar.close()
         result: list[tuple[float, bool]] = order.get_original(out)
         return result
+
+    def score(self, rows: list[tuple[list[int], int]]) -> list[RowScores]:
+        """One forward's scores of ``rows`` ``(tokens, start)`` (`infer.loglikelihood.score_rows`)."""
+        return score_rows(self.llm.model, rows)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood over the hf backend's windows (``get_rolling_token_windows``
