@@ -1,17 +1,21 @@
 """lm-eval loglikelihood requests per second: ``model="infer"`` against ``model="hf"``, same model, same run.
 
-    uv run python benchmarks/evaluation.py                                # SmolLM2, tests' local task
-    uv run python benchmarks/evaluation.py --models smollm2 gemma3 --num-fewshot 3 --json out.json
+    uv run python benchmarks/evaluation.py                     # SmolLM2, a synthetic 100-document task
+    uv run python benchmarks/evaluation.py --models smollm2 gemma3 --docs 200 --json out.json
+    uv run python benchmarks/evaluation.py --task tiny_choices --num-fewshot 2   # the tests' task
     uv run python benchmarks/evaluation.py --task arc_easy --include-path none --limit 100
 
 For each real model (`infer.realmodels`: the shipped SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M; the
 Qwen2.5-Coder 1.5B with ``--models qwen-coder-1.5b``, fetched once), one multiple-choice task (by
-default ``tiny_choices`` of tests/data/eval_tasks, shipped: no network) runs through
+default a synthetic one written to a temporary directory, ``--docs`` documents of 4 choices: no
+network; ``--task`` names another, in tests/data/eval_tasks or ``--include-path``) runs through
 
 * hf: lm-eval's transformers backend, the GGUF file through transformers' GGUF loader (weights
   dequantized to float32), ``batch_size`` requests per forward;
 * infer float32: ``InferLM(infer.load(path, dtype=torch.float32))`` (every product in float32);
-* infer default: ``InferLM(infer.load(path))`` (float32 activations, packed products in bfloat16).
+* infer default: ``InferLM(infer.load(path))`` (float32 activations, packed products in bfloat16);
+* infer float32, safetensors: the weights transformers dequantized, saved
+  as safetensors and loaded by infer (dense float32 matrices: no packed weights to expand in each forward).
 
 Each model object is built and run once on a batch of 64-token rows before the clock starts (for
 infer's packed products that includes measuring their routes once per CPU); the clock covers
@@ -28,7 +32,9 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +43,69 @@ from typing import Any
 import torch
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "eval_tasks"
+WORDS = tuple(
+    [
+        "red",
+        "green",
+        "blue",
+        "river",
+        "stone",
+        "cloud",
+        "music",
+        "winter",
+        "garden",
+        "window",
+        "bread",
+        "horse",
+        "candle",
+        "paper",
+        "mountain",
+        "silver",
+        "engine",
+        "forest",
+        "letter",
+        "market",
+        "island",
+        "doctor",
+        "ocean",
+        "planet",
+    ]
+)
+
+
+def synthetic_task(directory: Path, docs: int) -> str:
+    """Write a multiple-choice task of ``docs`` documents (4 choices each, shipped nowhere: made
+    from `WORDS` with a fixed seed) and its YAML into ``directory``; its name."""
+    import random
+
+    rng = random.Random(0)
+    lines = []
+    for _ in range(docs):
+        a, b, c = rng.sample(WORDS, 3)
+        question = (
+            f"In the story about the {a} and the {b}, what did the {c} see near the {rng.choice(WORDS)}?"
+        )
+        choices = [" ".join(rng.sample(WORDS, rng.randint(1, 4))) for _ in range(4)]
+        lines.append(json.dumps({"question": question, "choices": choices, "gold": rng.randrange(4)}))
+    (directory / "bench.jsonl").write_text("\n".join(lines) + "\n")
+    (directory / "bench_tasks.py").write_text(
+        "import datasets, json, pathlib\n"
+        "def load(**kwargs):\n"
+        "    text = (pathlib.Path(__file__).parent / 'bench.jsonl').read_text()\n"
+        "    rows = [json.loads(line) for line in text.splitlines()]\n"
+        "    return datasets.DatasetDict({'test': datasets.Dataset.from_list(rows)})\n"
+    )
+    yaml = (TASKS_DIR / "tiny_choices.yaml").read_text()
+    yaml = yaml.replace("task: tiny_choices", "task: bench_choices").replace(
+        "tasks.choices", "bench_tasks.load"
+    )
+    yaml = "\n".join(
+        line for line in yaml.splitlines() if "training_split" not in line and "fewshot" not in line
+    )
+    (directory / "bench_choices.yaml").write_text(yaml + "\n")
+    return "bench_choices"
+
+
 MODELS = {
     "smollm2": "SmolLM2-135M Q4_1",
     "gemma3": "Gemma 3 270M Q4_K_M",
@@ -113,19 +182,34 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows.append({"model": MODELS[name], "backend": "hf (float32)", "requests": n, "seconds": seconds,
                  "model_share": hf_timer.seconds / seconds, "max_err": 0.0,
                  "acc": result["results"][args.task].get("acc,none")})  # fmt: skip
+    dense = Path(tempfile.mkdtemp(prefix="eval-bench-"))  # transformers' dequantized weights, saved
+    from safetensors.torch import save_file  # transformers refuses to save a model read from GGUF
+
+    weights = {k: v.contiguous() for k, v in hf_lm.model.state_dict().items()}
+    if hf_lm.model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight")
+    save_file(weights, str(dense / "model.safetensors"))
+    config = hf_lm.model.config.to_dict()
+    config.pop("quantization_config", None)
+    (dense / "config.json").write_text(json.dumps(config))
+    hf_lm.tokenizer.save_pretrained(str(dense))
     del hf_lm
-    for label, dtype in (("infer float32", torch.float32), ("infer default", None)):
-        llm = infer.load(path, dtype=dtype, compile=False)
+    runs = (("infer float32", path, torch.float32), ("infer default", path, None),
+            ("infer float32, safetensors", dense, torch.float32))  # fmt: skip
+    for label, source, dtype in runs:
+        llm = infer.load(source, dtype=dtype, compile=False)
         timer = Timer()
         lm: Any = ev.InferLM(llm, batch_size=args.batch_size, max_length=args.max_length)
         lm.score([(list(range(1, 65)), 32)] * args.batch_size)  # warm-up (routes measured once)
         lm.score = timer.wrap(lm.score)
         seconds, result = run(lm, args)
         ours = scores(result, args.task)
+        del llm, lm
         rows.append({"model": MODELS[name], "backend": label, "requests": n, "seconds": seconds,
                      "model_share": timer.seconds / seconds,
                      "max_err": max(abs(a - b) for a, b in zip(ours, reference, strict=True)),
                      "acc": result["results"][args.task].get("acc,none")})  # fmt: skip
+    shutil.rmtree(dense, ignore_errors=True)
     return rows
 
 
@@ -142,6 +226,9 @@ def main() -> int:
     p.add_argument("--max-length", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     args = p.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="eval-bench-task-"))
+    if args.task is None:
+        args.task, args.include_path = synthetic_task(scratch, args.docs), str(scratch)
     rows = []
     for name in args.models:
         rows += bench_model(name, args)
@@ -159,6 +246,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} before the end, torch {torch.__version__}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
