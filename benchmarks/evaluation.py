@@ -216,11 +216,14 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=["smollm2"])
-    p.add_argument("--task", default="tiny_choices")
+    p.add_argument(
+        "--task", default=None, help="default: a synthetic multiple-choice task of --docs documents"
+    )
+    p.add_argument("--docs", type=int, default=100, help="documents of the synthetic task")
     p.add_argument(
         "--include-path", default=str(TASKS_DIR), help="task YAML directory ('none': lm-eval's own)"
     )
-    p.add_argument("--num-fewshot", type=int, default=2)
+    p.add_argument("--num-fewshot", type=int, default=0)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=None)
