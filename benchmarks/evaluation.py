@@ -28,6 +28,7 @@ process on the CPU shows there).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -183,6 +184,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                  "model_share": hf_timer.seconds / seconds, "max_err": 0.0,
                  "acc": result["results"][args.task].get("acc,none")})  # fmt: skip
     dense = Path(tempfile.mkdtemp(prefix="eval-bench-"))  # transformers' dequantized weights, saved
+    atexit.register(shutil.rmtree, dense, True)  # removed however the run ends
     from safetensors.torch import save_file  # transformers refuses to save a model read from GGUF
 
     weights = {k: v.contiguous() for k, v in hf_lm.model.state_dict().items()}
@@ -209,7 +211,6 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                      "model_share": timer.seconds / seconds,
                      "max_err": max(abs(a - b) for a, b in zip(ours, reference, strict=True)),
                      "acc": result["results"][args.task].get("acc,none")})  # fmt: skip
-    shutil.rmtree(dense, ignore_errors=True)
     return rows
 
 
@@ -230,6 +231,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     args = p.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="eval-bench-task-"))
+    atexit.register(shutil.rmtree, scratch, True)
     if args.task is None:
         args.task, args.include_path = synthetic_task(scratch, args.docs), str(scratch)
     rows = []
@@ -249,7 +251,6 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} before the end, torch {torch.__version__}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
