@@ -82,9 +82,10 @@ FLOORS: list[tuple[str, ...]] = [
         "infer.notebook",
         "infer.scores",
         "infer.lens",
+        "infer.loglikelihood",
     ),
     # 7: front ends and test support
-    ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing"),
+    ("=infer", "infer.cli", "infer.__main__", "infer.serve", "infer.testing", "infer.evaluation"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The `infer` command: generate, chat, serve, inspect, perplexity.
+"""The `infer` command: generate, chat, serve, inspect, perplexity, eval.
 
 Exit status: 0 success, 1 error (one line on stderr; ``--debug`` raises it with its
 traceback), 2 usage error (unknown option, or an option value out of range),
@@ -19,12 +19,21 @@ import threading
 import types
 from collections.abc import Sequence
 
-from infer.cli.commands import cmd_chat, cmd_generate, cmd_inspect, cmd_perplexity, cmd_serve, primary
+from infer.cli.commands import (
+    cmd_chat,
+    cmd_eval,
+    cmd_generate,
+    cmd_inspect,
+    cmd_perplexity,
+    cmd_serve,
+    primary,
+)
 from infer.cli.options import (
     EXIT_CODES,
     IntermixedParser,
     command,
     dtype_option,
+    eval_parser,
     int_option,
     load_options,
     perplexity_parser,
@@ -80,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
     perplexity_parser(sub).set_defaults(func=cmd_perplexity)
     serve_parser(sub).set_defaults(func=cmd_serve)
+    eval_parser(sub).set_defaults(func=cmd_eval)
     return parser
 
 
@@ -220,6 +230,7 @@ def _error_message(e: Exception) -> str:
 __all__ = [
     "build_parser",
     "cmd_chat",
+    "cmd_eval",
     "cmd_generate",
     "cmd_inspect",
     "cmd_perplexity",

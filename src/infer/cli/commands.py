@@ -1,5 +1,5 @@
 """What each `infer` command does (`cmd_generate`, `cmd_chat`, `cmd_serve`, `cmd_inspect`,
-`cmd_perplexity`), and what they share: loading the model from the options, and printing from
+`cmd_perplexity`, `cmd_eval`), and what they share: loading the model from the options, and printing from
 one rank only when several run the same generation (torchrun)."""
 
 from __future__ import annotations
@@ -229,4 +229,46 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     _write(f"{result}\n")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """lm-eval's evaluator over `infer.evaluation.InferLM`; lm-eval's table on stdout."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+    except ImportError:
+        raise ValueError("infer eval needs lm-eval: pip install 'infer[eval]'") from None
+    import json
+
+    from infer.evaluation import InferLM
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" (nor in {args.include_path})" if args.include_path else ""
+        raise ValueError(f"--tasks: no lm-eval task named {', '.join(unknown)}{where}")
+    llm = _load(args)
+    lm = InferLM(llm, batch_size=args.batch_size, max_length=args.max_length)
+    limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        apply_chat_template=args.apply_chat_template,
+        log_samples=args.output_path is not None,
+    )  # fmt: skip  (lm-eval's seeds: its defaults, as its own CLI's)
+    if results is None:  # another rank's (lm-eval reports on rank 0 only)
+        return 0
+    table = make_table(results)
+    if results.get("groups"):
+        table += "\n" + make_table(results, "groups")
+    _write(table + "\n")
+    if args.output_path is not None:
+        with open(args.output_path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
     return 0

@@ -351,3 +351,32 @@ def perplexity_parser(sub: Any) -> argparse.ArgumentParser:
         speculative=False,
     )
     return p
+
+
+def eval_parser(sub: Any) -> argparse.ArgumentParser:
+    p = command(
+        sub,
+        "eval",
+        help="lm-evaluation-harness tasks on the model (needs infer[eval])",
+        description="Runs lm-eval's evaluator with infer's backend (infer.evaluation: the hf backend's "
+        "encoding and truncation, infer's forward and engine) and prints lm-eval's table.",
+    )
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="a directory of task YAML files")
+    p.add_argument("--num-fewshot", type=int_option(0), default=None, metavar="K", help="few-shot examples")
+    p.add_argument(
+        "--limit", type=_float_option(0.0, open_min=True), default=None, metavar="N",
+        help="the first N documents of each task (a fraction when < 1)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int_option(1), default=16, help="requests per forward (>= 1)")
+    p.add_argument(
+        "--max-length", type=int_option(1), default=None, help="tokens of context (default: the model's)"
+    )
+    p.add_argument("--apply-chat-template", action="store_true", help="render prompts with the chat template")
+    p.add_argument(
+        "--output-path", default=None, metavar="P", help="write the results (with samples) as JSON"
+    )
+    load_options(
+        p, deterministic="scores whatever the batch (slower)", parallel=None, compile=True, speculative=False
+    )
+    return p

@@ -8,6 +8,8 @@ The parts, one job each:
 * `infer.serve.writers` — the streamed (server-sent events) and the whole response;
 * `infer.serve.job`, `infer.serve.choices` — a request's choices, tool calls, response objects;
 * `infer.serve.logprobs` — logprobs in OpenAI's two formats;
+* `infer.serve.echo` — completions' ``echo``: the prompt's own logprobs, scored beside the engine;
+* `infer.serve.tokens` — ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's and llama-server's);
 * `infer.serve.state` — `ServeState`: the engine, the running requests, the shutdown;
 * `infer.serve.client` — `EngineClient`: what the server uses of an engine and of a request;
 * `infer.serve.errors`, `infer.serve.body_limit`, `infer.serve.metrics` — OpenAI's error body,
@@ -32,14 +34,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from infer.engine import Engine
 from infer.serve.body_limit import MAX_BODY_BYTES, BodyLimit
 from infer.serve.client import EngineClient
+from infer.serve.echo import PromptScorer
 from infer.serve.errors import APIError, validation_error
 from infer.serve.handler import generate
 from infer.serve.logprobs import byte_decoder
 from infer.serve.metrics import Metrics
 from infer.serve.schemas import ChatCompletionRequest, CompletionRequest
 from infer.serve.state import ServeState
+from infer.serve.tokens import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 
 if TYPE_CHECKING:
     from infer.llm import LLM
@@ -84,8 +89,10 @@ def create_app(
 
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    scorer = None
     if isinstance(llm_or_engine, LLM):
         engine = _llm_engine(llm_or_engine, max_batch, max_waiting)
+        scorer = PromptScorer.of(llm_or_engine)
     else:
         engine = llm_or_engine
         if not all(hasattr(engine, name) for name in ("served", "submit", "stats")):
@@ -98,6 +105,9 @@ def create_app(
     name: str = model_name or served.name
     metrics = Metrics(lambda: dict(engine.stats()))
     state = ServeState(engine, served, name, api_key, engine.context, metrics)
+    if scorer is None and isinstance(engine, Engine) and isinstance(engine.llm, LLM):
+        scorer = PromptScorer.of(engine.llm)
+    state.scorer = scorer
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -178,6 +188,18 @@ def create_app(
     @app.post("/v1/completions", dependencies=keyed, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(state, "text", body, request)
+
+    @app.post("/tokenize", dependencies=keyed)
+    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(state, body)
+
+    @app.post("/detokenize", dependencies=keyed)
+    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(state, body)
+
+    @app.get("/tokenizer_info", dependencies=keyed)
+    async def tokenizer() -> dict[str, Any]:
+        return tokenizer_info(state)
 
     return app
 

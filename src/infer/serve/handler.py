@@ -1,26 +1,37 @@
 """`generate`: one request to ``/v1/chat/completions`` or ``/v1/completions``, from its body to its
 response. It is checked (model name, shutdown, fields infer cannot honour, the constraint, the
 prompt and the sampling values) before the engine sees it, so a bad one is a 400 naming the
-field; then its ``n`` choices are submitted (`EngineFull` is a 429 with ``Retry-After``) and
-the response is streamed or written whole (`infer.serve.writers`)."""
+field; then its ``n`` choices (of each prompt, for a batch of completions prompts) are submitted
+(`EngineFull` is a 429 with ``Retry-After``) and the response is streamed or written whole
+(`infer.serve.writers`). An echoed prompt is scored first (`infer.serve.echo`); with
+``max_tokens: 0`` that is the whole answer."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.engine import EngineClosed, EngineFull
 from infer.params import ParamTypeError
 from infer.serve.client import HandleClient
+from infer.serve.echo import Echo, echo_of
 from infer.serve.errors import RETRY_AFTER_S, APIError, bad
 from infer.serve.fields import FieldError, check_unhonoured, constraint_of
 from infer.serve.job import Job
 from infer.serve.state import ServeState
-from infer.serve.translate import compile_constraint, prompt_ids, refusal, sampling_params
+from infer.serve.translate import (
+    check_echo,
+    compile_constraint,
+    completion_prompts,
+    prompt_ids,
+    refusal,
+    sampling_params,
+)
 from infer.serve.writers import EventStream, sse, whole_response
 
 
@@ -55,13 +66,29 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
                 str(e), e.param, "unsupported_parameter" if e.param != "response_format" else None
             ) from None
         compile_constraint(state, constraint, "response_format")
-        ids, prompt_field, chat = prompt_ids(state, kind, body, constraint)
-        if chat is not None and chat.constraint is not constraint:
-            compile_constraint(state, chat.constraint, "tools")
-            constraint = chat.constraint
-        params = sampling_params(state, kind, body, len(ids), prompt_field, constraint)
-        for i in range(body.n):  # each choice draws its own (`SamplingParams.row`)
-            handles.append(await run_in_threadpool(state.engine.submit, ids, params.row(i)))
+        echoes = None
+        if kind == "chat":
+            ids, prompt_field, chat = prompt_ids(state, kind, body, constraint)
+            prompts: list[tuple[list[int], str | None]] = [(ids, None)]
+            if chat is not None and chat.constraint is not constraint:
+                compile_constraint(state, chat.constraint, "tools")
+                constraint = chat.constraint
+        else:
+            chat = None
+            prompts = completion_prompts(state, body)
+            check_echo(state, body, prompts)
+            if body.echo:
+                echoes = await run_in_threadpool(echo_prompts, state, prompts, body.logprobs)
+                if body.max_tokens == 0:
+                    return JSONResponse(scored_only(state, body, prompts, echoes))
+        rows = [
+            (ids, sampling_params(state, kind, body, len(ids), prompt_field, constraint))
+            for ids, _ in prompts
+        ]
+        for p, (ids, params) in enumerate(rows):
+            for i in range(body.n):  # each choice draws its own (`SamplingParams.row`)
+                row = params.row(p * body.n + i)
+                handles.append(await run_in_threadpool(state.engine.submit, ids, row))
     except BaseException as e:
         for h in handles:  # choices already queued go with the request
             h.cancel()
@@ -79,8 +106,8 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
         if isinstance(e, ValueError | ParamTypeError):  # the engine refused a value
             raise refusal(e, kind, prompt_field) from None
         raise
-    state.metrics.prompt_tokens.inc(handles[0].prompt_tokens)
-    job = Job(state, kind, body, handles, arrived, chat)
+    job = Job(state, kind, body, handles, arrived, chat, echoes)
+    state.metrics.prompt_tokens.inc(job.prompt_tokens)
     state.admit(handles)
     if body.stream:
         return EventStream(sse(job), on_close=lambda: release(state, job))
@@ -88,6 +115,43 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
         return await whole_response(job, request)
     finally:
         release(state, job)
+
+
+def echo_prompts(
+    state: ServeState, prompts: list[tuple[list[int], str | None]], logprobs: int | None
+) -> list[Echo]:
+    """Each prompt as echoed (`infer.serve.echo`): scored in one forward when logprobs are asked."""
+    tokenizer = state.model.tokenizer
+    ids = [p for p, _ in prompts]
+    scores = state.scorer(ids, logprobs or 0) if logprobs is not None and state.scorer is not None else None
+    return [
+        echo_of(tokenizer, p, text, None if scores is None else scores[i], logprobs)
+        for i, (p, text) in enumerate(prompts)
+    ]
+
+
+def scored_only(
+    state: ServeState, body: Any, prompts: list[tuple[list[int], str | None]], echoes: list[Echo]
+) -> dict[str, Any]:
+    """The response to ``echo`` with ``max_tokens: 0``: each prompt echoed, nothing generated."""
+    n = len(prompts) * body.n
+    state.metrics.requests.labels(endpoint="text", outcome="length").inc(n)
+    tokens = sum(len(ids) for ids, _ in prompts) * body.n
+    state.metrics.prompt_tokens.inc(tokens)
+    choices = []
+    for k in range(n):
+        echo = echoes[k // body.n]
+        choices.append(
+            {"index": k, "text": echo.text, "logprobs": echo.before(None), "finish_reason": "length"}
+        )
+    return {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+    }
 
 
 def release(state: ServeState, job: Job) -> None:
@@ -99,4 +163,4 @@ def release(state: ServeState, job: Job) -> None:
         job.finish("cancelled")
 
 
-__all__ = ["generate", "release"]
+__all__ = ["echo_prompts", "generate", "release", "scored_only"]

@@ -11,6 +11,7 @@ from typing import Any
 from infer.engine import Delta, TokenLogprob
 from infer.serve.choices import Choice
 from infer.serve.client import HandleClient
+from infer.serve.echo import Echo
 from infer.serve.logprobs import chat_logprobs, text_logprobs
 from infer.serve.state import ServeState
 from infer.text.prompts import ToolChat
@@ -28,16 +29,22 @@ class Job:
         handles: Sequence[HandleClient],
         arrived: float,
         chat: ToolChat | None = None,
+        echoes: list[Echo] | None = None,
     ) -> None:
         self.state, self.kind, self.body, self.arrived = state, kind, body, arrived
         self.handles = list(handles)
+        self.echoes = echoes  # completions' echo: choice i follows prompt i // n
         specials: dict[str, int] = {}
         if chat is not None and chat.format is not None:
             specials = state.model.tokenizer.special_tokens
         self.choices = [Choice(i, h, chat, specials) for i, h in enumerate(handles)]
+        for c in self.choices:
+            echo = self.echo(c)
+            if echo is not None:
+                c.text_offset = len(echo.text)
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.prompt_tokens = handles[0].prompt_tokens
+        self.prompt_tokens = sum(h.prompt_tokens for h in self.handles[:: body.n])  # each prompt once
         self.completion_tokens = 0
         self.last_token_at: float | None = None
         self.outcome = "cancelled"
@@ -77,6 +84,10 @@ class Job:
         m.duration.observe(time.perf_counter() - self.arrived)
 
     # -- response objects --
+
+    def echo(self, choice: Choice) -> Echo | None:
+        """The echoed prompt before ``choice``'s text (None: no echo)."""
+        return None if self.echoes is None else self.echoes[choice.index // self.body.n]
 
     def logprobs(self, choice: Choice, items: list[TokenLogprob] | None) -> Any:
         if items is None:
@@ -158,7 +169,10 @@ class Job:
                     message["tool_calls"] = [call.openai() for call in c.calls]
                 out["message"] = message
             else:
-                out["text"] = c.content
+                echo = self.echo(c)
+                out["text"] = c.content if echo is None else echo.text + c.content
+                if echo is not None:
+                    out["logprobs"] = echo.before(out["logprobs"])
             choices.append(out)
         return {
             "id": self.id,

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 MAX_N = 128  # OpenAI's bound on choices per request
 MAX_STOPS = 16  # OpenAI's bound on stop strings
+MAX_PROMPTS = 128  # prompts in one completions request (each is ``n`` choices)
 
 
 class _Part(BaseModel):
@@ -162,18 +163,26 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    """``prompt``: a string, token ids, or a list of either (a batch: choice ``i * n + j`` is prompt
+    ``i``'s ``j``-th). ``echo``: the prompt is returned before the text, and with ``logprobs`` its
+    tokens' scores (`infer.serve.echo`); ``max_tokens: 0`` with it scores without generating."""
+
     prompt: (
         StrictStr
         | Annotated[list[StrictInt], Field(min_length=1)]
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
     )
     logprobs: StrictInt | None = None
-    echo: Annotated[StrictBool, Field(description="not supported: must be false")] = False
+    echo: StrictBool = False
     suffix: StrictStr | None = None
 
 
 __all__ = [
     "MAX_N",
+    "MAX_PROMPTS",
     "MAX_STOPS",
     "ChatCompletionRequest",
     "ChatMessage",

@@ -7,16 +7,20 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer.engine import ServedModel
 from infer.serve.client import EngineClient, HandleClient
 from infer.serve.metrics import Metrics
 
+if TYPE_CHECKING:
+    from infer.serve.echo import PromptScorer
+
 
 @dataclass
 class ServeState:
     """What the app holds: the engine, the model it serves (its name, tokenizer, vocabulary,
-    context), its limits and metrics."""
+    context), its limits and metrics, and what scores echoed prompts."""
 
     engine: EngineClient
     model: ServedModel
@@ -28,6 +32,7 @@ class ServeState:
     draining: bool = False
     handles: set[HandleClient] = field(default_factory=set)  # the requests running, of every response
     lock: threading.Lock = field(default_factory=threading.Lock)
+    scorer: PromptScorer | None = None  # scores echoed prompts (`infer.serve.echo`); None: not here
 
     def admit(self, handles: Sequence[HandleClient]) -> None:
         """A response's requests run (one per choice)."""

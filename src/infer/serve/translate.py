@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.params import ParamError, ParamTypeError, SamplingParams
+from infer.params import MAX_LOGPROBS, ParamError, ParamTypeError, SamplingParams
 from infer.serve.errors import APIError, bad
 from infer.serve.fields import FieldError, tool_chat_of
 from infer.serve.state import ServeState
@@ -37,19 +37,57 @@ def prompt_ids(
         except FieldError as e:
             raise bad(str(e), e.param) from None
         return chat.ids, "messages", chat
-    if body.echo:
-        raise bad("echo is not supported", "echo", "unsupported")
+    (ids, _), *_ = completion_prompts(state, body)
+    return ids, "prompt", None
+
+
+def completion_prompts(state: ServeState, body: Any) -> list[tuple[list[int], str | None]]:
+    """A completions request's prompts (one, or a batch), each as token ids and the text it was
+    sent as (None for token ids)."""
     if body.suffix:
         raise bad("suffix is not supported", "suffix", "unsupported")
+    model = state.model
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        return list(prompt), "prompt", None
-    try:
-        return encode_prompt(model.tokenizer, model.vocab_size, prompt), "prompt", None
-    except ValueError as e:
-        raise bad(str(e), "prompt") from None
+    items = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
+    out: list[tuple[list[int], str | None]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            out.append((list(item), None))
+            continue
+        try:
+            out.append((encode_prompt(model.tokenizer, model.vocab_size, item), item))
+        except ValueError as e:
+            text = str(e) if len(items) == 1 else f"prompt[{i}]: {e}"
+            raise bad(text, "prompt") from None
+    return out
+
+
+def check_echo(state: ServeState, body: Any, prompts: list[tuple[list[int], str | None]]) -> None:
+    """What ``echo`` cannot be asked with: a 400 naming the field (streaming, logprobs past what is
+    kept or without a scorer, ``max_tokens: 0`` without echo, a prompt past the context)."""
+    if body.max_tokens == 0 and not body.echo:
+        raise bad("max_tokens is 0: only echo: true scores a prompt without generating", "max_tokens")
+    if not body.echo:
+        return
+    if body.stream:
+        raise bad("echo is not supported with stream: true", "echo", "unsupported")
+    if body.logprobs is not None:
+        if not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
+        if state.scorer is None:
+            raise bad(
+                "echo with logprobs needs the model resident in the server's process "
+                "(not under tensor/pipeline parallelism or layer streaming)", "echo", "unsupported",
+            )  # fmt: skip
+    if body.max_tokens == 0:
+        for ids, _ in prompts:
+            if len(ids) > state.context:
+                raise bad(
+                    f"prompt: the prompt has {len(ids)} tokens; the context is {state.context} tokens",
+                    "prompt", "context_length_exceeded",
+                )  # fmt: skip
+            if max(ids) >= state.model.vocab_size or min(ids) < 0:
+                raise bad(f"prompt: token ids must be in [0, {state.model.vocab_size})", "prompt")
 
 
 def compile_constraint(state: ServeState, constraint: Constraint | None, param: str) -> None:
@@ -150,7 +188,9 @@ def sampling_params(
 
 __all__ = [
     "DEFAULT_COMPLETION_TOKENS",
+    "check_echo",
     "compile_constraint",
+    "completion_prompts",
     "prompt_ids",
     "refusal",
     "request_field",
