@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from infer.lens.points import NameFilter, Point, points, select, unknown_name
-from infer.models.attend import attend, recording_attention
+from infer.models.attend import attend, recording_attention, repeat_kv
 
 
 class LLM(Protocol):
@@ -298,11 +298,7 @@ class _LensProbe:
         s, n = self.session, f"blocks.{i}.attn"
         q = s.apply(f"{n}.hook_rot_q", q.transpose(1, 2)).transpose(1, 2)  # as [B, T, H, hd]
         k = s.apply(f"{n}.hook_rot_k", k.transpose(1, 2)).transpose(1, 2)  # as [B, S, Hkv, hd]
-        B, H, _, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        if Hkv != H:  # query head h reads KV head h // G
-            k = k[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
-            v = v[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+        k, v = repeat_kv(q.shape[1], k, v)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, T, S]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap

@@ -127,11 +127,7 @@ class AttentionProbe:
         it (K/V repeated per query head, float32 scores and softmax): ``q [B, H, T, hd]`` over
         ``k, v [B, Hkv, S, hd]``. Per head, not folded as `_fold_gqa` folds: faster here
         (docs/notebooks.md)."""
-        B, H, _, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        if Hkv != H:  # query head h reads KV head h // G
-            k = k[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
-            v = v[:, :, None].expand(B, Hkv, H // Hkv, S, D).reshape(B, H, S, D)
+        k, v = repeat_kv(q.shape[1], k, v)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, T, S]
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
@@ -146,6 +142,16 @@ class AttentionProbe:
         out = torch.matmul(p, v.float()).to(q.dtype)  # [B, H, T, hd]
         self.probs.append(p.to(q.dtype))
         return out
+
+
+def repeat_kv(heads: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v [B, Hkv, S, hd]`` repeated per query head, ``[B, heads, S, hd]`` (query head ``h``
+    reads KV head ``h // (heads // Hkv)``), as transformers' eager attention repeats them."""
+    B, Hkv, S, D = k.shape
+    if Hkv == heads:
+        return k, v
+    return (k[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D),
+            v[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D))  # fmt: skip
 
 
 _PROBE: list[AttentionProbe | None] = [None]
