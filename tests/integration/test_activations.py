@@ -79,3 +79,23 @@ def test_bad_arguments_are_refused(llm: infer.LLM, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="index"):
         Activations(tmp_path / "nothing")
     assert lens.save_activations is not None
+
+
+def test_a_streamed_model_saves_the_resident_models_activations(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Layer streaming under a budget gives the same activations, bitwise in the deterministic mode
+    (the same products on the same shapes: docs/numerics.md)."""
+    from infer.streaming import StreamingConfig
+
+    path = tiny_ckpt_factory("llama")
+    resident = infer.load(path, dtype=torch.float32, deterministic=True)
+    streamed = infer.load(path, dtype=torch.float32, deterministic=True,
+                          streaming=StreamingConfig(memory_budget="64MB"))  # fmt: skip
+    inputs = _inputs()[:4]
+    resident.save_activations(inputs, NAMES, tmp_path / "r", batch_size=2, progress=False)
+    streamed.save_activations(inputs, NAMES, tmp_path / "s", batch_size=2, progress=False)
+    a, b = Activations(tmp_path / "r"), Activations(tmp_path / "s")
+    for i in range(len(inputs)):
+        for n in NAMES:
+            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (i, n)
