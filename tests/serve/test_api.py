@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infer.params import ParamError, ParamTypeError
 
+from .clients import openai_client, served_model
 from .fake_engine import FakeEngine
 
 LiveServer = Callable[..., str]  # tests/serve/conftest.py's live_server
@@ -29,12 +30,10 @@ def base(live_server: LiveServer, tiny_llm: Any) -> str:
 
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    return openai_client(base)
 
 
-def _model(base: str) -> str:
-    name: str = httpx.get(base + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
-    return name
+_model = served_model
 
 
 def _metrics(base: str, headers: dict[str, str] | None = None) -> dict[str, float]:

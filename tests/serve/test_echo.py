@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 
+from .clients import openai_client, served_model
 from .fake_engine import FakeEngine
 
 LiveServer = Callable[..., str]
@@ -34,12 +35,10 @@ def base(live_server: LiveServer, tiny_llm: Any) -> str:
 
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    return openai_client(base)
 
 
-def _model(base: str) -> str:
-    name: str = httpx.get(base + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
-    return name
+_model = served_model
 
 
 def _reference(hf_model: Any, ids: list[int]) -> torch.Tensor:

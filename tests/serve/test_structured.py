@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from infer.text.prompts import tool_chat
 
+from .clients import openai_client, served_model
 from .fake_engine import FakeEngine, FakeHandle
 
 LiveServer = Callable[..., str]
@@ -60,12 +61,10 @@ def base(live_server: LiveServer, llm: Any) -> str:
 
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    return openai_client(base)
 
 
-def _model(base: str) -> str:
-    name: str = httpx.get(base + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
-    return name
+_model = served_model
 
 
 class Pet(BaseModel):
@@ -283,7 +282,7 @@ class _Scripted(FakeEngine):
 def test_auto_reads_the_call_out_of_the_reply(live_server: LiveServer, llm: Any, stream: bool) -> None:
     two = SCRIPT + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     base = live_server(_Scripted(llm, two))
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    client = openai_client(base)
     for parallel, expected in ((True, 2), (False, 1)):
         kwargs: dict[str, Any] = dict(
             model=_model(base), messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=parallel
@@ -306,7 +305,7 @@ def test_auto_reads_the_call_out_of_the_reply(live_server: LiveServer, llm: Any,
         assert calls == [("get_weather", {"city": "Rome", "days": 2}), ("now", {})][:expected]
     # A reply without a call is content, "<" included, finished with "stop"; tool_choice none: no parsing.
     plain = live_server(_Scripted(llm, "a < b, and <tool_ is not a call"))
-    client = openai.OpenAI(base_url=plain + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    client = openai_client(plain)
     kwargs = {"model": _model(plain), "messages": ASK, "tools": [WEATHER]}
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
@@ -316,7 +315,7 @@ def test_auto_reads_the_call_out_of_the_reply(live_server: LiveServer, llm: Any,
         assert (_calls(whole.message), whole.finish_reason) == ([], "stop")
         assert whole.message.content == "a < b, and <tool_ is not a call"
     scripted = live_server(_Scripted(llm, SCRIPT))
-    client = openai.OpenAI(base_url=scripted + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+    client = openai_client(scripted)
     none = client.chat.completions.create(**{**kwargs, "model": _model(scripted)}, tool_choice="none")
     assert none.choices[0].message.content == SCRIPT and none.choices[0].message.tool_calls is None
 
