@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from infer.execution import Execution
+from infer.lens import ActivationCache
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
 from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
@@ -45,7 +46,9 @@ class GenerationResult:
     tool calls: the text around them). ``finish_reason`` is "eos", "stop" (a stop string, or a
     constraint that admits nothing more), "length", or "tool_calls" (`LLM.chat` with ``tools``:
     ``tool_calls`` holds them). ``parsed``: with a ``json_schema``, the finished JSON — an
-    instance of the pydantic model when one was given, else the decoded value.
+    instance of the pydantic model when one was given, else the decoded value. ``activations``:
+    inside ``llm.hooks(cache=...)``, the kept points at every position fed (the prompt, then each
+    generated token but the last: ``[prompt_tokens + len(token_ids) - 1, ...]``).
     """
 
     text: str
@@ -56,6 +59,7 @@ class GenerationResult:
     decode_seconds: float = 0.0
     tool_calls: list[ToolCall] = field(default_factory=list)
     parsed: Any = None
+    activations: ActivationCache | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -284,6 +288,7 @@ class LLM(NotebookMethods):
             prefill_seconds=h.prefill_seconds,
             decode_seconds=h.decode_seconds,
             parsed=parsed,
+            activations=h.activations,
         )
 
     # ---- public ---------------------------------------------------------------

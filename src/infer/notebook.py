@@ -20,7 +20,7 @@ import torch
 
 from infer.combinations import check_intervention
 from infer.interventions import Intervention, Interventions, Positions, intervene
-from infer.lens import ActivationCache, hooks, run_with_cache, run_with_hooks, save_activations
+from infer.lens import ActivationCache, Hooked, hooks, run_with_cache, run_with_hooks, save_activations
 from infer.lens.points import NameFilter
 from infer.lens.run import Hooks, Input
 from infer.scores import LogitLens, TokenScores, logit_lens, score
@@ -109,10 +109,14 @@ class NotebookMethods:
         (`infer.lens.run_with_hooks`)."""
         return run_with_hooks(self, input, fwd_hooks, bwd_hooks, stop_at_layer)
 
-    def hooks(self, fwd_hooks: Hooks = (), bwd_hooks: Hooks = ()) -> contextlib.AbstractContextManager[Any]:
-        """``with llm.hooks(fwd_hooks=[...]):`` the hooks stay on for every forward and generation
-        meanwhile (`infer.lens.hooks`)."""
-        return hooks(self, fwd_hooks, bwd_hooks)
+    def hooks(
+        self, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), *, cache: NameFilter | bool = False,
+        cache_bytes: int = 2**30,
+    ) -> contextlib.AbstractContextManager[Hooked]:  # fmt: skip
+        """``with llm.hooks(fwd_hooks=[...]) as run:`` the hooks stay on for this thread's forwards
+        and the generations it runs meanwhile, each request's on its own rows; ``cache``: the points
+        each generation keeps for every position it feeds (`infer.lens.hooks`)."""
+        return hooks(self, fwd_hooks, bwd_hooks, cache=cache, cache_bytes=cache_bytes)
 
     def save_activations(
         self, inputs: Any, names: NameFilter, out_dir: str | os.PathLike[str], *, batch_size: int = 8,

@@ -24,7 +24,7 @@ def llm(tiny_ckpt_factory: Callable[..., Path]) -> infer.LLM:
 
 def _inputs() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    lengths = [7, 7, 7, 12, 3, 3, 9]  # runs of one length share a forward
+    lengths = [7, 7, 7, 12, 3, 3, 9]  # batches of 2: (7, 7), (7, 12) padded, (3, 3), (9)
     return [torch.randint(0, 250, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -99,3 +99,31 @@ def test_a_streamed_model_saves_the_resident_models_activations(
     for i in range(len(inputs)):
         for n in NAMES:
             assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (i, n)
+
+
+def test_sequences_of_unequal_lengths_share_a_forward(
+    tiny_ckpt_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Consecutive sequences of different lengths run in one right-padded forward; in the
+    deterministic mode each one's activations are bitwise those of the sequence run alone (a
+    causal forward never reads the padding after a position, and every product computes each row
+    on its own: docs/numerics.md)."""
+    llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32, deterministic=True)
+    g = torch.Generator().manual_seed(9)
+    inputs = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 9, 7, 8)]
+    forwards: list[tuple[int, ...]] = []
+    real = lens.save.run_with_cache
+
+    def counted(llm: infer.LLM, ids: torch.Tensor, *args: object) -> object:
+        forwards.append(tuple(ids.shape))
+        return real(llm, ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lens.save, "run_with_cache", counted)
+    llm.save_activations(inputs, NAMES, tmp_path, batch_size=4, progress=False)
+    monkeypatch.setattr(lens.save, "run_with_cache", real)
+    assert forwards == [(4, 9)]
+    saved = Activations(tmp_path)
+    for i, ids in enumerate(inputs):
+        _, alone = llm.run_with_cache([ids], NAMES)
+        for n in NAMES:
+            assert torch.equal(saved.sequence(i)[n], alone[n][0]), (i, n)

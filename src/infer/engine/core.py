@@ -27,6 +27,7 @@ from infer.engine.served import ServedModel
 from infer.execution import Execution
 from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
+from infer.models.hooks import submission_scope
 from infer.params import SamplingParams, check_int
 from infer.sampling import Sampling
 from infer.speculative import Drafter, NoiseQueue, Speculative, Speculator
@@ -187,6 +188,10 @@ class Engine:
         eos = frozenset(p.stop_token_ids) if p.ignore_eos else self.eos | set(p.stop_token_ids)
         max_new = min(p.max_tokens, self.context - len(toks))
         r = Request(handle, toks, p, max_new, eos, generator, time.perf_counter(), processor=processor)
+        scope = submission_scope()
+        if scope is not None:  # inside `infer.lens.hooks`: the hooks act on this request's forwards
+            r.hooks = scope.for_request(len(toks) + max(max_new - 1, 0))  # the positions it may feed
+            handle.activations = r.hooks.kept
         if self.scheduler.speculator is not None and generator is not None:
             r.noise = NoiseQueue(generator, self.model.vocab_size, self.model.device)
         return r

@@ -45,8 +45,9 @@ class Outputs:
                 self._tokens(r, result.rows[row], update)
 
     def _decode(self, forward: Forward, result: Sampled, update: Update) -> None:
-        update.batch = len(forward.requests)
-        update.verified = forward.kind == "verify"
+        if forward.hooks is None:  # (a hooked request's own step is no batch's cost)
+            update.batch = len(forward.requests)
+            update.verified = forward.kind == "verify"
         width = max(len(f) for f in forward.feeds.values())
         given = 0
         for row, r in forward.requests.items():
@@ -64,7 +65,9 @@ class Outputs:
                 assert r.spec is not None
                 r.spec.acceptance.update(proposal.kind, len(proposal.tokens), accepted)
                 update.passes.append(Pass(proposal.kind, len(proposal.tokens), accepted, taken))
-        update.costs.append((len(forward.requests), width if update.verified else 1, result.seconds, given))
+        if forward.hooks is None:
+            cost = (len(forward.requests), width if update.verified else 1, result.seconds, given)
+            update.costs.append(cost)
 
     def _tokens(self, r: Request, got: Row, update: Update) -> int:
         """Take ``got``'s tokens for ``r`` in order until one ends it; how many it took."""

@@ -7,7 +7,7 @@ what each stage hands the next (`Ran`, `Sampled`, `Update`). Under torchrun rank
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -38,6 +38,7 @@ class Forward:
     draft model, which the runner runs before the forward: ``drafting[r]``, the tokens row ``r``'s
     draft may propose and their acceptance estimate (the runner adds the proposals to ``feeds``);
     ``draft_reads``, the requests whose prompts this chunk finishes (the draft reads them now).
+    ``hooks``: a forward of one request's row alone, whose hooks act on it (`Request.hooks`).
     """
 
     kind: Kind
@@ -51,6 +52,7 @@ class Forward:
     proposals: dict[int, Proposal] = field(default_factory=dict)
     drafting: dict[int, tuple[int, float]] = field(default_factory=dict)
     draft_reads: list[Request] = field(default_factory=list)
+    hooks: Any = None  # the scope of its one request's hooks (`Request.hooks`), None for none
 
     def wire(self) -> Wired:
         return Wired(self.lo, self.hi, self.feeds, self.pad_to, self.exact_head, self.kind == "verify")

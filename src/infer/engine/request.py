@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -112,6 +112,7 @@ class RequestHandle:
     cached: int = 0
     admitted: float = 0.0  # perf_counter() when the engine admitted it (from its events' `Progress`)
     first_token: float = 0.0  # ... when its first token was sampled
+    activations: Any = None  # what `infer.lens.hooks(cache=...)` keeps of its positions, else None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -252,6 +253,9 @@ class Request:
     # (a verify pass reads ahead and gives back the rows of rejected positions).
     noise: NoiseQueue | None = None
     spec: SpecState | None = None  # its speculation state (`infer.speculative`), made on first use
+    # Submitted inside `infer.lens.hooks`: its scope (`infer.models.hooks`). Its forwards run alone,
+    # eagerly, under that scope; it reuses no K/V and its row is never reused (`Scheduler.admit`).
+    hooks: Any = None
 
     @property
     def decoding(self) -> bool:

@@ -2,7 +2,8 @@
 
 `Runner.run` runs each forward of an `infer.engine.plan.Plan` in order through the model's
 `infer.execution.Execution` (a draft model, when there is one, first reads the prompts the plan
-finishes and drafts what its verify passes ask for), and hands back what each gave
+finishes and drafts what its verify passes ask for), each under the scope of the hooks of its
+request (`infer.models.hooks.engine_forward`: None for none), and hands back what each gave
 (`infer.engine.plan.Ran`); a forward that fails leaves its rows as they were. A parallel run's
 rank 0 uses `infer.engine.parallel.Broadcasting`, which sends each plan to the other ranks first.
 """
@@ -20,6 +21,7 @@ from infer.execution import Execution, StepFeed, StepOutput
 from infer.kv.cache import KVCache
 from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
+from infer.models.hooks import engine_forward
 from infer.sampling import Sampling, SamplingValues
 from infer.speculative import DRAFTED, Drafter, Proposal
 
@@ -46,8 +48,9 @@ class Runner:
         for forward, draw in zip(plan.forwards, draws, strict=True):
             t0 = time.perf_counter()
             try:
-                result = self.step(forward.lo, forward.hi, forward.feeds, draw.mode, draw.values, draw.noise,
-                                   forward.pad_to)  # fmt: skip
+                with engine_forward(forward.hooks):
+                    result = self.step(forward.lo, forward.hi, forward.feeds, draw.mode, draw.values,
+                                       draw.noise, forward.pad_to)  # fmt: skip
             except Exception as e:
                 out.append(Ran(draw, None, e))
                 continue

@@ -133,7 +133,7 @@ class Scheduler:
                 self.end(r, "cancelled")
         self.resolve_waits()
         decoding = sorted(row for row, r in self.running.items() if r.decoding)
-        forwards = [self._decode(decoding)] if decoding else []
+        forwards = self._decode(decoding) if decoding else []
         forwards += self._prefill(idle=not decoding)
         return Plan(self.slots.take_ops(), forwards)
 
@@ -145,22 +145,24 @@ class Scheduler:
         be computed (``r`` shares them: `KVSlots.share_prefix`, stored once; or, while they are
         being computed, waits for them: `resolve_waits`), if at least `MIN_SHARED` tokens.
         Otherwise an empty row, else the least recently used, else (every row busy) a new one: KV
-        memory follows the requests that ran at once, not the prompts seen (docs/engine.md)."""
+        memory follows the requests that ran at once, not the prompts seen (docs/engine.md).
+        A request with hooks (`Request.hooks`) reuses nothing and its row is never reused."""
         slots = self.slots
         slots.check_hooks()  # K/V computed under other forward hooks are not reused
         busy = {q.row for q in self.running.values()}
         free = [i for i in range(slots.rows) if i not in busy]
+        private = r.hooks is not None
         best, best_n = -1, 0
         limit = len(r.prompt) - 1  # the last prompt token is always fed (its logits pick the first token)
         for i in free:
-            if not slots.reusable(i):
+            if private or not slots.reusable(i):
                 continue
             n = min(common_prefix(slots.tokens(i), r.prompt), limit)
             if n > best_n:
                 best, best_n = i, n
         lead, lead_n = -1, 0
         for i, q in self.running.items():
-            if not slots.reusable(i):
+            if private or not slots.reusable(i):
                 continue
             n = min(common_prefix(slots.tokens(i) + q.pending, r.prompt), limit)
             stored = slots.offset(i)
@@ -182,6 +184,8 @@ class Scheduler:
                 best = slots.rows
                 slots.apply(Reserve(best + 1, 1))  # a row; its slots grow as its prompt is read
         slots.apply(Rollback(best, best_n))
+        if private:
+            slots.stale.add(best)  # K/V computed under its hooks (`KVSlots.reusable`)
         r.row = best
         r.pending = r.prompt[best_n:]
         slots.apply(SetBound(best, len(slots.held[best]) + len(r.pending) + r.max_new))
@@ -228,6 +232,7 @@ class Scheduler:
         proposals: dict[int, Proposal] | None = None,
         drafting: dict[int, tuple[int, float]] | None = None,
         draft_reads: list[Request] | None = None,
+        hooks: object = None,
     ) -> Forward:
         """A forward of ``kind`` over rows ``[lo, hi)`` feeding ``feeds`` to their running requests,
         with their lengths before it and the head they need (`exact_head`)."""
@@ -235,12 +240,18 @@ class Scheduler:
         exact = exact_head(list(requests.values()), self.policy.exact_allowed, verify=kind == "verify")
         base = {i: self.slots.length(i) for i in feeds}
         return Forward(kind, lo, hi, feeds, exact, requests, base, pad_to, proposals or {}, drafting or {},
-                       draft_reads or [])  # fmt: skip
+                       draft_reads or [], hooks)  # fmt: skip
 
-    def _decode(self, rows: list[int]) -> Forward:
+    def _decode(self, rows: list[int]) -> list[Forward]:
         """The decode step of ``rows`` (ascending): each one's last sampled token; a verify pass of
-        their proposals instead when the speculator finds one that pays."""
+        their proposals instead when the speculator finds one that pays. A request with hooks takes
+        a step of its own first (its row alone, never a verify pass)."""
         running, slots = self.running, self.slots
+        out = [self._forward("decode", i, i + 1, {i: running[i].pending}, hooks=running[i].hooks)
+               for i in rows if running[i].hooks is not None]  # fmt: skip
+        rows = [i for i in rows if running[i].hooks is None]
+        if not rows:
+            return out
         lo, hi = rows[0], rows[-1] + 1
         if self.speculator is not None:
             # A verify pass feeds every row of its span its width (the idle ones padding): the running
@@ -251,24 +262,27 @@ class Scheduler:
             if proposed is not None:
                 lookup = proposed.proposals
                 feeds = {i: running[i].pending + (lookup[i].tokens if i in lookup else []) for i in rows}
-                return self._forward("verify", lo, hi, feeds, proposals=lookup, drafting=proposed.drafting)
+                verify = self._forward("verify", lo, hi, feeds, proposals=lookup, drafting=proposed.drafting)
+                return [*out, verify]
         if self.policy.bucketed:
             # A power-of-two window of rows around the decoding ones (few graphs, one per size),
             # not every allocated row: one stream among 16 idle rows computes 1 row, not 16.
             width = min(slots.rows, bucket(hi - lo))
             lo = min(lo, slots.rows - width)
             hi = lo + width
-        return self._forward("decode", lo, hi, {i: running[i].pending for i in rows})
+        return [*out, self._forward("decode", lo, hi, {i: running[i].pending for i in rows})]
 
     def _prefill(self, idle: bool) -> list[Forward]:
         """Chunks of the prompts being read: runs of contiguous rows, one forward each, up to the
         budget's tokens in all: a short chunk while streams decode (they wait for it), a long one
-        when nobody waits (``idle``: each packed weight dequantized once for more tokens)."""
+        when nobody waits (``idle``: each packed weight dequantized once for more tokens). A request
+        with hooks reads its prompt in forwards of its own (its row alone, unpadded)."""
         running, b = self.running, self.policy
         reading = sorted(row for row, r in running.items() if not r.decoding and r.waits is None)
         groups: list[list[int]] = []
         for i in reading:
-            if groups and groups[-1][-1] == i - 1:
+            plain = running[i].hooks is None
+            if groups and groups[-1][-1] == i - 1 and plain and running[groups[-1][0]].hooks is None:
                 groups[-1].append(i)
             else:
                 groups.append([i])
@@ -283,16 +297,16 @@ class Scheduler:
             if b.per_forward is not None:
                 T = max(1, min(T, b.per_forward // len(group)))
             feeds = {i: running[i].pending[:T] for i in group}
+            hooks = running[group[0]].hooks
             reads: list[Request] = []
-            if self.speculator is not None:  # a draft model reads the prompts that end here
+            if self.speculator is not None and hooks is None:  # a draft reads the prompts that end here
                 ending = [running[i] for i in group if len(running[i].pending) <= T]
                 reads = self.speculator.draft_reads(ending)
             pad_to = 0
-            if b.bucketed:
+            if b.bucketed and hooks is None:
                 pad_to = bucket(T, MIN_PREFILL) if T > 1 else 1
-            forwards.append(
-                self._forward("prefill", group[0], group[-1] + 1, feeds, pad_to=pad_to, draft_reads=reads)
-            )
+            forwards.append(self._forward("prefill", group[0], group[-1] + 1, feeds, pad_to=pad_to,
+                                          draft_reads=reads, hooks=hooks))  # fmt: skip
             left -= sum(len(t) for t in feeds.values())
         return forwards
 

@@ -9,6 +9,7 @@ shards (`infer.lens.save`).
 from infer.lens.points import Point, points
 from infer.lens.run import (
     ActivationCache,
+    Hooked,
     HookFn,
     HookPoint,
     hook_names,
@@ -23,6 +24,7 @@ __all__ = [
     "Activations",
     "HookFn",
     "HookPoint",
+    "Hooked",
     "Point",
     "hook_names",
     "hooks",

@@ -6,8 +6,10 @@ them off after. Hook functions are TransformerLens' ``fn(tensor, hook)``: ``hook
 point's name; a returned tensor (same shape and dtype) replaces the activation, None keeps it.
 
 * Nothing else is hooked: the other blocks keep their fused products and default attention.
-  A run's hooks act on the calling thread only (a generation the engine steps meanwhile on
-  another thread is untouched); those of `hooks` on every thread.
+  The installed hooks are `infer.models.hooks.scoped`: they act on the forwards of the calling
+  thread, and on the engine's forwards of the requests submitted inside `hooks` (each its own
+  `RequestSession`, a forward of its row alone, run eagerly); every other forward, a generation
+  of another caller batched with them included, runs as if they were not there.
 * The points inside attention (``hook_rot_q``, ``hook_rot_k``, ``hook_attn_scores``,
   ``hook_pattern``) run the layers that use them through the eager attention
   `infer.models.attend` offers inspection (its probe seam, this thread only), as transformers'
@@ -32,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from infer.lens.points import NameFilter, Point, points, select, unknown_name
 from infer.models.attend import attend, recording_attention, repeat_kv
+from infer.models.hooks import OUTSIDE, forward_scope, scoped, submitting
 
 
 class LLM(Protocol):
@@ -139,9 +142,11 @@ class Session:
         self.used = set(self.fwd) | set(self.bwd) | self.cached | set(self.splices)
         self.hook_points = {n: HookPoint(n, (by_name.get(n) or self.sub[n]).layer) for n in self.names}
         self.pending: dict[str, torch.Tensor] = {}  # block -> an edit of its hook_resid_mid
-        # A run's hooks act on its own thread only (an engine stepping another request meanwhile
-        # is left alone, as `infer.models.record` does); None: every thread (`hooks`).
-        self.thread: int | None = None
+        # The hooks act on forwards of this thread (outside the engine's forwards) and on the
+        # engine's forwards of this session's requests (`RequestSession`).
+        self.thread = threading.get_ident()
+        self.requests: list[RequestSession] = []
+        self.cache_bytes = 0  # what a request may keep (`hooks(cache=...)`)
 
     # ---- what the installed hooks call ---------------------------------------------------
 
@@ -155,7 +160,7 @@ class Session:
             if result is not None:
                 value = _check_result(result, value, name, fn, "forward")
         if name in self.cached:
-            self.cache[name] = value.detach()
+            self.keep(name, value.detach())
         if name in self.bwd and torch.is_grad_enabled():
             if not value.requires_grad:  # nothing before it needs a gradient: start the graph here
                 value = value.detach().requires_grad_(True)
@@ -164,6 +169,9 @@ class Session:
         if splice is not None:
             value = splice.run(value, lambda sub, x: self.apply(f"{name}.{sub}", x))
         return value
+
+    def keep(self, name: str, value: torch.Tensor) -> None:
+        self.cache[name] = value
 
     def _backward(self, name: str, value: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         hook = self.hook_points[name]
@@ -222,10 +230,11 @@ class Session:
             first = [p for p in self.points if p.layer is None and p.module == f"layers.{stop_at_layer}"]
 
             def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
-                if self.mine():
+                if self.acting() is self:
                     raise _Stop(self.at(first, args[0]))
 
-            handles.append(layers[stop_at_layer].register_forward_pre_hook(stop, prepend=True))
+            ours = lambda: self.acting() is self  # noqa: E731
+            handles.append(layers[stop_at_layer].register_forward_pre_hook(scoped(stop, ours), prepend=True))
         try:
             for (module_name, side), group in groups.items():
                 module = self.model.get_submodule(module_name)
@@ -239,31 +248,93 @@ class Session:
             raise
         return handles
 
-    def mine(self) -> bool:
-        """Whether the calling thread is the one this session's hooks act on."""
-        return self.thread is None or self.thread == threading.get_ident()
+    def acting(self) -> Session | None:
+        """The session whose hooks act on the forward running now: this one on its thread outside
+        the engine's forwards, one of its requests' in the engine's forward of that request."""
+        scope = forward_scope()
+        if scope is OUTSIDE:
+            return self if self.thread == threading.get_ident() else None
+        if isinstance(scope, RequestSession) and scope.parent is self:
+            return scope
+        return None
+
+    def _acts(self) -> bool:
+        return self.acting() is not None
 
     def _pre(self, group: list[Point]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
-            if not self.mine():
+            s = self.acting()
+            if s is None:
                 return None
-            x = self.at(group, args[0])
+            x = s.at(group, args[0])
             return None if x is args[0] else (x, *args[1:])
 
-        return hook
+        return scoped(hook, self._acts)
 
     def _post(self, module_name: str, group: list[Point]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
-            if not self.mine():
+            s = self.acting()
+            if s is None:
                 return None
             x = out
-            delta = self.pending.pop(module_name, None)
+            delta = s.pending.pop(module_name, None)
             if delta is not None:
                 x = x + delta
-            x = self.at(group, x)
+            x = s.at(group, x)
             return None if x is out else x
 
-        return hook
+        return scoped(hook, self._acts)
+
+    def for_request(self, positions: int) -> RequestSession:
+        """The session of one request submitted inside `hooks` (`infer.engine`), which feeds at
+        most ``positions`` tokens."""
+        child = RequestSession(self, positions)
+        self.requests.append(child)
+        return child
+
+
+class RequestSession(Session):
+    """One generation's share of a `hooks` session: the same hooks, its own edits in flight, and
+    the activations it keeps, position after position (prompt and generated tokens as they are fed),
+    in buffers sized once for every position it may feed (bounded by ``cache_bytes``)."""
+
+    def __init__(self, parent: Session, positions: int) -> None:
+        self.__dict__.update(parent.__dict__)
+        self.parent = parent
+        self.positions = positions
+        self.pending = {}
+        self.cache = ActivationCache()
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.written: dict[str, int] = {}
+
+    @property
+    def kept(self) -> ActivationCache | None:
+        """``kept[name]``: ``[positions fed, ...]``, None when the session keeps nothing."""
+        return self.cache if self.cached else None
+
+    def keep(self, name: str, value: torch.Tensor) -> None:
+        # value: [1, T, ...], this forward's new positions of the request's one row
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            buffer = self._buffer(name, value)
+        at, T = self.written.get(name, 0), value.shape[1]
+        buffer[at : at + T] = value[0]
+        self.written[name] = at + T
+        self.cache[name] = buffer[: at + T]
+
+    def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        shape = (self.positions, *value.shape[2:])
+        need = sum(b.nbytes for b in self.buffers.values()) + value[0, :1].nbytes * self.positions
+        if need > self.cache_bytes:
+            raise ValueError(
+                f"hooks(cache=...): keeping {name} with {', '.join(self.buffers) or 'nothing else'} for "
+                f"{self.positions} positions (the prompt and max_new_tokens) takes {need:,} bytes; "
+                f"cache_bytes is {self.cache_bytes:,}: keep fewer points, generate fewer "
+                "tokens or give a larger cache_bytes"
+            )
+        buffer = value.new_empty(shape)
+        self.buffers[name] = buffer
+        return buffer
 
 
 class _Stop(Exception):
@@ -326,14 +397,18 @@ def _probing(session: Session) -> Iterator[list[RemovableHandle]]:
         attn: Any = blocks[i].attn if hasattr(blocks[i], "attn") else blocks[i].self_attn
 
         def enter(module: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
-            if session.mine():
+            if session.acting() is session:
                 probe.layer = i
 
         def leave(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if session.mine():
+            if session.acting() is session:
                 probe.layer = None
 
-        handles += [attn.register_forward_pre_hook(enter), attn.register_forward_hook(leave)]
+        ours = lambda: session.acting() is session  # noqa: E731
+        handles += [
+            attn.register_forward_pre_hook(scoped(enter, ours)),
+            attn.register_forward_hook(scoped(leave, ours)),
+        ]
     with recording_attention() as recorder:  # attention on this thread calls recorder.attend
         setattr(recorder, "attend", probe.attend)  # noqa: B010
         yield handles
@@ -391,7 +466,6 @@ def _forward(llm: LLM, session: Session, input: Input, stop_at_layer: int | None
     ids = token_ids(llm, input)
     stop = _stop_index(model, stop_at_layer)
     n = len(model.layers)  # type: ignore[arg-type]
-    session.thread = threading.get_ident()
     handles = session.install(stop if stop is not None and stop < n else None)
     try:
         with _probing(session) as probe_handles:
@@ -465,25 +539,59 @@ def run_with_hooks(
 _HOOKS_LOCK = threading.Lock()
 
 
+class Hooked:
+    """What ``with hooks(...) as run:`` gives: ``run.activations``, the activations each request
+    submitted inside kept (`ActivationCache` ``[positions, ...]``, in submission order; with
+    ``cache=``), and ``run.cache``, those of the last forward the calling thread ran itself."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    @property
+    def activations(self) -> list[ActivationCache]:
+        return [r.cache for r in self._session.requests]
+
+    @property
+    def cache(self) -> ActivationCache:
+        return self._session.cache
+
+
 @contextlib.contextmanager
 def hooks(
-    llm: LLM, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), *, splices: dict[str, Splice] | None = None
-) -> Iterator[LLM]:
-    """``with hooks(llm, fwd_hooks=[...]):`` keeps the hooks on the model's modules until the block
-    ends, for every forward meanwhile: ``llm.model(ids)`` and generation (whose steps run eagerly
-    while a hook is present and see only their new tokens). The points inside attention are
-    refused (they need a whole-sequence forward: `run_with_hooks`)."""
+    llm: LLM,
+    fwd_hooks: Hooks = (),
+    bwd_hooks: Hooks = (),
+    *,
+    cache: NameFilter | bool = False,
+    cache_bytes: int = 2**30,
+    splices: dict[str, Splice] | None = None,
+) -> Iterator[Hooked]:
+    """``with hooks(llm, fwd_hooks=[...]) as run:`` keeps the hooks on until the block ends, for
+    the forwards of the calling thread (``llm.model(ids)``, `run_with_cache`, scores) and the
+    generations it submits (``generate`` / ``stream`` / ``chat``): each request then runs in a
+    forward of its own, eagerly, and its hooks see its rows only, at every step its new positions
+    (prompt chunks, then one token); it reuses no K/V, nor does any other request reuse its.
+    Other callers' requests batched meanwhile run as without hooks. ``cache``: the points each
+    request keeps for every position it feeds (`Hooked.activations`, `GenerationResult.activations`;
+    True: all), at most ``cache_bytes`` a request (checked at its first forward). The points inside
+    attention are refused (they need a whole-sequence forward: `run_with_hooks`)."""
     model = _model(llm)
-    session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
+    if cache is True:  # every point generation reaches
+        cache = [p.name for p in points(model) if not p.internal]
+    session = Session(model, fwd_hooks, bwd_hooks, cache=cache, splices=splices)
     if session.internal:
         raise ValueError(
             f"hooks(): {', '.join(session.internal)} are computed inside attention and can be hooked "
             "only in a whole-sequence forward on this thread: use run_with_hooks / run_with_cache"
         )
+    if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes <= 0:
+        raise ValueError(f"hooks(): cache_bytes must be a positive int, got {cache_bytes!r}")
+    session.cache_bytes = cache_bytes
     with _HOOKS_LOCK:
         handles = session.install()
     try:
-        yield llm
+        with submitting(session):
+            yield Hooked(session)
     finally:
         for handle in handles:
             handle.remove()
@@ -494,7 +602,9 @@ __all__ = [
     "ActivationCache",
     "HookFn",
     "HookPoint",
+    "Hooked",
     "Input",
+    "RequestSession",
     "Session",
     "Splice",
     "hook_names",

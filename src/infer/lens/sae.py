@@ -179,7 +179,7 @@ def run_with_cache_with_saes(
 
 
 @contextlib.contextmanager
-def saes(llm: run.LLM, saes: Sequence[SAE], *, use_error_term: bool = False) -> Iterator[run.LLM]:
+def saes(llm: run.LLM, saes: Sequence[SAE], *, use_error_term: bool = False) -> Iterator[run.Hooked]:
     """``with saes(llm, [sae]):`` the SAEs spliced in for every forward meanwhile, generation
     included (SAELens' ``HookedSAETransformer.saes`` context; `infer.lens.run.hooks`)."""
     with run.hooks(llm, splices=_splices(saes, use_error_term)) as out:

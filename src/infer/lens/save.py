@@ -37,12 +37,16 @@ def _last_block(model: Any, names: Sequence[str]) -> int | None:
 
 
 def _batches(seqs: Iterable[list[int]], batch_size: int) -> Iterator[list[list[int]]]:
-    """Consecutive sequences of one length, at most ``batch_size`` a forward (rows are not padded)."""
+    """Consecutive sequences, at most ``batch_size`` a forward, right-padded to the longest (a causal
+    forward's positions do not see those after them, so padding changes no real position's inputs).
+    A sequence that would make the padding more than half the batch's real tokens starts the next."""
     batch: list[list[int]] = []
     for ids in seqs:
-        if batch and len(ids) != len(batch[0]):
-            yield batch
-            batch = []
+        if batch:
+            longest = max(len(ids), *(len(b) for b in batch))
+            if longest * (len(batch) + 1) > 1.5 * (len(ids) + sum(len(b) for b in batch)):
+                yield batch
+                batch = []
         batch.append(ids)
         if len(batch) == batch_size:  # a full batch runs before the next sequence is read
             yield batch
@@ -64,8 +68,8 @@ def save_activations(
 ) -> Path:
     """Run every sequence of ``inputs`` (texts, token id lists, or the rows of a ``[N, T]`` tensor)
     and write the activations at the hook points ``names`` picks to ``out_dir`` (see the module's
-    docstring); returns the index's path. ``batch_size``: consecutive sequences of one length run
-    in one forward; ``shard_bytes``: a shard is written once it holds this many bytes (memory is
+    docstring); returns the index's path. ``batch_size``: consecutive sequences run in one forward,
+    right-padded to the longest (`_batches`: at most half as many padded as real tokens); ``shard_bytes``: a shard is written once it holds this many bytes (memory is
     bounded by it plus one batch); ``dtype``: what the values are stored as (default: as computed).
     Only the blocks the points need run (no head unless ``ln_final`` is asked)."""
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -126,15 +130,18 @@ def save_activations(
     seq = done
     with torch.inference_mode():
         for batch in _batches(sequences(), batch_size):
-            _, cache = run_with_cache(llm, batch, chosen, stop)
-            B, T = len(batch), len(batch[0])
+            lengths = [len(ids) for ids in batch]
+            B, T = len(batch), max(lengths)
+            padded = torch.tensor([ids + [0] * (T - len(ids)) for ids in batch], device=model.device)
+            _, cache = run_with_cache(llm, padded, chosen, stop)  # [B, T]: padded on the right
+            real = torch.tensor([[j < n for j in range(T)] for n in lengths], device=model.device)
             for n in chosen:
-                value = cache[n].flatten(0, 1)  # [B, T, ...] -> [B * T, ...]
+                value = cache[n][real]  # [B, T, ...] -> [real tokens, ...], row after row
                 value = value if dtype is None else value.to(dtype)
                 buffer[n].append(value.cpu())
                 held += value.numel() * value.element_size()
-            seq_ids.append(torch.arange(seq, seq + B).repeat_interleave(T))
-            positions.append(torch.arange(T).repeat(B))
+            seq_ids.append(torch.arange(seq, seq + B).repeat_interleave(torch.tensor(lengths)))
+            positions.append(torch.cat([torch.arange(n) for n in lengths]))
             seq, count = seq + B, count + B
             bar.update(B)
             if held >= shard_bytes:

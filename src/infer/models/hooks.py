@@ -17,10 +17,21 @@ on the model itself is refused there (`HookWatch.check_generation`), naming it.
 The check is one pass over a list of the modules' hook dicts (its cost: docs/notebooks.md), made
 once per model: a module swapped into the model afterwards is not seen (its hooks are not either,
 nor would a package run its code).
+
+*Scoped* hooks (`scoped`: `infer.lens`' sessions) act only on some forwards: those of one thread,
+or the engine's forwards of one request (`engine_forward`, which the runner enters around each
+forward with the request's scope). They count as present only where they act, so the engine
+runs every other request's steps as it would without them, and they never make K/V stale: a
+request with scoped hooks computes its whole prompt and its row is never reused
+(`infer.engine.scheduler`). A scope is captured at submission (`submitting`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -31,6 +42,54 @@ from infer.models.projections import Fusable
 
 def _global_hooks() -> list[dict[int, Any]]:
     return [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+
+
+OUTSIDE = object()  # `forward_scope` outside an engine forward
+_forward = threading.local()
+_submitting: contextvars.ContextVar[Any] = contextvars.ContextVar("infer_hook_scope", default=None)
+
+
+def scoped(hook: Callable[..., Any], acting: Callable[[], bool]) -> Callable[..., Any]:
+    """Mark ``hook`` (before registering it) as acting only where ``acting()`` says."""
+    hook.infer_acting = acting  # type: ignore[attr-defined]
+    return hook
+
+
+def _acts(hook: Any) -> bool:
+    acting = getattr(hook, "infer_acting", None)
+    return acting is None or bool(acting())
+
+
+@contextlib.contextmanager
+def engine_forward(scope: Any) -> Iterator[None]:
+    """An engine forward on this thread, of requests submitted in ``scope`` (None: without one)."""
+    before = getattr(_forward, "scope", OUTSIDE)
+    _forward.scope = scope
+    try:
+        yield
+    finally:
+        _forward.scope = before
+
+
+def forward_scope() -> Any:
+    """The scope of the engine forward running on this thread (None: requests without one), or
+    `OUTSIDE` (a forward of the caller's own)."""
+    return getattr(_forward, "scope", OUTSIDE)
+
+
+@contextlib.contextmanager
+def submitting(scope: Any) -> Iterator[None]:
+    """Requests submitted in this context (thread, task) carry ``scope`` (`Engine.submit`)."""
+    token = _submitting.set(scope)
+    try:
+        yield
+    finally:
+        _submitting.reset(token)
+
+
+def submission_scope() -> Any:
+    """The scope `submitting` set in this context, None outside one."""
+    return _submitting.get()
 
 
 def calls_hooks(module: nn.Module) -> bool:
@@ -60,15 +119,19 @@ class HookWatch:
         self.fusables = [m for _, m in named if isinstance(m, Fusable)]
 
     def active(self) -> bool:
-        """Whether any forward hook is registered on the model's modules or globally."""
-        return next(filter(None, self.dicts), None) is not None
+        """Whether a forward hook on the model's modules, or a global one, acts on a forward run
+        now on this thread (every hook but a `scoped` one that does not)."""
+        if next(filter(None, self.dicts), None) is None:
+            return False
+        return any(_acts(h) for d in filter(None, self.dicts) for h in d.values())
 
     def signature(self) -> tuple[int, ...]:
-        """The ids of every hook present (torch numbers hook handles from one counter): equal
-        signatures mean the same hooks, so a KV computed under one is valid under the other."""
-        if not self.active():
-            return ()
-        return tuple(sorted(k for d in self.dicts for k in d))
+        """The ids of every hook present but the `scoped` ones (torch numbers hook handles from one
+        counter): equal signatures mean the same hooks, so a KV computed under one is valid under
+        the other."""
+        dicts = filter(None, self.dicts)
+        present = (k for d in dicts for k, h in d.items() if not hasattr(h, "infer_acting"))
+        return tuple(sorted(present))
 
     def hooked(self) -> list[str]:
         """The modules carrying hooks, by name (``"torch's global module hooks"`` for those)."""
@@ -98,4 +161,13 @@ class HookWatch:
             )
 
 
-__all__ = ["HookWatch", "calls_hooks"]
+__all__ = [
+    "OUTSIDE",
+    "HookWatch",
+    "calls_hooks",
+    "engine_forward",
+    "forward_scope",
+    "scoped",
+    "submission_scope",
+    "submitting",
+]
