@@ -112,15 +112,15 @@ def test_sequences_of_unequal_lengths_share_a_forward(
     g = torch.Generator().manual_seed(9)
     inputs = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 9, 7, 8)]
     forwards: list[tuple[int, ...]] = []
-    real = lens.save.run_with_cache
+    real = lens.run_with_cache
 
     def counted(llm: infer.LLM, ids: torch.Tensor, *args: object) -> object:
         forwards.append(tuple(ids.shape))
         return real(llm, ids, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lens.save, "run_with_cache", counted)
+    monkeypatch.setattr("infer.lens.save.run_with_cache", counted)
     llm.save_activations(inputs, NAMES, tmp_path, batch_size=4, progress=False)
-    monkeypatch.setattr(lens.save, "run_with_cache", real)
+    monkeypatch.setattr("infer.lens.save.run_with_cache", real)
     assert forwards == [(4, 9)]
     saved = Activations(tmp_path)
     for i, ids in enumerate(inputs):

@@ -176,9 +176,9 @@ def test_hooked_rows_are_never_reused(llm: infer.LLM) -> None:
     with llm.hooks(fwd_hooks=[(POINT, _steer)]):
         hooked = llm.engine.submit_many([prompt], params, drive=True)[0]
         steered = _tokens(hooked)
-    after = llm.engine.submit_many([prompt + [7]], params, drive=True)[0]
+    after = llm.engine.submit_many([[*prompt, 7]], params, drive=True)[0]
     after_tokens = _tokens(after)
     print(f"\ncached: hooked {hooked.cached}, after {after.cached} (the first request's 40 at most)")
     assert hooked.cached == 0 and after.cached <= 40
     assert steered == _recomputed(llm, prompt, 6, [(POINT, _steer)]) != plain
-    assert after_tokens == _recomputed(llm, prompt + [7], 6, [])
+    assert after_tokens == _recomputed(llm, [*prompt, 7], 6, [])

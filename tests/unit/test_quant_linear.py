@@ -29,6 +29,7 @@ from infer.quant import (
     routes,
 )
 from infer.quant.quantize import quantize_int8_per_channel
+from infer.testing import random_gguf
 
 T = GGMLQuantizationType
 QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
@@ -48,20 +49,6 @@ MEMORY_RATIO = {
 # and prefill steps (several tokens: tile-wise dequantization + matmul).
 DECODE_SHAPES = {"decode": (1, 1), "batched decode": (2, 1)}
 PREFILL_SHAPES = {"prefill": (1, 9), "batched prefill": (2, 35)}
-
-
-def random_gguf(qtype: T, rows: int, cols: int, seed: int) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
-        raw[:, off : off + 2] = (
-            (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
-        )
-    if qtype == T.MXFP4:
-        raw[:, 0] = rng.integers(118, 124, size=n)
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

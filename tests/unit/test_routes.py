@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from test_quant_linear import QUANTIZED, random_gguf, rel_err
+from test_quant_linear import QUANTIZED, rel_err
 
 from infer.quant import QuantizedLinear, dequantize, int4, routes
 from infer.quant.routes import Route
+from infer.testing import random_gguf
 
 T = GGMLQuantizationType
 

@@ -69,8 +69,9 @@ def save_activations(
     """Run every sequence of ``inputs`` (texts, token id lists, or the rows of a ``[N, T]`` tensor)
     and write the activations at the hook points ``names`` picks to ``out_dir`` (see the module's
     docstring); returns the index's path. ``batch_size``: consecutive sequences run in one forward,
-    right-padded to the longest (`_batches`: at most half as many padded as real tokens); ``shard_bytes``: a shard is written once it holds this many bytes (memory is
-    bounded by it plus one batch); ``dtype``: what the values are stored as (default: as computed).
+    right-padded to the longest (`_batches`: at most half as many padded as real tokens);
+    ``shard_bytes``: a shard is written once it holds this many bytes (memory is bounded by it plus
+    one batch); ``dtype``: what the values are stored as (default: as computed).
     Only the blocks the points need run (no head unless ``ln_final`` is asked)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -17,7 +17,7 @@ from torch import nn
 from infer.host import rows as row_rules
 from infer.host.filemap import span
 from infer.host.pages import drop_mapped_pages
-from infer.quant import int4, routes
+from infer.quant import int4, routes, tiles
 from infer.quant.dequant import dequantize
 from infer.quant.ggml import FLOAT_TYPES, QType, as_rows, check_supported
 from infer.quant.head import GREEDY_CANDIDATES, GREEDY_MAX_ROWS, RESCORE_TOP_K, top_indices
@@ -497,7 +497,9 @@ class QuantizedLinear(nn.Module):
             cols = max(_MIN_TILE_COLUMNS, _TILE_VALUES // kp) // int4.BLOCK_N * int4.BLOCK_N
             dtype = self._tile_dtype(x2)
             xt = x2.to(dtype)
-            spans = [(start, min(n_pad, start + cols)) for start in range(0, n_pad, cols)]
+            full = n_pad - n_pad % int4.BLOCK_N  # a tail block on its own: the others compile
+            spans = [(start, min(full, start + cols)) for start in range(0, full, cols)]
+            spans += [(full, n_pad)] if full < n_pad else []
             tiles = (self._dequant_tile_t(a, b, dtype) for a, b in spans)
             parts = [self._tile_product(xt, w_t, tile, gemm) for w_t in tiles]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x2.dtype)
@@ -521,6 +523,11 @@ class QuantizedLinear(nn.Module):
         k, r = self.in_features, stop - start
         kp = self.planes * k
         dtype = dtype or self.compute_dtype
+        big = k * self.out_features >= tiles.MIN_WEIGHTS
+        if big and r % int4.BLOCK_N == 0 and self.packed.is_cpu and not torch.compiler.is_compiling():
+            fast = self._compiled_tile(start, stop, dtype)  # one pass (`infer.quant.tiles`)
+            if fast is not None:
+                return fast
         if self.paired:
             return self._dequant_paired_t(start, stop, dtype)
         if self.planes == 2 and not torch.compiler.is_compiling():
@@ -541,6 +548,27 @@ class QuantizedLinear(nn.Module):
         f3 = f.view(kp // GROUP, GROUP, r)
         f3.mul_(scale.contiguous()[:, None]).add_(zero.contiguous()[:, None])
         return f.to(dtype)
+
+    def _compiled_tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """`_dequant_tile_t` of whole row blocks through `infer.quant.tiles`' compiled kernels (the
+        same operations: equal bitwise), None where they are off or failed."""
+        k = self.in_features
+        packed = self.packed[start:stop]
+        if self.paired:
+            sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/16, rows, 2]
+            scale, zero = sz[..., 0].contiguous(), (17 * sz[..., 1]).contiguous()
+            return tiles.run(tiles.paired, packed, scale, zero, k, dtype)
+        if self.planes == 2:
+            sz = self.scale_zero[: k // GROUP, start:stop].to(torch.float32)  # the low plane's
+            scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()
+            hi = self.packed_hi[start:stop] if self.split else None
+            return tiles.run(tiles.two_planes, packed, hi, scale, zero, k, dtype)
+        if self.planes == 1:
+            sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/32, rows, 2]
+            scale = sz[..., 0]
+            zero = (sz[..., 1] - 8 * scale).contiguous()
+            return tiles.run(tiles.one_plane, packed, scale.contiguous(), zero, k, dtype)
+        return None
 
     def _dequant_two_planes_t(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """`_dequant_tile_t` of two planes, eagerly: their nibbles joined in one byte first.

@@ -264,3 +264,24 @@ def reference_sampling_probs(logits: list[float], temperature: float, top_k: int
             total += p[i]
         p = kept_p / kept_p.sum()
     return p
+
+
+def random_gguf(qtype: Any, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random GGUF bytes of type ``qtype`` for a ``[rows, cols]`` weight: ``[rows, row bytes]`` uint8,
+    every fp16 scale field small and finite (MXFP4: shared exponents near 1)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from infer.quant.ggml import FP16_FIELDS
+
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for off in FP16_FIELDS.get(qtype, ()):
+        scales = (rng.standard_normal(n) * 0.01).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(n, 2)
+    if qtype == GGMLQuantizationType.MXFP4:
+        raw[:, 0] = rng.integers(118, 124, size=n)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
