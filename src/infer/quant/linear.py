@@ -294,7 +294,8 @@ class QuantizedLinear(nn.Module):
         tile = self._tile_dtype(torch.empty(0, dtype=self.compute_dtype))
         pairing = "paired" if self.paired else ("split" if self.split else "plain")
         dtypes = "-".join(str(d).removeprefix("torch.") for d in (self.compute_dtype, tile))
-        return f"{self.fmt}-p{self.planes}-{pairing}-k{self.in_features}-{dtypes}"
+        compiled = "-compiled" if self.fmt == "int4" and tiles.enabled() else ""  # (tiles' cost)
+        return f"{self.fmt}-p{self.planes}-{pairing}-k{self.in_features}-{dtypes}{compiled}"
 
     def route(self) -> Route | None:
         """The route of this module's products of many rows on this CPU (measured now if its form is
@@ -364,9 +365,9 @@ class QuantizedLinear(nn.Module):
             if m > ROUTE_FLOOR and x2.is_cpu and not torch.compiler.is_compiling():
                 measured = self.route()
             if measured is None:
-                y = self._product(x2, kernel and m <= self.kernel_max_rows, 0)
+                y = self._product(x2, kernel and m <= self.kernel_max_rows, 0, out_dtype=x.dtype)
             else:
-                y = self._product(x2, kernel and m <= measured.kernel_max_rows, 0, measured.gemm)
+                y = self._product(x2, kernel and m <= measured.kernel_max_rows, 0, measured.gemm, x.dtype)
         elif kernel:  # the deterministic mode: every tile on the kernel
             y = row_rules.tiled(x2, lambda t: self._product(t, True, 0), self.tile_rows)
         else:
@@ -378,11 +379,19 @@ class QuantizedLinear(nn.Module):
             y = self.rescore(x.reshape(-1, self.in_features), y)
         return y.view(*lead, self.out_features)
 
-    def _product(self, x2: torch.Tensor, kernel: bool, tile: int, gemm: str = "matmul") -> torch.Tensor:
+    def _product(
+        self,
+        x2: torch.Tensor,
+        kernel: bool,
+        tile: int,
+        gemm: str = "matmul",
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """``x2 [M, K] @ W.T`` in the compute dtype: the packed kernel, or dense products
-        (in tiles of ``tile`` rows when ``tile``; else through ``gemm``, `routes.gemm`)."""
+        (in tiles of ``tile`` rows when ``tile``; else through ``gemm``, `routes.gemm`). ``out_dtype``:
+        int4 tiles write their outputs in it (one pass: no joined copy, no conversion after)."""
         if self.fmt == "int4":
-            return self._int4(x2, kernel, tile, gemm)
+            return self._int4(x2, kernel, tile, gemm, out_dtype)
         if self.fmt == "int8":
             return self._int8(x2, kernel, tile, gemm)
         return row_rules.matmul(x2, self.weight.t(), tile)
@@ -473,7 +482,14 @@ class QuantizedLinear(nn.Module):
         w = ((nib.to(torch.float32).view(n, -1, GROUP) - 8) * scale + zero).view(n, self.planes, k)
         return w.sum(dim=1)
 
-    def _int4(self, x2: torch.Tensor, kernel: bool, tile: int, gemm: str = "matmul") -> torch.Tensor:
+    def _int4(
+        self,
+        x2: torch.Tensor,
+        kernel: bool,
+        tile: int,
+        gemm: str = "matmul",
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         y: torch.Tensor | None = None
         if kernel and self.split:  # one call per plane: [M, N] each, summed in float32
             g = self.in_features // GROUP
@@ -494,15 +510,21 @@ class QuantizedLinear(nn.Module):
         if y is None:  # prefill, another device, or operands the kernel does not take
             n_pad = self.packed.shape[0]
             kp = self.planes * self.in_features
-            cols = max(_MIN_TILE_COLUMNS, _TILE_VALUES // kp) // int4.BLOCK_N * int4.BLOCK_N
+            # A power of two: few tile shapes (each a compiled kernel, `infer.quant.tiles`).
+            cols = 1 << max(_MIN_TILE_COLUMNS, _TILE_VALUES // kp).bit_length() - 1
             dtype = self._tile_dtype(x2)
             xt = x2.to(dtype)
             full = n_pad - n_pad % int4.BLOCK_N  # a tail block on its own: the others compile
             spans = [(start, min(full, start + cols)) for start in range(0, full, cols)]
             spans += [(full, n_pad)] if full < n_pad else []
-            tiles = (self._dequant_tile_t(a, b, dtype) for a, b in spans)
-            parts = [self._tile_product(xt, w_t, tile, gemm) for w_t in tiles]
-            y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x2.dtype)
+            n = self.out_features
+            y = torch.empty(x2.shape[0], n, dtype=out_dtype or x2.dtype, device=x2.device)
+            for a, b in spans:  # each tile's outputs written in place (padding rows dropped)
+                part = self._tile_product(xt, self._dequant_tile_t(a, b, dtype), tile, gemm)  # [M, b - a]
+                if part.dtype != x2.dtype:  # (float32 tiles of bfloat16 compute: rounded as before)
+                    part = part.to(x2.dtype)
+                y[:, a : min(b, n)] = part[:, : min(b, n) - a]
+            return y
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
         return y
