@@ -13,6 +13,7 @@ from infer.aot import pays as aot_pays
 from infer.combinations import check_load
 from infer.distributed.runtime import agree
 from infer.execution import Execution
+from infer.host.pages import keep_freed_blocks
 from infer.loading import build_model, open_checkpoint
 from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
@@ -129,6 +130,7 @@ def load(
     kv = resolve_kv_dtype(kv_dtype)  # checked before the (slow) load
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
+    keep_freed_blocks()  # a prefill's large temporaries reuse the C heap's blocks (`infer.host.pages`)
     model.kv_dtype = kv if kv is not None else default_kv_dtype(model)
 
     def packages() -> PackageCache | None:  # the recipe rebuilds this model for a build (infer.aot)

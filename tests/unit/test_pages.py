@@ -67,3 +67,28 @@ def test_only_the_tensors_own_pages_are_dropped(tmp_path: Path) -> None:
     print(f"resident {before} KiB -> {after} KiB")
     assert before - after >= (8 << 10) - 8 and after >= (8 << 10) - 8  # the second half stays
     assert torch.equal(first[-256:], torch.arange(256, dtype=torch.uint8))  # read from the file again
+
+
+def test_freed_blocks_are_kept_for_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`keep_freed_blocks` sets glibc's thresholds (a block a prefill frees is served again from the
+    heap, no page faulted in anew); ``INFER_MALLOC=system`` leaves them; another value is refused."""
+    import torch
+
+    from infer.host import pages
+
+    pages.keep_freed_blocks.cache_clear()
+    monkeypatch.setenv("INFER_MALLOC", "fast")
+    with pytest.raises(ValueError, match="INFER_MALLOC must be"):
+        pages.keep_freed_blocks()
+    pages.keep_freed_blocks.cache_clear()
+    monkeypatch.setenv("INFER_MALLOC", "system")
+    assert pages.keep_freed_blocks() is False
+    pages.keep_freed_blocks.cache_clear()
+    monkeypatch.setenv("INFER_MALLOC", "keep")
+    kept = pages.keep_freed_blocks()
+    assert kept == (pages._malloc_trim() is not None)
+    if kept:  # a 64 MiB block freed and asked again comes back at the same address
+        a = torch.empty(16 << 20)
+        where = a.data_ptr()
+        del a
+        assert torch.empty(16 << 20).data_ptr() == where

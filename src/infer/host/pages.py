@@ -1,4 +1,5 @@
-"""Handing memory back to the system: the C heap's free pages, and file pages nothing reads.
+"""Handing memory back to the system: the C heap's free pages, and file pages nothing reads; and
+keeping the freed blocks a prefill reuses (`keep_freed_blocks`).
 
 Floor 0 (no infer imports): the KV cache (`infer.kv.cache`), the loader and the packed products
 (`infer.quant`) all call it.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +35,31 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+KEEP_BYTES = 1 << 30  # blocks below this come from the C heap and stay there once freed
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+
+
+@functools.cache
+def keep_freed_blocks() -> bool:
+    """Let glibc serve blocks below `KEEP_BYTES` from its heap and keep them there once freed,
+    instead of mapping fresh pages for each and unmapping them after (glibc maps blocks past
+    32 MiB: a 512-token prefill of the 1.5B allocates its gate/up output, 37 MiB, anew in every
+    layer, and every first touch of its pages faults). Whether it was set: glibc on Linux, and
+    ``INFER_MALLOC`` not ``system`` (read once). Explicit trims (`release_freed_memory`, after a
+    load and where K/V buffers go) still hand free pages back. docs/performance.md, "Prefill"."""
+    value = os.environ.get("INFER_MALLOC", "keep").strip().lower()
+    if value not in ("keep", "system"):
+        raise ValueError(f"INFER_MALLOC must be 'keep' or 'system', got {value!r}")
+    if value == "system" or _malloc_trim() is None:  # (malloc_trim: glibc's, where mallopt is too)
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
 
 
 _MADV_DONTNEED = 4  # Linux
@@ -97,4 +124,4 @@ def drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     return done
 
 
-__all__ = ["drop_mapped_pages", "release_freed_memory"]
+__all__ = ["drop_mapped_pages", "keep_freed_blocks", "release_freed_memory"]
