@@ -24,8 +24,8 @@ batches ``[--batch, --tokens]`` (fixed seed), ``--batches`` of them a repetition
 Each runtime runs in its own process (the two peers share one: the same transformers model), so
 the peak RSS of a process is its own (``ru_maxrss``: mapped file pages included; beside it the
 peak anonymous memory, sampled every 5 ms, which is what a streaming budget bounds). The
-repetitions are interleaved across runtimes (a neighbour's load hits all of them alike) and the
-medians reported, after one untimed warm-up batch each. Once per model the first batch's
+repetitions are interleaved across runtimes (a neighbour's burst of load falls on all, not one)
+and the medians reported, after one untimed warm-up batch each. Once per model the first batch's
 activations at a few layers are compared to the hooks' (the parity lines). Prints the table
 (median and fastest repetition), the ratio of each infer row to the faster peer, and the CPU.
 """
