@@ -11,6 +11,11 @@ from gguf import GGMLQuantizationType as T
 from infer.quant import QuantizedLinear, dequantize, int4, tiles
 from infer.testing import random_gguf
 
+
+@pytest.fixture(autouse=True)
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFER_DEQUANT", "compiled")  # the mode these tests check (off by default)
+
 FORMS = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0, T.MXFP4, T.Q2_K, T.Q3_K, T.Q6_K]
 
 
