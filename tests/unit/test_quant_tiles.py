@@ -11,6 +11,8 @@ from gguf import GGMLQuantizationType as T
 from infer.quant import QuantizedLinear, dequantize, int4, tiles
 from infer.testing import random_gguf
 
+pytestmark = pytest.mark.slow  # each form's kernels compile (inductor): ~20 s in all
+
 
 @pytest.fixture(autouse=True)
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
