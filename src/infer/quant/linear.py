@@ -435,7 +435,7 @@ class QuantizedLinear(nn.Module):
             exact = self.exact_outputs(x2, idx)
         if self.bias is not None:
             exact = exact + self.bias.float()[idx]
-        return y.scatter(-1, idx, exact.to(y.dtype))
+        return y.scatter_(-1, idx, exact.to(y.dtype))  # y: this call's own output (no copy of the logits)
 
     def exact_outputs(self, x2: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Outputs ``idx [M, k]`` of each row of ``x2 [M, K]`` with the exact scales: ``[M, k]`` float32
