@@ -46,10 +46,11 @@ def keep_freed_blocks() -> bool:
     """Let glibc serve blocks below `KEEP_BYTES` from its heap and keep them there once freed,
     instead of mapping fresh pages for each and unmapping them after (glibc maps blocks past
     32 MiB: a 512-token prefill of the 1.5B allocates its gate/up output, 37 MiB, anew in every
-    layer, and every first touch of its pages faults). Whether it was set: glibc on Linux, and
-    ``INFER_MALLOC`` not ``system`` (read once). Explicit trims (`release_freed_memory`, after a
-    load and where K/V buffers go) still hand free pages back. docs/performance.md, "Prefill"."""
-    value = os.environ.get("INFER_MALLOC", "keep").strip().lower()
+    layer, and every first touch of its pages faults). A mode, ``INFER_MALLOC=keep`` (read once):
+    it speeds long prompts but slowed SmolLM2's decode by ~9%, so the default leaves glibc's
+    thresholds. Whether it was set: the mode on, glibc on Linux. Explicit trims
+    (`release_freed_memory`) still hand free pages back. docs/performance.md, issue 51's section."""
+    value = os.environ.get("INFER_MALLOC", "system").strip().lower()
     if value not in ("keep", "system"):
         raise ValueError(f"INFER_MALLOC must be 'keep' or 'system', got {value!r}")
     if value == "system" or _malloc_trim() is None:  # (malloc_trim: glibc's, where mallopt is too)
