@@ -3,7 +3,7 @@ settings against each other and llama.cpp's ``llama-bench`` in the same run.
 
     uv run python benchmarks/prefill.py                                   # the 1.5B, 128/512/2048
     uv run python benchmarks/prefill.py --models smollm2,gemma3-270m --lengths 128,512
-    uv run python benchmarks/prefill.py --settings "default;INFER_DEQUANT=compiled;INFER_MALLOC=system"
+    uv run python benchmarks/prefill.py --settings "default;INFER_MALLOC=keep INFER_DEQUANT=compiled"
 
 Each setting (environment variables, ``default`` for none) runs in its own process (peak RSS is
 its own): per length, a warm-up prompt then ``--reps`` fresh random prompts (nothing cached), the
@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen-coder-1.5b")
     ap.add_argument("--lengths", default="128,512,2048")
-    ap.add_argument("--settings", default="default;INFER_MALLOC=system", help="';'-separated env settings")
+    ap.add_argument("--settings", default="default;INFER_MALLOC=keep", help="';'-separated env settings")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
