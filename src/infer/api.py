@@ -130,7 +130,7 @@ def load(
     kv = resolve_kv_dtype(kv_dtype)  # checked before the (slow) load
     tokenizer = checkpoint.tokenizer()
     model, placed = build_model(checkpoint, options)
-    keep_freed_blocks()  # INFER_MALLOC=keep: prefill temporaries reuse freed blocks (infer.host.pages)
+    keep_freed_blocks()  # INFER_MALLOC=keep: every forward reuses freed blocks (infer.host.pages)
     model.kv_dtype = kv if kv is not None else default_kv_dtype(model)
 
     def packages() -> PackageCache | None:  # the recipe rebuilds this model for a build (infer.aot)

@@ -69,19 +69,59 @@ def test_only_the_tensors_own_pages_are_dropped(tmp_path: Path) -> None:
     assert torch.equal(first[-256:], torch.arange(256, dtype=torch.uint8))  # read from the file again
 
 
-def test_freed_blocks_are_kept_for_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`keep_freed_blocks` sets glibc's thresholds where glibc is the C library (what that buys is
-    a benchmark's: docs/performance.md); ``INFER_MALLOC=system`` leaves them; another value is refused."""
+def test_the_malloc_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``INFER_MALLOC``: ``prompts`` (the default) keeps freed blocks only inside a forward of at
+    least `PROMPT_ROWS` rows (nested ones: one region) and restores glibc's thresholds and trims
+    after it; ``keep`` sets them once for the process; ``system`` never touches them; another value
+    is refused. glibc's ``mallopt`` is recorded, not called: this process keeps its own settings
+    (what the modes buy is a benchmark's: docs/performance.md)."""
     from infer.host import pages
 
-    pages.keep_freed_blocks.cache_clear()
-    monkeypatch.setenv("INFER_MALLOC", "fast")
-    with pytest.raises(ValueError, match="INFER_MALLOC must be"):
-        pages.keep_freed_blocks()
-    pages.keep_freed_blocks.cache_clear()
-    monkeypatch.setenv("INFER_MALLOC", "system")
-    assert pages.keep_freed_blocks() is False
-    pages.keep_freed_blocks.cache_clear()
-    monkeypatch.setenv("INFER_MALLOC", "keep")
-    kept = pages.keep_freed_blocks()
-    assert kept == (pages._malloc_trim() is not None)
+    calls: list[tuple[int, int]] = []
+    trims: list[int] = []
+    monkeypatch.setattr(pages, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    monkeypatch.setattr(pages, "release_freed_memory", lambda: trims.append(1))
+
+    def mode(value: str | None) -> None:
+        pages.malloc_mode.cache_clear()
+        pages.keep_freed_blocks.cache_clear()
+        if value is None:
+            monkeypatch.delenv("INFER_MALLOC", raising=False)
+        else:
+            monkeypatch.setenv("INFER_MALLOC", value)
+        calls.clear()
+        trims.clear()
+
+    keep = [(pages._M_MMAP_THRESHOLD, pages.KEEP_BYTES), (pages._M_TRIM_THRESHOLD, pages.KEEP_BYTES)]
+    system = [(pages._M_MMAP_THRESHOLD, pages._SYSTEM_MMAP), (pages._M_TRIM_THRESHOLD, pages._SYSTEM_TRIM)]
+    try:
+        mode(None)
+        assert pages.malloc_mode() == "prompts" and pages.keep_freed_blocks() is False
+        with pages.reusing_blocks(pages.PROMPT_ROWS - 1):  # a decode step: nothing changes
+            pass
+        assert calls == [] and trims == []
+        with pages.reusing_blocks(512):
+            assert calls == keep
+            with pages.reusing_blocks(512):  # the head inside a whole-sequence forward: one region
+                pass
+            assert calls == keep and trims == []
+        assert calls == keep + system and trims == [1]
+
+        mode("keep")
+        assert pages.keep_freed_blocks() is True and calls == keep
+        with pages.reusing_blocks(512):
+            pass
+        assert calls == keep and trims == []
+
+        mode("system")
+        assert pages.keep_freed_blocks() is False
+        with pages.reusing_blocks(512):
+            pass
+        assert calls == [] and trims == []
+
+        mode("fast")
+        with pytest.raises(ValueError, match="INFER_MALLOC must be one of prompts, keep, system"):
+            pages.malloc_mode()
+    finally:
+        pages.malloc_mode.cache_clear()
+        pages.keep_freed_blocks.cache_clear()

@@ -1,5 +1,5 @@
 """Handing memory back to the system: the C heap's free pages, and file pages nothing reads; and
-keeping the freed blocks a prefill reuses (`keep_freed_blocks`).
+keeping the freed blocks a prompt's forward reuses (`reusing_blocks`, `malloc_mode`).
 
 Floor 0 (no infer imports): the KV cache (`infer.kv.cache`), the loader and the packed products
 (`infer.quant`) all call it.
@@ -7,10 +7,12 @@ Floor 0 (no infer imports): the KV cache (`infer.kv.cache`), the loader and the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -39,28 +41,87 @@ def release_freed_memory() -> None:
 
 KEEP_BYTES = 1 << 30  # blocks below this come from the C heap and stay there once freed
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+# glibc's own thresholds once its dynamic mmap threshold has risen to its ceiling (64-bit:
+# DEFAULT_MMAP_THRESHOLD_MAX, and twice that to trim): what a process that has freed a few large
+# blocks runs with. Outside a prompt's forward `reusing_blocks` puts these back.
+_SYSTEM_MMAP, _SYSTEM_TRIM = 32 << 20, 64 << 20
+PROMPT_ROWS = 64  # a forward of at least these many rows (batch x tokens) reuses freed blocks
+MODES = ("prompts", "keep", "system")
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt`` (None elsewhere: another C library, or no ``malloc_trim`` beside it)."""
+    if _malloc_trim() is None:
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt: Callable[[int, int], int] = fn
+    return mallopt
+
+
+@functools.cache
+def malloc_mode() -> str:
+    """``INFER_MALLOC`` (read once): how glibc's freed large blocks are treated.
+
+    * ``prompts`` (the default): during a forward of at least `PROMPT_ROWS` rows (a prompt chunk,
+      a batched whole-sequence forward) freed blocks below `KEEP_BYTES` stay in the C heap and are
+      reused (`reusing_blocks`); after it the heap is trimmed and glibc's thresholds are back.
+      glibc maps every block past 32 MiB afresh: a 512-token prefill of the 1.5B allocates its
+      gate/up output (37 MiB) in every layer and faults in each of its pages every time.
+    * ``keep``: the same for the whole process (decode steps too: SmolLM2's decode ran ~9% slower
+      in an interleaved A/B, docs/performance.md).
+    * ``system``: glibc's own behaviour throughout.
+    """
+    value = os.environ.get("INFER_MALLOC", "prompts").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"INFER_MALLOC must be one of {', '.join(MODES)}, got {value!r}")
+    return value if _mallopt() is not None else "system"
 
 
 @functools.cache
 def keep_freed_blocks() -> bool:
-    """Let glibc serve blocks below `KEEP_BYTES` from its heap and keep them there once freed,
-    instead of mapping fresh pages for each and unmapping them after (glibc maps blocks past
-    32 MiB: a 512-token prefill of the 1.5B allocates its gate/up output, 37 MiB, anew in every
-    layer, and every first touch of its pages faults). A mode, ``INFER_MALLOC=keep`` (read once):
-    it speeds long prompts but slowed SmolLM2's decode by ~9%, so the default leaves glibc's
-    thresholds. Whether it was set: the mode on, glibc on Linux. Explicit trims
-    (`release_freed_memory`) still hand free pages back. docs/performance.md, issue 51's section."""
-    value = os.environ.get("INFER_MALLOC", "system").strip().lower()
-    if value not in ("keep", "system"):
-        raise ValueError(f"INFER_MALLOC must be 'keep' or 'system', got {value!r}")
-    if value == "system" or _malloc_trim() is None:  # (malloc_trim: glibc's, where mallopt is too)
+    """For ``INFER_MALLOC=keep``: let glibc serve blocks below `KEEP_BYTES` from its heap for the
+    rest of the process (`malloc_mode`); whether it was set. Explicit trims
+    (`release_freed_memory`) still hand free pages back."""
+    mallopt = _mallopt()
+    if malloc_mode() != "keep" or mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
+_depth = 0  # forwards inside `reusing_blocks` now (nested or on other threads)
+_depth_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def reusing_blocks(rows: int) -> Iterator[None]:
+    """Around one forward of ``rows`` rows: in the ``prompts`` mode (`malloc_mode`), from
+    `PROMPT_ROWS` rows, freed blocks below `KEEP_BYTES` are reused within it (one page fault per
+    page a forward, not one per layer); when the last such forward ends the free pages go back to
+    the system and glibc's thresholds are restored, so the steps between prompts run as before."""
+    global _depth
+    mallopt = _mallopt()
+    if rows < PROMPT_ROWS or mallopt is None or malloc_mode() != "prompts":
+        yield
+        return
+    with _depth_lock:
+        _depth += 1
+        if _depth == 1:
+            mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES)
+            mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES)
+    try:
+        yield
+    finally:
+        with _depth_lock:
+            _depth -= 1
+            if _depth == 0:
+                mallopt(_M_MMAP_THRESHOLD, _SYSTEM_MMAP)
+                mallopt(_M_TRIM_THRESHOLD, _SYSTEM_TRIM)
+                release_freed_memory()
 
 
 _MADV_DONTNEED = 4  # Linux
@@ -125,4 +186,4 @@ def drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> int:
     return done
 
 
-__all__ = ["drop_mapped_pages", "keep_freed_blocks", "release_freed_memory"]
+__all__ = ["drop_mapped_pages", "keep_freed_blocks", "malloc_mode", "release_freed_memory", "reusing_blocks"]

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from infer.host.pages import reusing_blocks
 from infer.kv.cache import KVCache, StepKV, slot_mask
 from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.common import Attention, make_rotary_embeddings
@@ -398,7 +399,8 @@ class DecoderLM(nn.Module):
 
         ``greedy``: only each row's argmax must be exact (`ResidentExecutor.project`).
         """
-        return self.executor.head(self, h, greedy)
+        with reusing_blocks(h.shape[:-1].numel()):  # whole-sequence logits: large temporaries
+            return self.executor.head(self, h, greedy)
 
     def exact_logits(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The exact logits ``[K]`` (float32) of tokens ``ids [K]`` for one row's hidden state ``h [D]``
@@ -473,7 +475,11 @@ class DecoderLM(nn.Module):
                 watch.honour()
         step = self.prepare(input_ids, cache, attention_mask, n_new)
         x = self.embed(input_ids, step.positions)
-        x = self.executor.run_layers(self, x, step)
+        if torch.compiler.is_compiling():
+            x = self.executor.run_layers(self, x, step)
+        else:
+            with reusing_blocks(input_ids.numel()):  # a prompt's temporaries reuse freed blocks
+                x = self.executor.run_layers(self, x, step)
         if cache is not None and cache.plan is not None:
             cache.advance(cache.plan)
         return x
