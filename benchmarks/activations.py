@@ -19,11 +19,14 @@ batches ``[--batch, --tokens]`` (fixed seed), ``--batches`` of them a repetition
   the outputs of one ``model(ids)``;
 * for the models of ``--stream-models``: infer's ``save_activations`` with the layers streamed
   under each budget of ``--stream-budgets`` (`infer.StreamingConfig`, planned for forwards of
-  ``--stream-batch`` rows of T tokens); a budget the plan refuses is reported as refused.
+  ``--stream-batch`` rows of T tokens and no head: ``head=False``); a budget the plan refuses is
+  reported as refused.
 
 Each runtime runs in its own process (the two peers share one: the same transformers model), so
 the peak RSS of a process is its own (``ru_maxrss``: mapped file pages included; beside it the
-peak anonymous memory, sampled every 5 ms, which is what a streaming budget bounds). The
+peak anonymous memory, sampled every 5 ms, which is what a streaming budget bounds, and ``- before``:
+that peak less the process's anonymous memory with torch imported, before the runtime's library
+and model). The
 repetitions are interleaved across runtimes (a neighbour's burst of load falls on all, not one)
 and the medians reported, after one untimed warm-up batch each. Once per model the first batch's
 activations at a few layers are compared to the hooks' (the parity lines). Prints the table
@@ -116,11 +119,11 @@ class InferWorker:
         self.batch = args.batch
         self.plan: dict[str, Any] = {}
         if budget is not None:
-            # Planned for the forwards it runs: rows of T tokens, no KV cache beyond them.
+            # Planned for the forwards it runs: rows of T tokens, no KV cache beyond them, no head.
             self.batch = args.stream_batch
             config = infer.StreamingConfig(
                 memory_budget=budget, max_batch_size=self.batch, max_prefill_tokens=args.tokens,
-                max_context=args.tokens,
+                max_context=args.tokens, head=False,
             )  # fmt: skip
             self.llm = infer.load(path, streaming=config)
             plan = getattr(self.llm.model.executor, "plan")  # noqa: B009 (not on the Executor protocol)
@@ -229,6 +232,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     anon = AnonPeak()
+    base = anon.now()  # the interpreter and torch, before the runtime's library and its model
     path = model_path(args.model)
     t0 = time.perf_counter()
     run: InferWorker | TransformersWorker
@@ -253,7 +257,7 @@ def worker(args: argparse.Namespace) -> None:
             torch.save([t.float().contiguous() for t in run.first()], arg)
             reply({})
         elif what == "quit":
-            reply({"peak_rss": peak_rss(), "peak_anon": max(anon.peak, anon.now())})
+            reply({"peak_rss": peak_rss(), "peak_anon": max(anon.peak, anon.now()), "base_anon": base})
             return
 
 
@@ -394,7 +398,7 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace) 
           f"{args.stream_batch} a forward), all blocks' hook_resid_post; tok/s: median of {args.reps}, "
           "best: the fastest repetition; / peer: against the faster of nnsight and the hooks")  # fmt: skip
     print(f"{'model':<26} {'runtime':<40} {'tok/s':>7} {'/ peer':>7} {'best':>7} {'/ peer':>7} "
-          f"{'peak RSS':>9} {'peak anon':>9}  (process)")  # fmt: skip
+          f"{'peak RSS':>9} {'peak anon':>9} {'- before':>9}  (process)")  # fmt: skip
     for model, res in results.items():
         rows = res["runtimes"]
         for r, v in rows.items():
@@ -402,7 +406,8 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace) 
             for key in ("tok_s", "best_tok_s"):  # against the faster peer, by median and by best
                 peers = [rows[p][key] for p in PEERS if p in rows]
                 ratios.append(f"{v[key] / max(peers):.2f}x" if peers and r.startswith("infer") else "")
-            memory = f"{mib(v['peak_rss']):>9} {mib(v['peak_anon']):>9}  ({v['process']})"
+            added = mib(v["peak_anon"] - v.get("base_anon", 0))  # what loading and running added
+            memory = f"{mib(v['peak_rss']):>9} {mib(v['peak_anon']):>9} {added:>9}  ({v['process']})"
             print(f"{MODELS[model]:<26} {r:<40} {v['tok_s']:>7.0f} {ratios[0]:>7} {v['best_tok_s']:>7.0f} "
                   f"{ratios[1]:>7} {memory}")  # fmt: skip
         for kind, plan in res["plans"].items():

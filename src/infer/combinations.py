@@ -38,6 +38,7 @@ class GivesWay:
 COMPILE = "compile=True"
 STREAMING = "streaming"
 STREAMED_EMBEDDINGS = "StreamingConfig(resident_embeddings=False)"
+NO_HEAD = "StreamingConfig(head=False)"
 TENSOR = "tensor_parallel > 1"
 PIPELINE = "pipeline_parallel > 1"
 QUANTIZE = "quantize"
@@ -52,6 +53,7 @@ LOGPROBS = "logprobs"
 
 _EAGER = "compile=True applies to one process; tensor- and pipeline-parallel models run eagerly"
 _RANK_EMBEDDINGS = "a rank keeps its part of the embedding and head resident (a vocabulary slice, a stage's)"
+_HEADLESS = "a model without its head computes activations in one process (`infer.lens`)"
 _ONE_PROCESS = (
     "interventions run in one process, not under tensor/pipeline parallelism "
     "(a rank holds part of each block, or some of the blocks)"
@@ -89,6 +91,8 @@ REFUSED: tuple[Refused, ...] = (
     ),
     Refused(STREAMED_EMBEDDINGS, TENSOR, "load", _RANK_EMBEDDINGS),
     Refused(STREAMED_EMBEDDINGS, PIPELINE, "load", _RANK_EMBEDDINGS),
+    Refused(NO_HEAD, TENSOR, "load", _HEADLESS),
+    Refused(NO_HEAD, PIPELINE, "load", _HEADLESS),
     Refused(INTERVENTION, TENSOR, "intervene", _ONE_PROCESS),
     Refused(INTERVENTION, PIPELINE, "intervene", _ONE_PROCESS),
 )
@@ -166,6 +170,8 @@ def check_load(
         given[STREAMING] = "streaming"
         if getattr(streaming, "resident_embeddings", None) is False:
             given[STREAMED_EMBEDDINGS] = STREAMED_EMBEDDINGS
+        if getattr(streaming, "head", True) is False:
+            given[NO_HEAD] = NO_HEAD
     if quantize is not None:
         given[QUANTIZE] = f"quantize={quantize!r}"
         if quantize == "int8":

@@ -14,7 +14,7 @@ import html
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -94,13 +94,27 @@ class NotebookMethods:
 
     # ---- hook points (TransformerLens' names: infer.lens) ---------------------------------------
 
+    @overload
     def run_with_cache(
         self, input: Input, names_filter: NameFilter = None, stop_at_layer: int | None = None, *,
-        fwd_hooks: Hooks = (),
-    ) -> tuple[torch.Tensor, ActivationCache]:  # fmt: skip
+        fwd_hooks: Hooks = (), return_type: Literal["logits"] = "logits",
+    ) -> tuple[torch.Tensor, ActivationCache]: ...  # fmt: skip
+
+    @overload
+    def run_with_cache(
+        self, input: Input, names_filter: NameFilter = None, stop_at_layer: int | None = None, *,
+        fwd_hooks: Hooks = (), return_type: None,
+    ) -> tuple[None, ActivationCache]: ...  # fmt: skip
+
+    def run_with_cache(
+        self, input: Input, names_filter: NameFilter = None, stop_at_layer: int | None = None, *,
+        fwd_hooks: Hooks = (), return_type: Literal["logits"] | None = "logits",
+    ) -> tuple[torch.Tensor | None, ActivationCache]:  # fmt: skip
         """``(logits, cache)`` of one forward, ``cache[name]`` at each hook point ``names_filter``
-        picks (`infer.lens.run_with_cache`)."""
-        return run_with_cache(self, input, names_filter, stop_at_layer, fwd_hooks=fwd_hooks)
+        picks (`infer.lens.run_with_cache`; ``return_type=None``: no head, None for the logits)."""
+        return run_with_cache(
+            self, input, names_filter, stop_at_layer, fwd_hooks=fwd_hooks, return_type=return_type
+        )
 
     def run_with_hooks(
         self, input: Input, fwd_hooks: Hooks = (), bwd_hooks: Hooks = (), stop_at_layer: int | None = None

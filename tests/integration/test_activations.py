@@ -114,9 +114,9 @@ def test_sequences_of_unequal_lengths_share_a_forward(
     forwards: list[tuple[int, ...]] = []
     real = lens.run_with_cache
 
-    def counted(llm: infer.LLM, ids: torch.Tensor, *args: object) -> object:
+    def counted(llm: infer.LLM, ids: torch.Tensor, *args: object, **kw: object) -> object:
         forwards.append(tuple(ids.shape))
-        return real(llm, ids, *args)  # type: ignore[arg-type]
+        return real(llm, ids, *args, **kw)  # type: ignore[call-overload]
 
     monkeypatch.setattr("infer.lens.save.run_with_cache", counted)
     llm.save_activations(inputs, NAMES, tmp_path, batch_size=4, progress=False)
@@ -127,3 +127,65 @@ def test_sequences_of_unequal_lengths_share_a_forward(
         _, alone = llm.run_with_cache([ids], NAMES)
         for n in NAMES:
             assert torch.equal(saved.sequence(i)[n], alone[n][0]), (i, n)
+
+
+@pytest.fixture(scope="module")
+def gguf_q4(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    from tiny_gguf import write_gguf_files
+
+    overrides: dict[str, dict[str, object]] = {"llama": {}, "qwen3": {}}  # untied head, tied head
+    return write_gguf_files(tmp_path_factory.mktemp("gguf-act"), overrides, ("Q4_0",))
+
+
+@pytest.mark.parametrize("kind", ["llama Q4_0", "qwen3 Q4_0 (tied)", "llama float", "qwen3 float (tied)"])
+def test_a_streamed_model_without_its_head_saves_the_same_activations(
+    kind: str,
+    gguf_q4: dict[tuple[str, str], Path],
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """``StreamingConfig(head=False)``: no head is placed, no logits are planned (a smaller plan than
+    with the head), the activations are bitwise the resident model's (deterministic mode), and a
+    forward that needs logits is refused by name before it runs."""
+    from infer.streaming import StreamingConfig
+
+    arch, fmt = kind.split()[:2]
+    path = gguf_q4[arch, "Q4_0"] if fmt == "Q4_0" else tiny_ckpt_factory(arch)
+    dtype = None if fmt == "Q4_0" else torch.float32
+    resident = infer.load(path, dtype=dtype, deterministic=True)
+
+    def streamed(head: bool) -> infer.LLM:
+        config = StreamingConfig(
+            memory_budget="64MB", max_resident_layers=0, max_context=32, max_prefill_tokens=32, head=head
+        )
+        return infer.load(path, dtype=dtype, deterministic=True, streaming=config)
+
+    with_head, bare = streamed(True), streamed(False)
+    plan, plan_with = bare.model.executor.plan, with_head.model.executor.plan  # type: ignore[attr-defined]
+    print(f"\n{kind}: {plan.describe()}\n  with the head: {plan_with.total} bytes, without: {plan.total}")
+    assert not plan.head and "none (activations only)" in plan.describe()
+    assert plan.workspace_bytes < plan_with.workspace_bytes and plan.total < plan_with.total
+    assert all(t.is_meta for t in bare.model.lm_head.state_dict().values())  # never read, never converted
+    names = [n for n in lens.hook_names(bare) if n.endswith(("hook_embed", "hook_resid_post", "hook_z"))]
+    inputs = _inputs()[:4]
+    resident.save_activations(inputs, names, tmp_path / "r", batch_size=2, progress=False)
+    bare.save_activations(inputs, names, tmp_path / "s", batch_size=2, progress=False)
+    a, b = Activations(tmp_path / "r"), Activations(tmp_path / "s")
+    for i in range(len(inputs)):
+        for n in names:
+            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (kind, i, n)
+    layers = bare.model.config.num_hidden_layers
+    _, cache = bare.run_with_cache([inputs[0]], names[-1], stop_at_layer=layers)
+    assert torch.equal(cache[names[-1]][0], a.sequence(0)[names[-1]])
+    forwards = bare.model.executor.stats.forwards
+    with pytest.raises(ValueError, match=r"StreamingConfig\(head=False\)"):
+        bare.run_with_cache([inputs[0]], names[-1])  # logits: refused before any block runs
+    assert bare.model.executor.stats.forwards == forwards
+    final = ["ln_final.hook_normalized"]  # the final norm runs without the head
+    resident.save_activations(inputs, final, tmp_path / "rf", batch_size=2, progress=False)
+    bare.save_activations(inputs, final, tmp_path / "sf", batch_size=2, progress=False)
+    for i in range(len(inputs)):
+        want = Activations(tmp_path / "rf").sequence(i)[final[0]]
+        assert torch.equal(want, Activations(tmp_path / "sf").sequence(i)[final[0]]), (kind, i)
+    with pytest.raises(ValueError, match=r"StreamingConfig\(head=False\)"):
+        bare.generate([1, 2, 3], max_new_tokens=2)

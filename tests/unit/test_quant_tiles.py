@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # each form's kernels compile (inductor): ~20 s i
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFER_DEQUANT", "compiled")  # the mode these tests check (off by default)
 
+
 FORMS = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0, T.MXFP4, T.Q2_K, T.Q3_K, T.Q6_K]
 
 

@@ -215,7 +215,7 @@ class ModelBuilder:
             deferred.extend(
                 place_module(self.model, path, self.modules[path], self.source, self.opts, lazy=lazy)
             )
-            if path == "embed_tokens" and self.opts.tie:
+            if path == "embed_tokens" and self.opts.tie and self.opts.head:
                 tied_head(self.model, self.opts)
         return deferred
 

@@ -35,8 +35,10 @@ class PlaceOptions:
     ``dtype``: activations, norms, biases and float matrices. ``compute_dtype``: the
     matrix products of packed modules (GGUF files: bfloat16 by default). ``quantize``:
     quantize float linear layers at load. ``validate``: refuse non-finite weights.
-    ``tie``: the head reuses the embedding. ``repack``: where converted GGUF matrices
-    are looked up and kept (`infer.assembly.repack_cache`); None converts every time.
+    ``tie``: the head reuses the embedding. ``head``: False places no head (`StreamingConfig.head`;
+    a tied packed embedding still reads its rows from the head's packed form). ``repack``: where
+    converted GGUF matrices are looked up and kept (`infer.assembly.repack_cache`); None converts
+    every time.
     """
 
     dtype: torch.dtype
@@ -47,6 +49,7 @@ class PlaceOptions:
     num_heads: int
     num_kv_heads: int
     repack: RepackCache | None = None
+    head: bool = True
 
 
 def _rows_fixed(entry: Entry, rows: torch.Tensor, opts: PlaceOptions) -> torch.Tensor:
@@ -249,9 +252,11 @@ def place_module(
         _check_shape(weight, shape, desc)
         if path == "embed_tokens" and opts.tie:
             # One packed copy serves both: the head, and the lookup reading the head's rows.
+            # Without a head the embedding owns it: its rows are bitwise the resident lookup's.
             packed = _packed_linear(source, weight, None, opts, head=True)
-            _set(model, "lm_head", packed)
-            _set(model, path, QuantizedEmbedding.from_linear(packed, dtype=opts.dtype))
+            if opts.head:
+                _set(model, "lm_head", packed)
+            _set(model, path, QuantizedEmbedding.from_linear(packed, dtype=opts.dtype, owned=not opts.head))
             return []
         stored = weight.stored
         assert stored.qtype is not None

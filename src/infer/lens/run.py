@@ -26,15 +26,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from infer.host.pages import reusing_blocks
 from infer.lens.points import NameFilter, Point, points, select, unknown_name
 from infer.models.attend import attend, recording_attention, repeat_kv
 from infer.models.hooks import OUTSIDE, forward_scope, scoped, submitting
+from infer.streaming.executor import NO_HEAD
 
 
 class LLM(Protocol):
@@ -459,16 +461,23 @@ def _stop_index(model: nn.Module, stop_at_layer: int | None) -> int | None:
     return stop_at_layer % n if stop_at_layer != n else n
 
 
-def _forward(llm: LLM, session: Session, input: Input, stop_at_layer: int | None) -> torch.Tensor:
+def _forward(
+    llm: LLM, session: Session, input: Input, stop_at_layer: int | None, logits: bool = True
+) -> torch.Tensor | None:
     """One whole-sequence forward with the session's hooks: logits ``[B, T, V]``, or the residual
-    stream ``[B, T, D]`` before block ``stop_at_layer`` (TransformerLens: exclusive)."""
+    stream ``[B, T, D]`` before block ``stop_at_layer`` (TransformerLens: exclusive). Without
+    ``logits`` (``return_type=None``) the head is not run: None, after the final norm where a used
+    point needs it."""
     model = session.model
     ids = token_ids(llm, input)
     stop = _stop_index(model, stop_at_layer)
     n = len(model.layers)  # type: ignore[arg-type]
+    head = model.get_submodule("lm_head")
+    if logits and stop is None and all(t.is_meta for t in head.state_dict().values()):
+        raise ValueError(f"logits: {NO_HEAD}; or return_type=None")  # before any work
     handles = session.install(stop if stop is not None and stop < n else None)
     try:
-        with _probing(session) as probe_handles:
+        with _probing(session) as probe_handles, reusing_blocks(ids.numel()):
             handles += probe_handles
             try:
                 h = model.forward_hidden(ids)  # type: ignore[operator]
@@ -476,8 +485,12 @@ def _forward(llm: LLM, session: Session, input: Input, stop_at_layer: int | None
                 return stopped.residual
             if stop == n:
                 return h  # type: ignore[no-any-return]
-            logits: torch.Tensor = model.head(h)  # type: ignore[operator]
-            return logits
+            if not logits:
+                if any(p.module == "norm" and p.name in session.used for p in session.points):
+                    model.norm(h)  # type: ignore[operator]
+                return None
+            out: torch.Tensor = model.head(h)  # type: ignore[operator]
+            return out
     finally:
         for handle in handles:
             handle.remove()
@@ -492,6 +505,7 @@ def hook_names(llm: LLM) -> list[str]:
     return [p.name for p in points(_model(llm))]
 
 
+@overload
 def run_with_cache(
     llm: LLM,
     input: Input,
@@ -500,17 +514,46 @@ def run_with_cache(
     *,
     fwd_hooks: Hooks = (),
     splices: dict[str, Splice] | None = None,
-) -> tuple[torch.Tensor, ActivationCache]:
+    return_type: Literal["logits"] = "logits",
+) -> tuple[torch.Tensor, ActivationCache]: ...
+
+
+@overload
+def run_with_cache(
+    llm: LLM,
+    input: Input,
+    names_filter: NameFilter = None,
+    stop_at_layer: int | None = None,
+    *,
+    fwd_hooks: Hooks = (),
+    splices: dict[str, Splice] | None = None,
+    return_type: None,
+) -> tuple[None, ActivationCache]: ...
+
+
+def run_with_cache(
+    llm: LLM,
+    input: Input,
+    names_filter: NameFilter = None,
+    stop_at_layer: int | None = None,
+    *,
+    fwd_hooks: Hooks = (),
+    splices: dict[str, Splice] | None = None,
+    return_type: Literal["logits"] | None = "logits",
+) -> tuple[torch.Tensor | None, ActivationCache]:
     """``(logits, cache)`` of one forward of ``input`` (text, token ids, or a ``[B, T]`` tensor),
     as TransformerLens' ``run_with_cache``: ``cache[name]`` holds the activation at each point
     ``names_filter`` picks (None: all; a name, a list, or a predicate on names), nothing else is
-    kept. ``stop_at_layer``: return the residual stream before that block instead of logits.
+    kept. ``stop_at_layer``: return the residual stream before that block instead of logits;
+    ``return_type=None`` (TransformerLens' too): return None and never run the head.
     ``fwd_hooks`` run too (the cache holds what they return); ``splices``: SAEs by point
     (`infer.lens.sae`). Without gradients."""
+    if return_type not in ("logits", None):
+        raise ValueError(f"return_type: expected 'logits' or None, got {return_type!r}")
     model = _model(llm)
     session = Session(model, fwd_hooks, cache=True if names_filter is None else names_filter, splices=splices)
     with torch.no_grad():
-        out = _forward(llm, session, input, stop_at_layer)
+        out = _forward(llm, session, input, stop_at_layer, logits=return_type == "logits")
     return out, session.cache
 
 
@@ -529,11 +572,15 @@ def run_with_hooks(
     when a backward from the result passes its point (a returned tensor replaces the gradient)."""
     model = _model(llm)
     session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
-    if bwd_hooks:
-        with torch.inference_mode(False), torch.enable_grad():
-            return _forward(llm, session, input, stop_at_layer)
-    with torch.no_grad():
-        return _forward(llm, session, input, stop_at_layer)
+    with contextlib.ExitStack() as modes:
+        if bwd_hooks:
+            modes.enter_context(torch.inference_mode(False))
+            modes.enter_context(torch.enable_grad())
+        else:
+            modes.enter_context(torch.no_grad())
+        out = _forward(llm, session, input, stop_at_layer)
+    assert out is not None  # (logits or the residual: `_forward` returns None only without logits)
+    return out
 
 
 _HOOKS_LOCK = threading.Lock()

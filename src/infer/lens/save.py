@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from infer.host.pages import reusing_blocks
 from infer.lens.points import NameFilter, points, select
 from infer.lens.run import LLM, run_with_cache, token_ids
 
@@ -72,7 +73,7 @@ def save_activations(
     right-padded to the longest (`_batches`: at most half as many padded as real tokens);
     ``shard_bytes``: a shard is written once it holds this many bytes (memory is bounded by it plus
     one batch); ``dtype``: what the values are stored as (default: as computed).
-    Only the blocks the points need run (no head unless ``ln_final`` is asked)."""
+    Only the blocks the points need run, and never the head (the final norm if ``ln_final`` is asked)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
@@ -107,7 +108,10 @@ def save_activations(
         nonlocal held, first, count
         if not count:
             return
-        tensors = {n: torch.cat(v).contiguous() for n, v in buffer.items()}
+        tensors: dict[str, torch.Tensor] = {}
+        for n, v in buffer.items():  # each point's pieces freed once joined: the shard is held once
+            tensors[n] = torch.cat(v).contiguous()
+            v.clear()
         tensors[SEQUENCE] = torch.cat(seq_ids)
         tensors[POSITION] = torch.cat(positions)
         name = f"shard-{len(index['shards']):05d}.safetensors"
@@ -118,8 +122,6 @@ def save_activations(
         tmp = index_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(index, indent=1))
         os.replace(tmp, index_path)
-        for v in buffer.values():
-            v.clear()
         seq_ids.clear()
         positions.clear()
         first, held, count = first + count, 0, 0
@@ -134,19 +136,21 @@ def save_activations(
             lengths = [len(ids) for ids in batch]
             B, T = len(batch), max(lengths)
             padded = torch.tensor([ids + [0] * (T - len(ids)) for ids in batch], device=model.device)
-            _, cache = run_with_cache(llm, padded, chosen, stop)  # [B, T]: padded on the right
-            real = torch.tensor([[j < n for j in range(T)] for n in lengths], device=model.device)
-            for n in chosen:
-                value = cache[n][real]  # [B, T, ...] -> [real tokens, ...], row after row
-                value = value if dtype is None else value.to(dtype)
-                buffer[n].append(value.cpu())
-                held += value.numel() * value.element_size()
-            seq_ids.append(torch.arange(seq, seq + B).repeat_interleave(torch.tensor(lengths)))
-            positions.append(torch.cat([torch.arange(n) for n in lengths]))
-            seq, count = seq + B, count + B
-            bar.update(B)
-            if held >= shard_bytes:
-                flush()
+            with reusing_blocks(B * T):  # the forward's and the shard's temporaries reuse freed blocks
+                _, cache = run_with_cache(llm, padded, chosen, stop, return_type=None)  # [B, T]: padded right
+                real = torch.tensor([[j < n for j in range(T)] for n in lengths], device=model.device)
+                for n in chosen:
+                    # [B, T, ...] -> [real tokens, ...], row after row (without padding: a view)
+                    value = cache[n].flatten(0, 1) if min(lengths) == T else cache[n][real]
+                    value = value if dtype is None else value.to(dtype)
+                    buffer[n].append(value.cpu())
+                    held += value.numel() * value.element_size()
+                seq_ids.append(torch.arange(seq, seq + B).repeat_interleave(torch.tensor(lengths)))
+                positions.append(torch.cat([torch.arange(n) for n in lengths]))
+                seq, count = seq + B, count + B
+                bar.update(B)
+                if held >= shard_bytes:
+                    flush()
         flush()
     bar.close()
     index["complete"] = True

@@ -56,15 +56,22 @@ class QuantizedEmbedding(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: QuantizedLinear, *, dtype: torch.dtype = torch.float32
+        cls, linear: QuantizedLinear, *, dtype: torch.dtype = torch.float32, owned: bool = False
     ) -> QuantizedEmbedding:
-        """An embedding reading the rows of a (tied) ``lm_head`` without a copy of its own."""
-        return cls(linear.out_features, linear.in_features, linear=linear, dtype=dtype)
+        """An embedding reading the rows of a (tied) ``lm_head`` without a copy of its own;
+        ``owned``: the linear is no model's head, so it is this module's child ``linear``."""
+        embedding = cls(linear.out_features, linear.in_features, linear=linear, dtype=dtype)
+        if owned:
+            embedding.linear = linear  # in the module tree: moved, counted and saved with it
+        return embedding
 
     @property
     def weight_nbytes(self) -> int:
         """Bytes this module holds itself (0 when it shares a linear's storage)."""
-        return 0 if self.raw is None else self.raw.numel()
+        if self.raw is not None:
+            return self.raw.numel()
+        owned = self._modules.get("linear")
+        return sum(t.numel() * t.element_size() for t in owned.buffers()) if owned is not None else 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

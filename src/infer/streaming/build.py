@@ -115,6 +115,9 @@ class _Walk:
 def _walk(builder: ModelBuilder, streaming: StreamingConfig) -> _Walk:
     """Place every layer lazily into the stream store, then the modules outside the layers."""
     streaming.validate()
+    if not streaming.head:  # activations only: the head is never placed
+        builder.nonlayer = [p for p in builder.nonlayer if p != "lm_head"]
+        builder.opts = dataclasses.replace(builder.opts, head=False)
     model, source, options, partition = builder.model, builder.source, builder.options, builder.partition
     dtype, quantize = options.dtype, options.quantize
     store = StreamStore(source, validate=options.validate)
@@ -136,6 +139,8 @@ def _walk(builder: ModelBuilder, streaming: StreamingConfig) -> _Walk:
             refs.update(store.write(f"layers.{i}", converted))
             layer.to("meta")
             layer_refs[i] = refs
+            del converted
+            release_freed_memory()  # glibc keeps the conversion's freed blocks: one layer's at most
         # Outside the layers: a float embedding and head may stream; converted ones stay resident.
         nonlayer_entries = [e for p in builder.nonlayer for e in builder.modules[p].values()]
         lazy_nonlayer = (  # a pipeline stage keeps its embedding / head resident
@@ -232,7 +237,12 @@ def _plan(
     fixed: int | None = None
     if EMBED in deferred:
         embed = store.source_ref(deferred[EMBED].stored, dtype)
-        head = embed if config.tie_word_embeddings else store.source_ref(deferred[HEAD].stored, dtype)
+        if not streaming.head:
+            head = None
+        elif config.tie_word_embeddings:
+            head = embed
+        else:
+            head = store.source_ref(deferred[HEAD].stored, dtype)
         others = [p for p in builder.nonlayer if p not in ("embed_tokens", "lm_head")]
         small += sum(
             align_up(store.source_ref(deferred[f"{p}.{a}"].stored, dtype).nbytes)
@@ -267,7 +277,8 @@ def _place_nonlayer(
     if not deferred:  # placed at load (packed / quantized / kept resident): move them
         for path in builder.nonlayer:
             model.get_submodule(path).to(device)
-        if model.config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
+        tied = model.config.tie_word_embeddings
+        if plan.head and tied and isinstance(model.embed_tokens, torch.nn.Embedding):
             model.lm_head.weight = model.embed_tokens.weight
         return None
     for name, entry in deferred.items():
@@ -276,12 +287,12 @@ def _place_nonlayer(
         assign_parameter(model, name, _read(store, store.source_ref(entry.stored, dtype), device))
     tied = model.config.tie_word_embeddings
     embed_ref = store.source_ref(deferred[EMBED].stored, dtype)
-    if plan.head_resident:
+    if plan.head_resident and plan.head:
         head_ref = embed_ref if tied else store.source_ref(deferred[HEAD].stored, dtype)
         assign_parameter(model, HEAD, _read(store, head_ref, device))
         if tied:
             model.embed_tokens.weight = model.lm_head.weight  # one tensor
-    if plan.embed_resident and not (tied and plan.head_resident):
+    if plan.embed_resident and not (tied and plan.head_resident and plan.head):
         assign_parameter(model, EMBED, _read(store, embed_ref, device))
     return None if plan.embed_resident else embed_ref
 

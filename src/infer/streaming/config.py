@@ -108,6 +108,10 @@ class StreamingConfig:
         resident_embeddings: keep the embedding and ``lm_head`` on the device
             (``None``: when they fit; ``False``: always stream them: float ones only, in one
             process, `infer.combinations.REFUSED`).
+        head: ``False`` loads no output head and plans no logits: the model computes hidden states
+            and hook points only (`infer.lens`: ``run_with_cache(..., stop_at_layer=n)``,
+            ``save_activations``), and a forward that needs logits is refused by name. A tied
+            packed embedding is then read from the checkpoint as stored, not converted.
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
         read_timeout: seconds a forward waits for one unit's weights before raising
             ``TimeoutError`` (a stalled disk or network file system; default 60); ``None``: forever.
@@ -124,6 +128,7 @@ class StreamingConfig:
     max_prefill_tokens: int | None = None
     max_resident_layers: int | None = None
     resident_embeddings: bool | None = None
+    head: bool = True
     trace: bool = False
     read_timeout: float | None = DEFAULT_READ_TIMEOUT
 
@@ -160,7 +165,7 @@ class StreamingConfig:
             raise ValueError(
                 f"StreamingConfig.prefetch: expected None, True or False, found {self.prefetch!r}"
             )
-        for name in ("pin_memory", "trace"):
+        for name in ("pin_memory", "trace", "head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"StreamingConfig.{name}: expected True or False, found {getattr(self, name)!r}"

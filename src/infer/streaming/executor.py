@@ -23,6 +23,11 @@ from infer.streaming.stats import StreamingStats
 from infer.streaming.store import TensorRef, WeightStore
 
 Target = tuple[nn.Module, str, bool, torch.Tensor]  # (module, attribute, is a parameter, meta placeholder)
+NO_HEAD = (
+    "this model was loaded with StreamingConfig(head=False): it has no output head and computes no "
+    "logits (hook points only: run_with_cache(..., stop_at_layer=<number of blocks>), save_activations); "
+    "load it without head=False for logits and generation"
+)
 
 
 def _target(layer: nn.Module, slot: Slot) -> Target:
@@ -73,7 +78,8 @@ class StreamingExecutor(ResidentExecutor):
     ``stats`` (a snapshot) holds bytes loaded, load / wait / compute seconds and the
     weight bytes on the device; ``plan`` tells what is resident and what streams.
     ``embed``: the embedding table in ``store`` when its rows are read on demand (None:
-    resident); the head streams when the plan keeps it off the device.
+    resident); the head streams when the plan keeps it off the device, and is absent (its
+    forwards refused) when the plan has none.
     """
 
     shares_prefixes = False  # a streamed model copies a shared prefix into each row
@@ -210,6 +216,11 @@ class StreamingExecutor(ResidentExecutor):
         if self._embed is None:
             return super().lookup(model, input_ids)
         return self._embed.lookup(input_ids)
+
+    def head(self, model: DecoderLM, h: torch.Tensor, greedy: bool) -> torch.Tensor:
+        if not self.plan.head:
+            raise ValueError(NO_HEAD)
+        return super().head(model, h, greedy)
 
     def project(self, model: DecoderLM, x: torch.Tensor, greedy: bool) -> torch.Tensor:
         """The logits, one chunk of vocabulary rows at a time when the head streams.

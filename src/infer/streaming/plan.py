@@ -53,9 +53,10 @@ class MemoryPlan:
     embed_resident: bool
     head_resident: bool
     embed_bytes: int  # resident embedding bytes (0 when streamed or shared with a resident tied head)
-    head_bytes: int  # resident lm_head bytes (0 when streamed)
+    head_bytes: int  # resident lm_head bytes (0 when streamed); packed: every module outside the layers
     layer_group_size: int = 1
     prefetch: bool = True
+    head: bool = True  # False: no output head at all (`StreamingConfig.head`): activations only
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,23 +99,32 @@ class MemoryPlan:
             f"workspace: {format_bytes(self.workspace_bytes)} "
             f"({self.limits.max_prefill_tokens} tokens per forward)",
             f"embedding: {'resident' if self.embed_resident else 'rows read on demand'}"
-            + (f" ({format_bytes(self.embed_bytes)})" if self.embed_bytes else ""),
+            + (f" ({format_bytes(self.embed_bytes)})" if self.embed_bytes else "")
+            + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes and not self.head else ""),
             "lm_head: "
-            + ("resident" if self.head_resident else f"streamed in {len(self.head_unit_list)} chunk(s)")
-            + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes else ""),
+            + (
+                "none (activations only)"
+                if not self.head
+                else "resident"
+                if self.head_resident
+                else f"streamed in {len(self.head_unit_list)} chunk(s)"
+            )
+            + (f" ({format_bytes(self.head_bytes)})" if self.head_bytes and self.head else ""),
             f"norms and buffers: {format_bytes(self.small_bytes)}",
             f"total: {format_bytes(self.total)} of {format_bytes(self.budget)}",
         ]
         return "; ".join(parts)
 
 
-def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, tokens: int, context: int) -> int:
+def workspace_bytes(
+    config: ModelConfig, dtype: torch.dtype, batch: int, tokens: int, context: int, *, logits: bool = True
+) -> int:
     """Peak activation memory of one forward of ``batch x tokens`` over ``context`` keys (an upper bound).
 
     Counts the residual stream and its float32 norm temporaries, the Q/K/V
     projections with their RoPE temporaries, materialized attention scores with a
-    float32 softmax, the gated MLP's three intermediates, the masks, and the logits
-    with their soft-capping temporaries.
+    float32 softmax, the gated MLP's three intermediates, the masks, and (``logits``) the
+    logits with their soft-capping temporaries.
     """
     e = torch.empty((), dtype=dtype).element_size()
     bt = batch * tokens
@@ -127,9 +137,10 @@ def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, tokens:
     ring = 2 * batch * kv * (context + tokens) * hd * e  # sliding-window layers concatenate old + new keys
     mlp = bt * 3 * inter * e
     masks = 4 * batch * tokens * context  # bool, per layer type, plus the GQA-repeated copy
-    logits = bt * vocab * (3 * e + 4)  # logits, soft-capping temporaries, a float32 copy for sampling
+    # logits, soft-capping temporaries, a float32 copy for sampling
+    logits_bytes = bt * vocab * (3 * e + 4) if logits else 0
     rope = 2 * bt * hd * (2 * e + 3 * 4)
-    return residual + attention + scores + ring + mlp + masks + logits + rope + WORKSPACE_SLACK
+    return residual + attention + scores + ring + mlp + masks + logits_bytes + rope + WORKSPACE_SLACK
 
 
 def default_context(config: ModelConfig) -> int:
@@ -143,8 +154,9 @@ class PlanInputs:
     ``layer_refs[i]``: layer ``i``'s tensors as streamed. ``embed`` / ``head``: the
     embedding and head when they may stream (float, read from the checkpoint), or None
     when they are always resident — their bytes then in ``fixed_nonlayer`` (packed or
-    quantized modules). ``small_bytes``: everything else resident and small (the final
-    norm, RoPE frequencies, the reader's conversion buffer, packed modules' workspace).
+    quantized modules) — or absent (no head: `StreamingConfig.head`). ``small_bytes``: everything
+    else resident and small (the final norm, RoPE frequencies, the reader's conversion buffer,
+    packed modules' workspace).
     """
 
     config: ModelConfig
@@ -179,6 +191,7 @@ def _candidate(
         members = streamed[start : start + group_size]
         units.append(layer_unit(len(units), g, [(pi.layer(i), pi.layer_refs[i]) for i in members]))
     max_group = max((u.nbytes for u in units), default=0)
+    has_head = inp.streaming.head
     if not head_resident:
         assert pi.head is not None
         row = pi.head.row_bytes()
@@ -194,7 +207,12 @@ def _candidate(
         pi.config, limits.max_batch_size, limits.max_context, pi.dtype, layers=pi.layer_indices, rings=False
     )
     ws = workspace_bytes(
-        pi.config, pi.dtype, limits.max_batch_size, limits.max_prefill_tokens, limits.max_context
+        pi.config,
+        pi.dtype,
+        limits.max_batch_size,
+        limits.max_prefill_tokens,
+        limits.max_context,
+        logits=has_head,
     )
     # Embedding rows read on demand (or dequantized): the stored rows and their converted copy.
     row_bytes = pi.embed.row_bytes() if pi.embed is not None else pi.config.hidden_size * 4
@@ -216,12 +234,13 @@ def _candidate(
         workspace_bytes=ws,
         small_bytes=pi.small_bytes,
         resident_layer_bytes=sum(layer_bytes(pi.layer_refs[i]) for i in range(resident)),
-        embed_resident=fixed is not None or (head_resident and pi.config.tie_word_embeddings),
+        embed_resident=fixed is not None or (head_resident and has_head and pi.config.tie_word_embeddings),
         head_resident=head_resident,
         embed_bytes=0,
         head_bytes=head_bytes,
         layer_group_size=group_size,
         prefetch=prefetch,
+        head=has_head,
     )
 
 
@@ -231,7 +250,7 @@ def _best(inp: _Inputs, limits: Limits, group_size: int, prefetch: bool) -> Memo
     n = len(pi.layer_refs)
     cap = n if inp.streaming.max_resident_layers is None else min(n, inp.streaming.max_resident_layers)
     head_options = [False] if inp.streaming.resident_embeddings is False else [True, False]
-    if pi.fixed_nonlayer is not None:
+    if pi.fixed_nonlayer is not None or pi.head is None:  # nothing to stream
         head_options = [True]
     best: MemoryPlan | None = None
     for head_resident in head_options:

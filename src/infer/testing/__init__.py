@@ -284,4 +284,3 @@ def random_gguf(qtype: Any, rows: int, cols: int, seed: int) -> torch.Tensor:
     if qtype == GGMLQuantizationType.MXFP4:
         raw[:, 0] = rng.integers(118, 124, size=n)
     return torch.from_numpy(raw.reshape(rows, -1))
-
