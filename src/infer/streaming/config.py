@@ -111,7 +111,7 @@ class StreamingConfig:
         head: ``False`` loads no output head and plans no logits: the model computes hidden states
             and hook points only (`infer.lens`: ``run_with_cache(..., stop_at_layer=n)``,
             ``save_activations``), and a forward that needs logits is refused by name. A tied
-            packed embedding is then read from the checkpoint as stored, not converted.
+            packed embedding keeps the head's packed rows as its own (lookups as resident).
         trace: record a per-unit timeline (read / copy / compute intervals) in the stats.
         read_timeout: seconds a forward waits for one unit's weights before raising
             ``TimeoutError`` (a stalled disk or network file system; default 60); ``None``: forever.
