@@ -399,6 +399,8 @@ class DecoderLM(nn.Module):
 
         ``greedy``: only each row's argmax must be exact (`ResidentExecutor.project`).
         """
+        if torch.compiler.is_compiling():
+            return self.executor.head(self, h, greedy)
         with reusing_blocks(h.shape[:-1].numel()):  # whole-sequence logits: large temporaries
             return self.executor.head(self, h, greedy)
 
