@@ -79,7 +79,12 @@ def test_the_malloc_modes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[tuple[int, int]] = []
     trims: list[int] = []
-    monkeypatch.setattr(pages, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return 1
+
+    monkeypatch.setattr(pages, "_mallopt", lambda: mallopt)
     monkeypatch.setattr(pages, "release_freed_memory", lambda: trims.append(1))
 
     def mode(value: str | None) -> None:
