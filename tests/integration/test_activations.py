@@ -28,6 +28,20 @@ def _inputs() -> list[list[int]]:
     return [torch.randint(0, 250, (n,), generator=g).tolist() for n in lengths]
 
 
+def _saved_alike(
+    want: infer.LLM, got: infer.LLM, inputs: list[list[int]], names: list[str], out: Path, what: object
+) -> Activations:
+    """Both models' `save_activations` of ``inputs`` at ``names``, every value bitwise equal; the
+    first model's, read back."""
+    want.save_activations(inputs, names, out / "want", batch_size=2, progress=False)
+    got.save_activations(inputs, names, out / "got", batch_size=2, progress=False)
+    a, b = Activations(out / "want"), Activations(out / "got")
+    for i in range(len(inputs)):
+        for n in names:
+            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (what, i, n)
+    return a
+
+
 def test_saved_activations_equal_run_with_cache(llm: infer.LLM, tmp_path: Path) -> None:
     inputs = _inputs()
     index = llm.save_activations(inputs, NAMES, tmp_path, batch_size=2, shard_bytes=4096, progress=False)
@@ -78,6 +92,8 @@ def test_bad_arguments_are_refused(llm: infer.LLM, tmp_path: Path) -> None:
         llm.save_activations([[1, 2, 3]], NAMES[:1], tmp_path, progress=False)
     with pytest.raises(FileNotFoundError, match="index"):
         Activations(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"return_type: expected 'logits' or None, got 'loss'"):
+        llm.run_with_cache([1, 2, 3], NAMES, return_type="loss")  # type: ignore[call-overload]
     assert lens.save_activations is not None
 
 
@@ -92,13 +108,7 @@ def test_a_streamed_model_saves_the_resident_models_activations(
     resident = infer.load(path, dtype=torch.float32, deterministic=True)
     streamed = infer.load(path, dtype=torch.float32, deterministic=True,
                           streaming=StreamingConfig(memory_budget="64MB"))  # fmt: skip
-    inputs = _inputs()[:4]
-    resident.save_activations(inputs, NAMES, tmp_path / "r", batch_size=2, progress=False)
-    streamed.save_activations(inputs, NAMES, tmp_path / "s", batch_size=2, progress=False)
-    a, b = Activations(tmp_path / "r"), Activations(tmp_path / "s")
-    for i in range(len(inputs)):
-        for n in NAMES:
-            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (i, n)
+    _saved_alike(resident, streamed, _inputs()[:4], NAMES, tmp_path, "streamed")
 
 
 def test_sequences_of_unequal_lengths_share_a_forward(
@@ -168,12 +178,7 @@ def test_a_streamed_model_without_its_head_saves_the_same_activations(
     assert all(t.is_meta for t in bare.model.lm_head.state_dict().values())  # never read, never converted
     names = [n for n in lens.hook_names(bare) if n.endswith(("hook_embed", "hook_resid_post", "hook_z"))]
     inputs = _inputs()[:4]
-    resident.save_activations(inputs, names, tmp_path / "r", batch_size=2, progress=False)
-    bare.save_activations(inputs, names, tmp_path / "s", batch_size=2, progress=False)
-    a, b = Activations(tmp_path / "r"), Activations(tmp_path / "s")
-    for i in range(len(inputs)):
-        for n in names:
-            assert torch.equal(a.sequence(i)[n], b.sequence(i)[n]), (kind, i, n)
+    a = _saved_alike(resident, bare, inputs, names, tmp_path / "points", kind)
     layers = bare.model.config.num_hidden_layers
     _, cache = bare.run_with_cache([inputs[0]], names[-1], stop_at_layer=layers)
     assert torch.equal(cache[names[-1]][0], a.sequence(0)[names[-1]])
@@ -181,11 +186,6 @@ def test_a_streamed_model_without_its_head_saves_the_same_activations(
     with pytest.raises(ValueError, match=r"StreamingConfig\(head=False\)"):
         bare.run_with_cache([inputs[0]], names[-1])  # logits: refused before any block runs
     assert bare.model.executor.stats.forwards == forwards
-    final = ["ln_final.hook_normalized"]  # the final norm runs without the head
-    resident.save_activations(inputs, final, tmp_path / "rf", batch_size=2, progress=False)
-    bare.save_activations(inputs, final, tmp_path / "sf", batch_size=2, progress=False)
-    for i in range(len(inputs)):
-        want = Activations(tmp_path / "rf").sequence(i)[final[0]]
-        assert torch.equal(want, Activations(tmp_path / "sf").sequence(i)[final[0]]), (kind, i)
+    _saved_alike(resident, bare, inputs, ["ln_final.hook_normalized"], tmp_path / "final", kind)  # no head
     with pytest.raises(ValueError, match=r"StreamingConfig\(head=False\)"):
         bare.generate([1, 2, 3], max_new_tokens=2)

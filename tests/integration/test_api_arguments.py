@@ -177,6 +177,7 @@ STREAMED_EMBEDDINGS = infer.StreamingConfig(
     memory_budget="1GB", max_resident_layers=0, resident_embeddings=False
 )
 EMBEDDINGS = "StreamingConfig(resident_embeddings=False) cannot combine with"
+HEADLESS = infer.StreamingConfig(memory_budget="1GB", head=False)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +198,14 @@ EMBEDDINGS = "StreamingConfig(resident_embeddings=False) cannot combine with"
             f"{EMBEDDINGS} tensor_parallel=2: a rank keeps",
         ),
         ({"pipeline_parallel": 2, "streaming": STREAMED_EMBEDDINGS}, f"{EMBEDDINGS} pipeline_parallel=2"),
+        (
+            {"tensor_parallel": 2, "streaming": HEADLESS},
+            "StreamingConfig(head=False) cannot combine with tensor_parallel=2: a model without its head",
+        ),
+        (
+            {"pipeline_parallel": 2, "streaming": HEADLESS},
+            "StreamingConfig(head=False) cannot combine with pipeline_parallel=2",
+        ),
     ],
     ids=[
         "compile-streaming",
@@ -205,6 +214,8 @@ EMBEDDINGS = "StreamingConfig(resident_embeddings=False) cannot combine with"
         "embeddings-quantize",
         "embeddings-tp",
         "embeddings-pp",
+        "headless-tp",
+        "headless-pp",
     ],
 )
 def test_options_that_cannot_combine_are_refused_naming_both(

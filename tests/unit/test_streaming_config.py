@@ -91,6 +91,7 @@ def test_defaults_are_valid() -> None:
         ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
         ({"max_resident_layers": -1}, "max_resident_layers"),
         ({"resident_embeddings": "no"}, "resident_embeddings"),
+        ({"head": "no"}, "head"),
         ({"max_context": 64, "max_prefill_tokens": 128}, "max_prefill_tokens"),
     ],
 )
