@@ -7,8 +7,11 @@ settings against each other and llama.cpp's ``llama-bench`` in the same run.
 
 Each setting (environment variables, ``default`` for none) runs in its own process (peak RSS is
 its own): per length, a warm-up prompt then ``--reps`` fresh random prompts (nothing cached), the
-best time kept. ``INFER_AOT=off``: decode packages play no part in a prefill. Prints tok/s per
-length, the ratio to llama.cpp (``-p`` lengths, ``-n 0``), peak RSS, and the machine.
+best time kept. First a process runs each length once with ``INFER_AOT=on`` and the builder it
+starts is waited for (the dequantized tiles' packages, `infer.quant.tile_packages`: what the
+default has once the machine has idled); the measured ones run ``INFER_AOT=use`` (they build
+nothing). Prints tok/s per length, the ratio to llama.cpp (``-p`` lengths, ``-n 0``), peak RSS,
+and the machine.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ def llama_bench(path: str, lengths: list[int], threads: int) -> dict[int, float]
         return {}
 
 
+def build_packages(model: str, args: argparse.Namespace) -> None:
+    """One prompt per length with builds on, then wait for the builder (at most 30 minutes)."""
+    from infer import aot
+
+    cmd = [sys.executable, __file__, "--worker", model, "--lengths", args.lengths, "--reps", "0",
+           "--threads", str(args.threads)]  # fmt: skip
+    subprocess.run(cmd, env=dict(os.environ, INFER_AOT="on"), capture_output=True)
+    t0 = time.perf_counter()
+    while aot.building(aot.cache_dir()) and time.perf_counter() - t0 < 1800:
+        time.sleep(2)
+    print(f"  packages built (waited {time.perf_counter() - t0:.0f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen-coder-1.5b")
@@ -88,8 +104,9 @@ def main() -> None:
         path = str(realmodels.by_name(model))
         peer = llama_bench(path, lengths, args.threads)
         print(f"\n{model}: llama.cpp " + ", ".join(f"{n}: {peer.get(n, float('nan')):.0f}" for n in lengths))
+        build_packages(model, args)
         for setting in args.settings.split(";"):
-            env = dict(os.environ, INFER_AOT="off")
+            env = dict(os.environ, INFER_AOT="use")
             for kv in setting.split() if setting.strip() != "default" else []:
                 key, _, value = kv.partition("=")
                 env[key] = value

@@ -107,6 +107,8 @@ def stale(request: dict[str, Any]) -> str | None:
         # The worker would build from today's source a package of another fingerprint: the key
         # asked for is never built (an upgrade or an edit of infer since the request).
         return "infer's source changed since the request"
+    if "tile" in request:
+        return None  # a tile kernel (`infer.quant.tile_packages`) depends on no checkpoint
     recorded = request.get("files")
     if not recorded:
         return "the request names no checkpoint file"
@@ -120,13 +122,17 @@ def stale(request: dict[str, Any]) -> str | None:
     return f"the checkpoint at {request['recipe']['path']} changed since the request"
 
 
-def enough_memory(checkpoint: Path) -> bool:
-    """Whether the machine has the memory for the worker's copy of the model and the compiler
-    (``MemAvailable`` >= checkpoint bytes + `COMPILER_BYTES`); true where it cannot tell."""
+def enough_memory(checkpoint: Path | None) -> bool:
+    """Whether the machine has the memory for the worker's copy of the model (None: no model, a
+    tile kernel's build) and the compiler (``MemAvailable`` >= checkpoint bytes + `COMPILER_BYTES`);
+    true where it cannot tell."""
     try:
         meminfo = Path("/proc/meminfo").read_text().splitlines()
         available = int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1])
-        files = [checkpoint] if checkpoint.is_file() else list(checkpoint.rglob("*"))
+        if checkpoint is None:
+            files = []
+        else:
+            files = [checkpoint] if checkpoint.is_file() else list(checkpoint.rglob("*"))
         size = sum(f.stat().st_size for f in files if f.is_file())
     except (OSError, StopIteration, ValueError):
         return True
@@ -378,7 +384,8 @@ class Builder:
             if again is None:
                 return True
             request = again
-            if not enough_memory(Path(request["recipe"]["path"])):
+            checkpoint = Path(request["recipe"]["path"]) if "recipe" in request else None
+            if not enough_memory(checkpoint):
                 self.drop(path, "too little memory available now (a later process asks again)")
                 return True
             t0 = time.monotonic()

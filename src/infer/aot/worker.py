@@ -2,7 +2,8 @@
 
 Started by the builder (`infer.aot.builder`) once the machine is idle, at ``SCHED_IDLE`` with one
 compile thread: loads the same checkpoint the same way (`Recipe`), checks the fingerprint, builds
-(`infer.aot.export.build`) or leaves a ``.failed`` marker, and prunes (`infer.aot.prune`).
+(`infer.aot.export.build`) or leaves a ``.failed`` marker, and prunes (`infer.aot.prune`). A
+request for a dequantized tile's kernel loads no model (`infer.quant.tile_packages.build`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def main(argv: list[str]) -> int:
     out = Path(request["out"])
     t0 = time.perf_counter()
     try:
+        if "tile" in request:  # a dequantized tile's kernel: no model to load
+            from infer.quant import tile_packages
+
+            tile_packages.build(tile_packages.Spec.of_request(request["tile"]), out)
+            print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+            return 0
         model = Recipe(**request["recipe"]).load()
         fp = fingerprint(model)
         if not request["key"].startswith(fp + "-"):

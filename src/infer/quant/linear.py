@@ -9,6 +9,7 @@ docs/quantization.md, "How each type is held and computed".
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -294,7 +295,7 @@ class QuantizedLinear(nn.Module):
         tile = self._tile_dtype(torch.empty(0, dtype=self.compute_dtype))
         pairing = "paired" if self.paired else ("split" if self.split else "plain")
         dtypes = "-".join(str(d).removeprefix("torch.") for d in (self.compute_dtype, tile))
-        compiled = "-compiled" if self.fmt == "int4" and tiles.enabled() else ""  # (tiles' cost)
+        compiled = "-compiled" if self.fmt == "int4" and self._tiles_fast() else ""  # (tiles' cost)
         return f"{self.fmt}-p{self.planes}-{pairing}-k{self.in_features}-{dtypes}{compiled}"
 
     def route(self) -> Route | None:
@@ -302,17 +303,17 @@ class QuantizedLinear(nn.Module):
         new); None where nothing is measured (``INFER_ROUTES=off``, a dense weight, another device)."""
         if self.fmt == "dense" or self.packed_device_type() != "cpu" or not routes.enabled():
             return None
-        cached: Route | None = self.__dict__.get("_route")
-        if cached is not None:
-            return cached
         form = self.route_form()
+        cached: tuple[str, Route] | None = self.__dict__.get("_route")
+        if cached is not None and cached[0] == form:  # (the form changes once its tiles' packages load)
+            return cached[1]
         found = routes.table().get(form)
         if found is None:
             print(f"infer: measuring the matrix-product routes of {form} on this CPU (once; "
                   f"{routes.routes_dir()})", file=sys.stderr, flush=True)  # fmt: skip
             found = self._measure_route()
             routes.table().put(form, found)
-        self.__dict__["_route"] = found
+        self.__dict__["_route"] = (form, found)
         return found
 
     def packed_device_type(self) -> str:
@@ -344,6 +345,8 @@ class QuantizedLinear(nn.Module):
         blocks), on views of its weight (scales copied: small)."""
         n_rows = self.qweight.shape[0] if self.fmt == "int8" else self.packed.shape[0]
         n = min(n_rows, _CALIBRATION_COLUMNS)
+        if self.fmt == "int4":  # whole tiles: the part's tiles take the shapes (the kernels) of this one's
+            n = min(n_rows, max(n, self._tile_spans()[0][1]))
         if self.fmt == "int8":
             tensors = {"qweight": self.qweight[:n], "scales": self.scales[:n].contiguous()}
         else:
@@ -508,18 +511,11 @@ class QuantizedLinear(nn.Module):
             if int4.cpu_kernel_accepts(xp, self.packed, GROUP, self.scale_zero, usable_checked=True):
                 y = int4.cpu_matmul(xp, self.packed, GROUP, self.scale_zero)
         if y is None:  # prefill, another device, or operands the kernel does not take
-            n_pad = self.packed.shape[0]
-            kp = self.planes * self.in_features
-            # A power of two: few tile shapes (each a compiled kernel, `infer.quant.tiles`).
-            cols = 1 << max(_MIN_TILE_COLUMNS, _TILE_VALUES // kp).bit_length() - 1
             dtype = self._tile_dtype(x2)
             xt = x2.to(dtype)
-            full = n_pad - n_pad % int4.BLOCK_N  # a tail block on its own: the others compile
-            spans = [(start, min(full, start + cols)) for start in range(0, full, cols)]
-            spans += [(full, n_pad)] if full < n_pad else []
             n = self.out_features
             y = torch.empty(x2.shape[0], n, dtype=out_dtype or x2.dtype, device=x2.device)
-            for a, b in spans:  # each tile's outputs written in place (padding rows dropped)
+            for a, b in self._tile_spans():  # each tile's outputs written in place (padding rows dropped)
                 part = self._tile_product(xt, self._dequant_tile_t(a, b, dtype), tile, gemm)  # [M, b - a]
                 if part.dtype != x2.dtype:  # (float32 tiles of bfloat16 compute: rounded as before)
                     part = part.to(x2.dtype)
@@ -528,6 +524,15 @@ class QuantizedLinear(nn.Module):
         if y.shape[1] != self.out_features:  # rows padded to a multiple of 16
             y = y[:, : self.out_features].contiguous()
         return y
+
+    def _tile_spans(self) -> list[tuple[int, int]]:
+        """The packed rows of each dequantized tile: a power of two of them (few tile shapes, each
+        a kernel of `infer.quant.tiles`), and a tail block on its own."""
+        n_pad = self.packed.shape[0]
+        cols = 1 << max(_MIN_TILE_COLUMNS, _TILE_VALUES // (self.planes * self.in_features)).bit_length() - 1
+        full = n_pad - n_pad % int4.BLOCK_N
+        spans = [(start, min(full, start + cols)) for start in range(0, full, cols)]
+        return spans + ([(full, n_pad)] if full < n_pad else [])
 
     def _tile_dtype(self, x2: torch.Tensor) -> torch.dtype:
         """The dtype dequantized tiles are multiplied in: the compute dtype, but float32 for a
@@ -572,25 +577,51 @@ class QuantizedLinear(nn.Module):
         return f.to(dtype)
 
     def _compiled_tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """`_dequant_tile_t` of whole row blocks through `infer.quant.tiles`' compiled kernels (the
-        same operations: equal bitwise), None where they are off or failed."""
+        """`_dequant_tile_t` of whole row blocks through `infer.quant.tiles`' one-pass kernels (the
+        same operations: equal bitwise), None where they are off, not built yet or failed."""
+        call = self._tile_call(start, stop, dtype)
+        return None if call is None else tiles.run(call[0], *call[1])
+
+    def _tile_call(
+        self, start: int, stop: int, dtype: torch.dtype
+    ) -> tuple[tiles.Kernel, tuple[object, ...]] | None:
+        """The `infer.quant.tiles` kernel and arguments of rows ``start:stop``'s tile."""
         k = self.in_features
         packed = self.packed[start:stop]
         if self.paired:
             sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/16, rows, 2]
             scale, zero = sz[..., 0].contiguous(), (17 * sz[..., 1]).contiguous()
-            return tiles.run(tiles.paired, packed, scale, zero, k, dtype)
+            return tiles.paired, (packed, scale, zero, k, dtype)
         if self.planes == 2:
             sz = self.scale_zero[: k // GROUP, start:stop].to(torch.float32)  # the low plane's
             scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()
             hi = self.packed_hi[start:stop] if self.split else None
-            return tiles.run(tiles.two_planes, packed, hi, scale, zero, k, dtype)
+            return tiles.two_planes, (packed, hi, scale, zero, k, dtype)
         if self.planes == 1:
             sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/32, rows, 2]
             scale = sz[..., 0]
             zero = (sz[..., 1] - 8 * scale).contiguous()
-            return tiles.run(tiles.one_plane, packed, scale.contiguous(), zero, k, dtype)
+            return tiles.one_plane, (packed, scale.contiguous(), zero, k, dtype)
         return None
+
+    def _tiles_fast(self) -> bool:
+        """Whether this weight's tiles run in one pass (`infer.quant.tiles.fast`: compiled, or
+        every shape's package loaded; a missing one is queued). Asked again at most once a second
+        until true (a package built meanwhile is picked up)."""
+        if self.__dict__.get("_fast_tiles"):
+            return True
+        now = time.monotonic()
+        if now - self.__dict__.get("_fast_tiles_at", -1.0) < 1.0:
+            return False
+        self.__dict__["_fast_tiles_at"] = now
+        if self.fmt != "int4" or self.in_features * self.out_features < tiles.MIN_WEIGHTS:
+            return False
+        dtype = self._tile_dtype(torch.empty(0, dtype=self.compute_dtype))
+        shapes = {b - a: (a, b) for a, b in self._tile_spans() if (b - a) % int4.BLOCK_N == 0}
+        calls = [self._tile_call(a, b, dtype) for a, b in shapes.values()]
+        fast = bool(calls) and all([c is not None and tiles.fast(c[0], *c[1]) for c in calls])  # (all queued)
+        self.__dict__["_fast_tiles"] = fast
+        return fast
 
     def _dequant_two_planes_t(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """`_dequant_tile_t` of two planes, eagerly: their nibbles joined in one byte first.

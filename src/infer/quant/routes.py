@@ -52,9 +52,9 @@ def enabled() -> bool:
     return value == "on"
 
 
-def cpu_key() -> str:
-    """What a measurement depends on besides the form: the CPU's model name and flags, torch's version
-    and the thread count. A hash of them names the table's file."""
+@functools.cache
+def cpu_identity() -> tuple[str, str, str]:
+    """The CPU's model name and flags (``/proc/cpuinfo``'s first), and the platform."""
     name, flags = "", ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -62,7 +62,14 @@ def cpu_key() -> str:
                 name = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
                 flags = line.split(":", 1)[1].strip()
-    parts = [ROUTES_VERSION, name, flags, torch.__version__, torch.get_num_threads(), sys.platform]
+    return name, flags, sys.platform
+
+
+def cpu_key() -> str:
+    """What a measurement depends on besides the form: the CPU's model name and flags, torch's version
+    and the thread count. A hash of them names the table's file."""
+    name, flags, platform = cpu_identity()
+    parts = [ROUTES_VERSION, name, flags, torch.__version__, torch.get_num_threads(), platform]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -198,6 +205,7 @@ __all__ = [
     "ROUTE_FLOOR",
     "Route",
     "RouteTable",
+    "cpu_identity",
     "cpu_key",
     "enabled",
     "forget",

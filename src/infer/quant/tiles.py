@@ -9,14 +9,16 @@ makes of it a single vectorized loop over bytes that stay in cache: 6-8 G weight
 operation (a multiply, then an add, then one rounding), so a compiled tile equals the eager one
 bitwise (`tests/unit/test_quant_tiles.py`).
 
-A kernel is compiled per form and tile shape (``dynamic=False``: the shapes a model's tiles take
-are few, and a static shape vectorizes best), for matrices of at least `MIN_WEIGHTS` weights;
-inductor's cache on disk serves later processes.
+A kernel is built per form and tile shape (static shapes: the shapes a model's tiles take are few,
+and a static shape vectorizes best), for matrices of at least `MIN_WEIGHTS` weights. ``INFER_DEQUANT``
+says how:
 
-A mode, not the default: ``INFER_DEQUANT=compiled`` turns it on. Compiling in the process loads
-inductor, ~230 MiB of resident memory (SmolLM2: 748 -> 980 MiB peak), which the default path does
-not pay (docs/quantization.md has the trade). Where inductor cannot compile (no C++ compiler) the
-first failure says so once and every tile stays eager.
+* ``packaged`` (the default): ahead-of-time packages built in idle time, loaded by torch's C++
+  loader (`infer.quant.tile_packages`); a tile whose package is not built yet runs eagerly.
+* ``compiled``: ``torch.compile`` in the process (inductor's cache on disk serves later processes);
+  it loads inductor, ~230 MiB of resident memory (SmolLM2: 748 -> 980 MiB peak). Where inductor
+  cannot compile (no C++ compiler) the first failure says so once and every tile stays eager.
+* ``eager``: never.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.quant import int4
+from infer.quant import int4, tile_packages
 
 GROUP = 32
 MIN_WEIGHTS = 1 << 19  # matrices smaller than this keep eager tiles (a compile would not pay)
@@ -39,12 +41,20 @@ _broken: list[str] = []  # why compiling failed, once
 _lock = threading.Lock()
 
 
+MODES = ("packaged", "compiled", "eager")
+
+
+def mode() -> str:
+    """``INFER_DEQUANT`` (read when used): one of `MODES`, ``packaged`` when unset."""
+    value = os.environ.get("INFER_DEQUANT", "packaged").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"INFER_DEQUANT must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
 def enabled() -> bool:
-    """``INFER_DEQUANT`` is ``compiled`` (the default is ``eager``) and nothing failed to compile."""
-    value = os.environ.get("INFER_DEQUANT", "eager").strip().lower()
-    if value not in ("compiled", "eager"):
-        raise ValueError(f"INFER_DEQUANT must be 'compiled' or 'eager', got {value!r}")
-    return value == "compiled" and not _broken
+    """Whether tiles compile in the process (``INFER_DEQUANT=compiled``, and nothing failed to)."""
+    return mode() == "compiled" and not _broken
 
 
 def _nibbles(byte: torch.Tensor) -> torch.Tensor:
@@ -117,10 +127,25 @@ def _compiled(fn: Kernel, key: tuple[object, ...]) -> Kernel:
 _seen: set[tuple[object, ...]] = set()
 
 
+KERNELS = ("one_plane", "two_planes", "paired")  # what a package may be built of
+
+
+def fast(fn: Kernel, *args: object) -> bool:
+    """Whether ``fn(*args)`` runs in one pass (compiled here, or its package loaded); in the
+    packaged mode a missing package is queued for the builder."""
+    how = mode()
+    if how == "packaged":
+        return tile_packages.ready(fn, args)
+    return how == "compiled" and not _broken
+
+
 def run(fn: Kernel, *args: object) -> torch.Tensor | None:
-    """``fn(*args)`` through its compiled kernel, None where tiles stay eager (`enabled`): the first
-    failure to compile is said once on stderr."""
-    if not enabled():
+    """``fn(*args)`` through its package or compiled kernel (`mode`), None where the tile stays
+    eager; the first failure to compile is said once on stderr."""
+    how = mode()
+    if how == "packaged":
+        return tile_packages.run(fn, args)
+    if how == "eager" or _broken:
         return None
     key = (fn, *((*a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     try:
@@ -138,4 +163,15 @@ def run(fn: Kernel, *args: object) -> torch.Tensor | None:
         return None
 
 
-__all__ = ["enabled", "joined", "one_plane", "paired", "run", "two_planes"]
+__all__ = [
+    "KERNELS",
+    "MODES",
+    "enabled",
+    "fast",
+    "joined",
+    "mode",
+    "one_plane",
+    "paired",
+    "run",
+    "two_planes",
+]
