@@ -8,6 +8,7 @@ run (`Runner`) -> sample (`Sampler`) -> output (`Outputs`, then `Scheduler.updat
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from infer.combinations import check_request
+from infer.engine import chunks
 from infer.engine.driver import Driver
 from infer.engine.output import Outputs
 from infer.engine.request import Request, RequestHandle
@@ -60,7 +62,8 @@ class Engine:
     `KVSlots`); at most ``max_waiting`` requests wait for a row (`EngineFull` past that);
     ``context`` (default the model's) bounds prompt + generated tokens of a request;
     ``prefill_chunk`` bounds the prompt tokens read per iteration while other requests decode
-    (their next token waits for that forward), ``idle_prefill_chunk`` while none does.
+    (their next token waits for that forward), ``idle_prefill_chunk`` while none does (default:
+    the length measured fastest for this model on this CPU, `infer.engine.chunks`).
     ``runner(max_batch, context)`` makes what runs the steps (default a `Runner` of the model's
     execution; a parallel run's rank 0 makes one that sends each plan to the other ranks:
     `infer.engine.parallel`).
@@ -74,14 +77,15 @@ class Engine:
         max_waiting: int = 64,
         context: int | None = None,
         prefill_chunk: int = 256,
-        idle_prefill_chunk: int = 2048,
+        idle_prefill_chunk: int | None = None,
         runner: Callable[[int, int], Runner] | None = None,
     ) -> None:
         model = llm.model
         check_int("max_batch", max_batch, 1)
         check_int("max_waiting", max_waiting, 0)
         check_int("prefill_chunk", prefill_chunk, 1)
-        check_int("idle_prefill_chunk", idle_prefill_chunk, 1)
+        if idle_prefill_chunk is not None:
+            check_int("idle_prefill_chunk", idle_prefill_chunk, 1)
         limit = model.config.max_position_embeddings
         if context is not None:
             limit = min(limit, check_int("context", context, 2))
@@ -92,7 +96,6 @@ class Engine:
             limit = min(limit, limits.max_context)
             per_forward = limits.max_batch_size * limits.max_prefill_tokens
             prefill_chunk = min(prefill_chunk, per_forward)
-            idle_prefill_chunk = min(idle_prefill_chunk, per_forward)
         self.llm = llm
         self.model = model
         self.max_batch = max_batch
@@ -117,9 +120,16 @@ class Engine:
                 llm.speculative, limit, per_forward, model.vocab_size, self.runner.drafter
             )
         execution = self.runner.execution
-        policy = Policy(max_batch, limit, prefill_chunk, idle_prefill_chunk, per_forward,
+        idle_chunk, measured = idle_prefill_chunk, None
+        if idle_chunk is None and chunks.measurable(model, per_forward is not None, execution.parallel):
+            measured = functools.partial(chunks.prompt_chunk, model)  # when a prompt first needs it
+        elif idle_chunk is None:
+            idle_chunk = chunks.DEFAULT
+        if idle_chunk is not None and per_forward is not None:
+            idle_chunk = min(idle_chunk, per_forward)
+        policy = Policy(max_batch, limit, prefill_chunk, idle_chunk, per_forward,
                         execution.bucketed, execution.exact_logits_allowed)  # fmt: skip
-        self.scheduler = Scheduler(self.slots, policy, speculator)
+        self.scheduler = Scheduler(self.slots, policy, speculator, measured)
         exact_logits = self.runner.exact_logits if execution.exact_logits_allowed else None
         self.sampler = Sampler(model.vocab_size, model.device, exact_logits)
         self.outputs = Outputs()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from infer.engine import chunks
 from infer.engine.plan import Forward, Kind, Plan, Update
 from infer.engine.request import Delta, Ending, Request, TokenLogprob
 from infer.engine.sampling import exact_head
@@ -33,7 +34,8 @@ SPEC_COUNTERS = ("spec_passes", "spec_proposed", "spec_accepted", "spec_tokens",
 class Policy:
     """What the scheduler plans with: ``max_batch`` rows run at once; ``context`` bounds a row's
     tokens; an iteration reads ``chunk`` prompt tokens while requests decode (they wait for the
-    forward), ``idle_chunk`` while none does; ``per_forward``: tokens one forward may take at most
+    forward), ``idle_chunk`` while none does (None: measured, `Scheduler`'s ``prompt_chunk``);
+    ``per_forward``: tokens one forward may take at most
     (a streamed model's plan), None for any; ``bucketed``: the shapes of steps in powers of two
     (`compile=True`: a graph per shape), a decode step's window of rows and a prompt chunk's padding;
     ``exact_allowed``: a processed row may re-score its candidates exactly (not in a parallel run)."""
@@ -41,7 +43,7 @@ class Policy:
     max_batch: int
     context: int
     chunk: int
-    idle_chunk: int
+    idle_chunk: int | None
     per_forward: int | None = None
     bucketed: bool = False
     exact_allowed: bool = True
@@ -52,10 +54,18 @@ class Scheduler:
     docstring), planning by ``policy``; ``speculator``: proposals for verify passes, None when
     speculation is off."""
 
-    def __init__(self, slots: KVSlots[KVModel], policy: Policy, speculator: Speculator | None = None) -> None:
+    def __init__(
+        self,
+        slots: KVSlots[KVModel],
+        policy: Policy,
+        speculator: Speculator | None = None,
+        prompt_chunk: Callable[[], int] | None = None,
+    ) -> None:
         self.slots = slots
         self.policy = policy
         self.speculator = speculator
+        self.prompt_chunk = prompt_chunk  # measures ``idle_chunk`` when the policy leaves it None
+        self._measured: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.used: dict[int, float] = {}  # row -> when it was last used (least recently used is evicted)
@@ -286,7 +296,7 @@ class Scheduler:
                 groups[-1].append(i)
             else:
                 groups.append([i])
-        left = b.idle_chunk if idle else b.chunk
+        left = self._idle_chunk(sum(len(running[i].pending) for i in reading)) if idle else b.chunk
         forwards = []
         for group in groups:
             if left <= 0:
@@ -309,6 +319,17 @@ class Scheduler:
                                           draft_reads=reads, hooks=hooks))  # fmt: skip
             left -= sum(len(t) for t in feeds.values())
         return forwards
+
+    def _idle_chunk(self, pending: int) -> int:
+        """The policy's ``idle_chunk``, else the measured one (`infer.engine.chunks`), measured the
+        first time the prompts being read are longer than the shortest chunk measured."""
+        if self.policy.idle_chunk is not None:
+            return self.policy.idle_chunk
+        if self._measured is None:
+            if pending <= chunks.CANDIDATES[0] or self.prompt_chunk is None:
+                return max(pending, chunks.CANDIDATES[0]) if self.prompt_chunk else chunks.DEFAULT
+            self._measured = self.prompt_chunk()
+        return self._measured
 
     # ---- update -----------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ GEMM), measured once per weight form on the CPU and thread count it runs on.
 
 The crossover is measured on a slice of the weight (`measure`) and kept in
 ``$XDG_CACHE_HOME/infer/routes/<cpu>.json`` (`RouteTable`, keyed by `cpu_key`); ``INFER_ROUTES=off``
-uses the fixed `infer.quant.linear.KERNEL_MAX_ROWS`; compiled steps always take the kernel.
+uses the fixed `infer.quant.linear.KERNEL_MAX_ROWS`; compiled steps always take the kernel. The
+same table keeps each model shape's measured prompt chunk (`infer.engine.chunks`).
 See docs/quantization.md, "Which route, by rows".
 """
 
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -88,25 +90,39 @@ class RouteTable:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.routes: dict[str, Route] = {}
+        self.chunks: dict[str, dict[str, Any]] = {}  # model shape -> its prompt chunk (`infer.engine.chunks`)
         self._lock = threading.Lock()
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             raw = json.loads(path.read_text())
             self.routes = {form: Route(**entry) for form, entry in raw["routes"].items()}
+            chunks = raw.get("chunks", {}).items()
+            self.chunks = {key: dict(entry) for key, entry in chunks if "chunk" in entry}
 
     def get(self, form: str) -> Route | None:
         return self.routes.get(form)
 
     def put(self, form: str, route: Route) -> None:
-        """Record ``route`` and write the table (atomically: a reader sees the old file or the new)."""
+        """Record ``route`` and write the table."""
         with self._lock:
             self.routes[form] = route
-            with contextlib.suppress(OSError):  # costs speed only: measured again next process
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                body = {"cpu": cpu_key(), "routes": {f: asdict(r) for f, r in sorted(self.routes.items())}}
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".routes-")
-                with os.fdopen(fd, "w") as f:
-                    json.dump(body, f, indent=1)
-                os.replace(tmp, self.path)
+            self._write()
+
+    def put_chunk(self, key: str, entry: dict[str, Any]) -> None:
+        """Record a model shape's prompt chunk (``{"chunk": n, ...}``) and write the table."""
+        with self._lock:
+            self.chunks[key] = entry
+            self._write()
+
+    def _write(self) -> None:
+        """The table to its file, atomically (a reader sees the old file or the new)."""
+        with contextlib.suppress(OSError):  # costs speed only: measured again next process
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            body = {"cpu": cpu_key(), "routes": {f: asdict(r) for f, r in sorted(self.routes.items())},
+                    "chunks": dict(sorted(self.chunks.items()))}  # fmt: skip
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".routes-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(body, f, indent=1)
+            os.replace(tmp, self.path)
 
 
 @functools.cache
