@@ -1,13 +1,14 @@
 """Dequantization of packed tiles: G weights/s of the eager passes against `infer.quant.tiles`'
-compiled one-pass kernels, per packed form, on the running CPU.
+one-pass kernels, compiled in the process and as packages (`infer.aot.tiles`, the
+default: built here first, into a temporary cache), per packed form, on the running CPU.
 
     uv run python benchmarks/dequant.py                 # 1 and 2 threads, the 1.5B's shapes
     uv run python benchmarks/dequant.py --threads 2 --reps 50
 
 Each form is a synthetic GGUF matrix of the Qwen2.5-Coder-1.5B shape it appears in (Q4_K one
 plane, Q6_K paired, Q5_0 / Q8_0 two planes); a tile is what `QuantizedLinear` dequantizes for one
-GEMM (its columns as the product picks them), in bfloat16. Prints the rates, the bytes each tile
-moves, and the machine; the compiled tile is checked equal to the eager one.
+GEMM (its columns as the product picks them), in bfloat16. Prints the rates and the machine; the
+compiled and packaged tiles are checked equal to the eager one.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import functools
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as T
 
+from infer.aot import settings
+from infer.aot import tiles as tile_packages
 from infer.quant import QuantizedLinear
 from infer.quant.linear import _MIN_TILE_COLUMNS, _TILE_VALUES
 from infer.testing import random_gguf
@@ -66,32 +71,47 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    os.environ["INFER_DEQUANT"] = "compiled"  # the mode measured against the eager default
     info = cpuinfo()
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f" {f}" in info]
     print(f"CPU: {cpu_name(info)} ({', '.join(isa)}); torch {torch.__version__}")
-    print("| form (out x in) | threads | tile | eager G weights/s | compiled G weights/s | compiled/eager |")
-    print("|---|---|---|---|---|---|")
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        for qtype, n, k in FORMS:
-            lin = QuantizedLinear.from_gguf(random_gguf(qtype, n, k, 0), qtype, (n, k))
-            cols = min(n, 1 << max(_MIN_TILE_COLUMNS, _TILE_VALUES // (lin.planes * k)).bit_length() - 1)
-            eager_tile = functools.partial(lin._dequant_tile_t, 0, cols, torch.bfloat16)
-            compiled_tile = functools.partial(lin._compiled_tile, 0, cols, torch.bfloat16)
-            with torch.inference_mode():
-                fast = compiled_tile()
-                os.environ["INFER_DEQUANT"] = "eager"
-                try:
-                    assert fast is not None and torch.equal(fast, eager_tile()), "compiled != eager"
-                    te = median_s(eager_tile, args.reps)
-                finally:
-                    os.environ["INFER_DEQUANT"] = "compiled"
-                tc = median_s(compiled_tile, args.reps)
-            w = cols * k / 1e9
-            form = "paired" if lin.paired else f"{lin.planes} plane{'s' * (lin.planes > 1)}"
-            print(f"| {qtype.name} {form} ({n} x {k}) | {threads} | {k} x {cols} | {w / te:.2f} | "
-                  f"{w / tc:.2f} | {te / tc:.1f}x |", flush=True)  # fmt: skip
+    print("| form (out x in) | threads | tile | eager | compiled | packaged | packaged/eager |")
+    print("|---|---|---|---|---|---|---|")
+    os.environ["INFER_AOT"] = "use"  # packages used, none queued (this process builds them)
+    with tempfile.TemporaryDirectory(prefix="infer-dequant-") as cache:
+        settings.CACHE_DIR = Path(cache)
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for qtype, n, k in FORMS:
+                row(qtype, n, k, threads, args.reps)
+
+
+def rate(lin: QuantizedLinear, cols: int, mode: str, reps: int) -> tuple[float, torch.Tensor]:
+    """Seconds per tile (median) in ``mode`` (``INFER_DEQUANT``), and the tile."""
+    os.environ["INFER_DEQUANT"] = mode
+    tile = functools.partial(lin._compiled_tile if mode != "eager" else lin._dequant_tile_t, 0, cols,
+                             torch.bfloat16)  # fmt: skip
+    with torch.inference_mode():
+        out = tile()
+        assert out is not None, f"no {mode} tile"
+        return median_s(tile, reps), out
+
+
+def row(qtype: T, n: int, k: int, threads: int, reps: int) -> None:
+    lin = QuantizedLinear.from_gguf(random_gguf(qtype, n, k, 0), qtype, (n, k))
+    cols = min(n, 1 << max(_MIN_TILE_COLUMNS, _TILE_VALUES // (lin.planes * k)).bit_length() - 1)
+    call = lin._tile_call(0, cols, torch.bfloat16)
+    assert call is not None
+    spec = tile_packages.spec_of(call[0], call[1])
+    assert spec is not None
+    tile_packages.build(spec, tile_packages.directory() / f"{spec.key}.pt2")
+    te, eager = rate(lin, cols, "eager", reps)
+    tc, compiled = rate(lin, cols, "compiled", reps)
+    tp, packaged = rate(lin, cols, "packaged", reps)
+    assert torch.equal(compiled, eager) and torch.equal(packaged, eager), "a one-pass tile != the eager tile"
+    w = cols * k / 1e9
+    form = "paired" if lin.paired else f"{lin.planes} plane{'s' * (lin.planes > 1)}"
+    print(f"| {qtype.name} {form} ({n} x {k}) | {threads} | {k} x {cols} | {w / te:.2f} | {w / tc:.2f} | "
+          f"{w / tp:.2f} | {te / tp:.1f}x |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

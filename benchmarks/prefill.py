@@ -8,7 +8,7 @@ settings against each other and llama.cpp's ``llama-bench`` in the same run.
 Each setting (environment variables, ``default`` for none) runs in its own process (peak RSS is
 its own): per length, a warm-up prompt then ``--reps`` fresh random prompts (nothing cached), the
 best time kept. First a process runs each length once with ``INFER_AOT=on`` and the builder it
-starts is waited for (the dequantized tiles' packages, `infer.quant.tile_packages`: what the
+starts is waited for (the dequantized tiles' packages, `infer.aot.tiles`: what the
 default has once the machine has idled); the measured ones run ``INFER_AOT=use`` (they build
 nothing). Prints tok/s per length, the ratio to llama.cpp (``-p`` lengths, ``-n 0``), peak RSS,
 and the machine.

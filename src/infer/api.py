@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+import infer.aot.tiles  # noqa: F401  (registers the dequantized tiles' packages: infer.quant.tiles)
 from infer.aot import PackageCache, Recipe
 from infer.aot import pays as aot_pays
 from infer.combinations import check_load

@@ -108,7 +108,7 @@ def stale(request: dict[str, Any]) -> str | None:
         # asked for is never built (an upgrade or an edit of infer since the request).
         return "infer's source changed since the request"
     if "tile" in request:
-        return None  # a tile kernel (`infer.quant.tile_packages`) depends on no checkpoint
+        return None  # a tile kernel (`infer.aot.tiles`) depends on no checkpoint
     recorded = request.get("files")
     if not recorded:
         return "the request names no checkpoint file"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
 import warnings
 from collections import OrderedDict
@@ -21,6 +20,7 @@ import torch
 
 from infer.aot import settings
 from infer.aot.export import kv_inputs, sampling_inputs_of, state_inputs, tensor_specs
+from infer.aot.extraction import load_package
 from infer.aot.keys import named_tensors, package_key
 from infer.aot.queue import BuildQueue
 from infer.aot.settings import cache_dir
@@ -56,28 +56,6 @@ def _fits(t: torch.Tensor, spec: list[Any]) -> bool:
     )
 
 
-def _extracted() -> set[str]:
-    """The directories of the shared objects this process has mapped from torch's package
-    extraction directories (``<tmp>/aotinductor_XXXXXX/...``)."""
-    out = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if "/aotinductor_" in path and path.endswith(".so"):
-                head, _, rest = path.partition("/aotinductor_")
-                out.add(f"{head}/aotinductor_{rest.split('/', 1)[0]}")
-    return out
-
-
-def _remove_extracted(directories: set[str]) -> None:
-    """Remove the directories torch extracted a package into, once its code is mapped: the
-    loader removes them only when it is destroyed, which a process ending with the package
-    loaded never does (5.5 MiB left in the temporary directory per process otherwise). The
-    mapped code stays readable (Linux keeps a removed file's pages while mapped)."""
-    for directory in directories:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 class Package:
     """A loaded package: the step of one shape, on the model's own tensors.
 
@@ -87,9 +65,7 @@ class Package:
 
     def __init__(self, path: Path, model: DecoderLM) -> None:
         self.path = path
-        before = _extracted()
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1, False)
-        _remove_extracted(_extracted() - before)
+        self.loader = load_package(path)
         meta = self.loader.get_metadata()
         names = json.loads(meta["names"])
         tensors = {f"model.{n}": t for n, t in named_tensors(model).items()}  # as `_DecodeStep` names them

@@ -3,7 +3,7 @@
 Started by the builder (`infer.aot.builder`) once the machine is idle, at ``SCHED_IDLE`` with one
 compile thread: loads the same checkpoint the same way (`Recipe`), checks the fingerprint, builds
 (`infer.aot.export.build`) or leaves a ``.failed`` marker, and prunes (`infer.aot.prune`). A
-request for a dequantized tile's kernel loads no model (`infer.quant.tile_packages.build`).
+request for a dequantized tile's kernel loads no model (`infer.aot.tiles.build`).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         if "tile" in request:  # a dequantized tile's kernel: no model to load
-            from infer.quant import tile_packages
+            from infer.aot import tiles
 
-            tile_packages.build(tile_packages.Spec.of_request(request["tile"]), out)
+            tiles.build(tiles.Spec.of_request(request["tile"]), out)
             print(f"built {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
             return 0
         model = Recipe(**request["recipe"]).load()

@@ -8,7 +8,6 @@ run (`Runner`) -> sample (`Sampler`) -> output (`Outputs`, then `Scheduler.updat
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -122,7 +121,7 @@ class Engine:
         execution = self.runner.execution
         idle_chunk, measured = idle_prefill_chunk, None
         if idle_chunk is None and chunks.measurable(model, per_forward is not None, execution.parallel):
-            measured = functools.partial(chunks.prompt_chunk, model)  # when a prompt first needs it
+            measured = self.runner.prompt_chunk  # asked when a prompt first needs it
         elif idle_chunk is None:
             idle_chunk = chunks.DEFAULT
         if idle_chunk is not None and per_forward is not None:

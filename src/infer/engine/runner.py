@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from infer.engine import chunks
 from infer.engine.plan import Draw, Plan, Ran
 from infer.execution import Execution, StepFeed, StepOutput
 from infer.kv.cache import KVCache
@@ -56,6 +57,11 @@ class Runner:
                 continue
             out.append(Ran(draw, result, None, time.perf_counter() - t0))
         return out
+
+    def prompt_chunk(self) -> int:
+        """The idle prompt chunk measured for this model on this CPU (`infer.engine.chunks`: the
+        first block's forwards, run here, where the model runs; once per CPU and model shape)."""
+        return chunks.prompt_chunk(self.execution.model)
 
     def draft(self, plan: Plan) -> None:
         """The draft model's part of ``plan``, before it runs: it reads the prompts the plan's chunks

@@ -64,7 +64,9 @@ class Scheduler:
         self.slots = slots
         self.policy = policy
         self.speculator = speculator
-        self.prompt_chunk = prompt_chunk  # measures ``idle_chunk`` when the policy leaves it None
+        self.prompt_chunk = (
+            prompt_chunk  # ``idle_chunk`` when the policy leaves it None (the runner measures it)
+        )
         self._measured: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}

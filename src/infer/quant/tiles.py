@@ -14,7 +14,8 @@ and a static shape vectorizes best), for matrices of at least `MIN_WEIGHTS` weig
 says how:
 
 * ``packaged`` (the default): ahead-of-time packages built in idle time, loaded by torch's C++
-  loader (`infer.quant.tile_packages`); a tile whose package is not built yet runs eagerly.
+  loader; a tile whose package is not built yet runs eagerly. The packages are `infer.aot.tiles`'
+  (a higher floor: it registers itself here as the `Provider` when imported, as the load path does).
 * ``compiled``: ``torch.compile`` in the process (inductor's cache on disk serves later processes);
   it loads inductor, ~230 MiB of resident memory (SmolLM2: 748 -> 980 MiB peak). Where inductor
   cannot compile (no C++ compiler) the first failure says so once and every tile stays eager.
@@ -28,11 +29,12 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from infer.quant import int4, tile_packages
+from infer.quant import int4
 
 GROUP = 32
 MIN_WEIGHTS = 1 << 19  # matrices smaller than this keep eager tiles (a compile would not pay)
@@ -130,12 +132,32 @@ _seen: set[tuple[object, ...]] = set()
 KERNELS = ("one_plane", "two_planes", "paired")  # what a package may be built of
 
 
+class Provider(Protocol):
+    """Where the packaged mode's kernels come from (`infer.aot.tiles`)."""
+
+    def run(self, fn: Kernel, args: Sequence[object]) -> torch.Tensor | None:
+        """``fn(*args)`` through its package, None where there is none (yet)."""
+        ...
+
+    def ready(self, fn: Kernel, args: Sequence[object]) -> bool:
+        """Whether ``fn(*args)`` has a package loaded (a missing one is queued for a build)."""
+        ...
+
+
+_provider: list[Provider] = []  # the packages' provider, once registered
+
+
+def register(provider: Provider) -> None:
+    """Make ``provider`` the packaged mode's source of kernels (`infer.aot.tiles` at import)."""
+    _provider[:] = [provider]
+
+
 def fast(fn: Kernel, *args: object) -> bool:
     """Whether ``fn(*args)`` runs in one pass (compiled here, or its package loaded); in the
     packaged mode a missing package is queued for the builder."""
     how = mode()
     if how == "packaged":
-        return tile_packages.ready(fn, args)
+        return bool(_provider) and _provider[0].ready(fn, args)
     return how == "compiled" and not _broken
 
 
@@ -144,7 +166,7 @@ def run(fn: Kernel, *args: object) -> torch.Tensor | None:
     eager; the first failure to compile is said once on stderr."""
     how = mode()
     if how == "packaged":
-        return tile_packages.run(fn, args)
+        return _provider[0].run(fn, args) if _provider else None
     if how == "eager" or _broken:
         return None
     key = (fn, *((*a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args))

@@ -1,5 +1,6 @@
 """Dequantized tiles as ahead-of-time packages: `infer.quant.tiles`' one-pass kernels without
-compiling in the process.
+compiling in the process (its ``packaged`` mode, the default: this module registers itself there
+as the kernels' `infer.quant.tiles.Provider` when imported, which the load path does).
 
 A tile kernel depends only on its form, its shapes, the tile dtype, the thread count and the CPU,
 never on a checkpoint's values, so one package per `Spec` serves every model of that shape. A
@@ -28,6 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from infer.aot import builder, settings
+from infer.aot.extraction import load_package
+from infer.quant import routes, tiles
 
 Kernel = Callable[..., torch.Tensor]
 Arg = tuple[Any, ...]  # ("tensor", shape, dtype) | ("none",) | ("int", n) | ("dtype", name)
@@ -63,8 +68,6 @@ class Spec:
 
 @functools.cache
 def _key(spec: Spec) -> str:
-    from infer.quant import routes, tiles
-
     parts = [VERSION, spec.fn, spec.args, spec.threads, inspect.getsource(tiles), torch.__version__,
              routes.cpu_identity()]  # fmt: skip
     return f"tile-{spec.fn}-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
@@ -91,16 +94,12 @@ def spec_of(fn: Kernel, args: Sequence[object]) -> Spec | None:
 
 
 def directory() -> Path:
-    from infer.aot.settings import cache_dir
-
-    return cache_dir() / SUBDIR
+    return settings.cache_dir() / SUBDIR
 
 
 def builds_allowed() -> bool:
     """Whether missing tiles are queued for the builder: ``INFER_AOT`` builds (unset or ``on``),
     and not in a process pytest runs unless ``INFER_AOT=on`` (as for a test checkpoint)."""
-    from infer.aot import settings
-
     if not settings.background_builds():
         return False
     return not os.environ.get("PYTEST_CURRENT_TEST") or settings.temporary_builds()
@@ -118,11 +117,9 @@ class Packages:
         self._lock = threading.Lock()
         self._announced = False
 
-    def loader(self, spec: Spec, queue: bool = True) -> Any | None:
-        """The loaded package of ``spec``, or None (``INFER_AOT=off``; missing: queued when
-        ``queue``; or broken)."""
-        from infer.aot import settings
-
+    def loader(self, spec: Spec) -> Any | None:
+        """The loaded package of ``spec``, or None (``INFER_AOT=off``; missing: queued for a
+        build; or broken)."""
         if not settings.enabled():
             return None
         key = spec.key
@@ -136,11 +133,10 @@ class Packages:
             self.looked[key] = now
             path = directory() / f"{key}.pt2"
             if not path.exists():
-                if queue:
-                    self._queue(spec, key, path)
+                self._queue(spec, key, path)
                 return None
             try:
-                found = _load(path)
+                found = load_package(path)
             except Exception as e:  # a damaged package: remove it, stay eager
                 warnings.warn(f"infer: cannot load the tile package {path} ({e}); its tiles stay eager",
                               stacklevel=3)  # fmt: skip
@@ -154,8 +150,6 @@ class Packages:
     def _queue(self, spec: Spec, key: str, path: Path) -> None:
         if key in self.queued or not builds_allowed() or path.with_suffix(".failed").exists():
             return
-        from infer.aot import builder
-
         self.queued.add(key)
         request = {"key": key, "tile": spec.request(), "out": str(path), "source": builder.source_digest()}
         try:
@@ -171,34 +165,27 @@ class Packages:
                   "tiles run eagerly until then", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def _load(path: Path) -> Any:
-    from infer.aot.runtime import _extracted, _remove_extracted
-
-    before = _extracted()
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1, False)
-    _remove_extracted(_extracted() - before)
-    return loader
-
-
 PACKAGES = Packages()
 
 
-def run(fn: Kernel, args: Sequence[object]) -> torch.Tensor | None:
-    """``fn(*args)`` through its package, None where it has none (yet): the tile runs eagerly."""
-    spec = spec_of(fn, args)
-    if spec is None:
-        return None
-    loader = PACKAGES.loader(spec)
-    if loader is None:
-        return None
-    out: torch.Tensor = loader.boxed_run([a for a in args if isinstance(a, torch.Tensor)])[0]
-    return out
+class _Provider:
+    """`infer.quant.tiles.Provider` through this process's `PACKAGES` (looked up at each call, so
+    a test may swap them)."""
+
+    def run(self, fn: Kernel, args: Sequence[object]) -> torch.Tensor | None:
+        spec = spec_of(fn, args)
+        loader = None if spec is None else PACKAGES.loader(spec)
+        if loader is None:
+            return None
+        out: torch.Tensor = loader.boxed_run([a for a in args if isinstance(a, torch.Tensor)])[0]
+        return out
+
+    def ready(self, fn: Kernel, args: Sequence[object]) -> bool:
+        spec = spec_of(fn, args)
+        return spec is not None and PACKAGES.loader(spec) is not None
 
 
-def ready(fn: Kernel, args: Sequence[object], queue: bool = True) -> bool:
-    """Whether ``fn(*args)`` runs through a package (one missing is queued when ``queue``)."""
-    spec = spec_of(fn, args)
-    return spec is not None and PACKAGES.loader(spec, queue) is not None
+tiles.register(_Provider())
 
 
 # ---- the worker's side ---------------------------------------------------------------------------
@@ -239,13 +226,11 @@ def example(spec: Spec) -> list[object]:
 def build(spec: Spec, out: Path) -> None:
     """Export and compile ``spec``'s tile into the package ``out``, checked bitwise against the
     eager expression on random inputs before it is moved into place (a mismatch raises)."""
-    from infer.quant import tiles
-
-    fn = getattr(tiles, spec.fn)
     if spec.fn not in tiles.KERNELS:
         raise ValueError(
             f"{spec.fn!r} is not a tile kernel of infer.quant.tiles ({', '.join(tiles.KERNELS)})"
         )
+    fn = getattr(tiles, spec.fn)
     torch.set_num_threads(spec.threads)
     torch._inductor.config.cpp.threads = spec.threads
     args = example(spec)
@@ -256,7 +241,7 @@ def build(spec: Spec, out: Path) -> None:
     tmp = out.with_name(f".{out.stem}.{os.getpid()}.pt2")
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-        loader = _load(tmp)
+        loader = load_package(tmp)
         got = loader.boxed_run(list(tensors))[0]
         want = fn(*args)
         if not torch.equal(got, want):
@@ -267,5 +252,4 @@ def build(spec: Spec, out: Path) -> None:
             tmp.unlink()
 
 
-__all__ = ["PACKAGES", "Packages", "Spec", "build", "builds_allowed", "directory", "example", "ready", "run",
-           "spec_of"]  # fmt: skip
+__all__ = ["PACKAGES", "Packages", "Spec", "build", "builds_allowed", "directory", "example", "spec_of"]

@@ -1,4 +1,4 @@
-"""`infer.quant.tile_packages`: dequantized tiles as ahead-of-time packages.
+"""`infer.aot.tiles`: dequantized tiles as ahead-of-time packages.
 
 Without a package a tile stays eager and its spec is queued for the builder (never under
 ``INFER_AOT=off``, never from a test process unless ``INFER_AOT=on``); a damaged package is
@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as T
 
 from infer import aot
 from infer.aot import builder, settings
-from infer.quant import QuantizedLinear, int4, routes, tile_packages, tiles
+from infer.aot import tiles as tile_packages
+from infer.quant import QuantizedLinear, int4, routes, tiles
 from infer.testing import random_gguf
 
 K = 512
