@@ -30,7 +30,7 @@ from infer.quant import routes
 CANDIDATES = (512, 1024, 2048, 4096)
 REFERENCE = 4096  # the prompt measured (at most the model's positions)
 DEFAULT = 2048  # where nothing is measured
-TOLERANCE = 1.05  # the shortest chunk within this factor of the fastest time is taken
+TOLERANCE = 1.02  # the shortest chunk within this factor of the fastest time is taken
 
 
 def measurable(model: DecoderLM, streamed: bool, parallel: bool) -> bool:
