@@ -245,3 +245,21 @@ def test_the_newest_submission_is_built_first_in_its_own_order(tmp_path: Path) -
     builder.add(cache, [_request(cache, ckpt, k) for k in ("x", "y")])
     b.tries["x"] = 1  # a worker for x was killed: y first
     assert [b.next()[0].stem for _ in range(1)] == ["y"]  # type: ignore[index]
+
+
+def test_decode_steps_are_built_before_dequantized_tiles(tmp_path: Path) -> None:
+    """A prompt queues its tiles before the first decode step queues its shape: the step still
+    goes first (every token waits on it; a tile only speeds prompts)."""
+    cache = tmp_path / "aot"
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    tile = f"{builder.TILE_PREFIX}one_plane-0123"
+    builder.add(cache, [{"key": tile, "tile": {}, "out": str(cache / "tiles" / f"{tile}.pt2")}])
+    builder.add(cache, [_request(cache, ckpt, "step")])
+    builder.add(cache, [{"key": f"{tile}9", "tile": {}, "out": str(cache / "tiles" / f"{tile}9.pt2")}])
+    b = builder.Builder(cache, tmp_path / "run.lock")
+    order = []
+    while (found := b.next()) is not None:
+        order.append(found[0].stem)
+        found[0].unlink()
+    print("build order:", order)
+    assert order == ["step", f"{tile}9", tile]

@@ -36,6 +36,7 @@ WAIT_LIMIT_S = 6 * 3600.0  # a builder that gets no turn or no idle moment for t
 LOG_BYTES = 1 << 20
 COMPILER_BYTES = 2 << 30  # what AOTInductor's lowering and the C++ compiler take, with room
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+TILE_PREFIX = "tile-"  # the keys of dequantized tiles' kernels (`infer.aot.tiles`): built after steps
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -313,12 +314,15 @@ class Builder:
 
     def next(self) -> tuple[Path, dict[str, Any]] | None:
         """The next request worth building, newest submission first (stale ones are dropped on
-        the way), or None. A request whose workers were killed goes behind the others."""
+        the way), or None. Decode steps go before dequantized tiles (every token waits on a step,
+        only a prompt on a tile: `TILE_PREFIX`); a request whose workers were killed goes behind
+        the others."""
         files = []
         for path in queue_dir(self.directory).glob("*.json"):
             with contextlib.suppress(OSError):
-                files.append((self.tries.get(path.stem, 0), -path.stat().st_mtime_ns, path))
-        for _, _, path in sorted(files):
+                tile = path.stem.startswith(TILE_PREFIX)
+                files.append((self.tries.get(path.stem, 0), tile, -path.stat().st_mtime_ns, path))
+        for *_, path in sorted(files):
             request = self.read(path)
             if request is not None:
                 return path, request
@@ -373,17 +377,21 @@ class Builder:
             deadline = time.monotonic() + WAIT_LIMIT_S
 
     def build(self, path: Path, request: dict[str, Any], deadline: float) -> bool:
-        """Build ``request`` (queued at ``path``) in a worker, in turn and in idle time; False
-        when ``deadline`` passed waiting for either."""
+        """Build ``request`` (queued at ``path``), or what goes ahead of it once the wait is over
+        (`next`), in a worker, in turn and in idle time; False when ``deadline`` passed waiting
+        for either."""
         key = path.stem
         with _turn(self.run_lock, deadline) as turn:
             quiet_s = RETRY_QUIET_S[min(self.tries.get(key, 0), len(RETRY_QUIET_S) - 1)]
             if not turn or not idle.wait_until_idle(deadline, quiet_s):
                 return False
-            again = self.read(path)  # looked at again: it may have changed while this waited
-            if again is None:
+            # Looked at again: it may have changed while this waited, and what was queued meanwhile
+            # may go first (a prompt queues its tiles before its first decode step queues the step).
+            latest = self.next()
+            if latest is None:
                 return True
-            request = again
+            path, request = latest
+            key = path.stem
             checkpoint = Path(request["recipe"]["path"]) if "recipe" in request else None
             if not enough_memory(checkpoint):
                 self.drop(path, "too little memory available now (a later process asks again)")

@@ -70,7 +70,7 @@ class Spec:
 def _key(spec: Spec) -> str:
     parts = [VERSION, spec.fn, spec.args, spec.threads, inspect.getsource(tiles), torch.__version__,
              routes.cpu_identity()]  # fmt: skip
-    return f"tile-{spec.fn}-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+    return f"{builder.TILE_PREFIX}{spec.fn}-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
 def spec_of(fn: Kernel, args: Sequence[object]) -> Spec | None:
