@@ -208,7 +208,7 @@ _TENSOR = object()
 
 
 def example(spec: Spec) -> list[object]:
-    """Arguments of ``spec``'s shapes with random values (the worker's, and a test's)."""
+    """Arguments of ``spec``'s shapes with random values (what `build` checks a package on)."""
     g = torch.Generator().manual_seed(0)
     out: list[object] = []
     for a in spec.args:

@@ -155,19 +155,17 @@ def register(provider: Provider) -> None:
 def fast(fn: Kernel, *args: object) -> bool:
     """Whether ``fn(*args)`` runs in one pass (compiled here, or its package loaded); in the
     packaged mode a missing package is queued for the builder."""
-    how = mode()
-    if how == "packaged":
+    if mode() == "packaged":
         return bool(_provider) and _provider[0].ready(fn, args)
-    return how == "compiled" and not _broken
+    return enabled()
 
 
 def run(fn: Kernel, *args: object) -> torch.Tensor | None:
     """``fn(*args)`` through its package or compiled kernel (`mode`), None where the tile stays
     eager; the first failure to compile is said once on stderr."""
-    how = mode()
-    if how == "packaged":
+    if mode() == "packaged":
         return _provider[0].run(fn, args) if _provider else None
-    if how == "eager" or _broken:
+    if not enabled():
         return None
     key = (fn, *((*a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     try:
