@@ -126,3 +126,21 @@ def test_nothing_is_measured_for_a_given_chunk_or_with_routes_off(
     finally:
         engine.close(drain=False)
     assert sizes == ([48, 48, 4] if how == "given" else [40, 40, 20])
+
+
+def test_a_forward_hook_never_sees_the_measurement(
+    tiny_ckpt_factory: Callable[..., Path], table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hook on the model (a user's, unscoped) would run on the measurement's random tokens:
+    while one acts the chunk is not measured (the default is used) and nothing is kept."""
+    monkeypatch.setattr(chunks, "measure", lambda model: pytest.fail("measured under a hook"))
+    monkeypatch.setattr(chunks, "DEFAULT", 40)
+    llm = infer.load(tiny_ckpt_factory("llama"))
+    seen: list[int] = []
+    handle = llm.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    try:
+        llm.generate(list(range(120, 220)), 1)
+    finally:
+        handle.remove()
+    print(f"\nthe hook saw forwards of {seen} tokens")
+    assert seen == [40, 40, 20] and not routes.table().chunks

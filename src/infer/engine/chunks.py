@@ -107,10 +107,14 @@ def choose(per_token: dict[int, float]) -> int:
 
 
 def prompt_chunk(model: DecoderLM) -> int:
-    """The measured chunk length of ``model`` on this CPU (measured now if its shape is new here)."""
+    """The measured chunk length of ``model`` on this CPU (measured now if its shape is new here).
+    While a forward hook acts on the model the shape is not measured (`DEFAULT`): the hook would
+    see the measurement's random tokens."""
     key = shape_key(model)
     table = routes.table()
     found = table.chunks.get(key)
+    if found is None and model.hooks.active():
+        return DEFAULT
     if found is None:
         print(f"infer: measuring the prompt chunk length of this model on this CPU (once; "
               f"{routes.routes_dir()})", file=sys.stderr, flush=True)  # fmt: skip
