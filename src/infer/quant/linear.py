@@ -561,9 +561,12 @@ class QuantizedLinear(nn.Module):
             return self._dequant_two_planes_t(start, stop, dtype)
         parts = [int4.unpack_transposed(m, start, stop, torch.float32) for m in self._plane_matrices()]
         f = parts[0] if len(parts) == 1 else torch.cat(parts)  # [P*K, rows]
-        sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
-        scale = sz[..., 0]
-        zero = sz[..., 1] - 8 * scale
+        if self.planes == 1:
+            scale, zero = self._tile_scales(start, stop)  # [K/32, rows]
+        else:  # (in a graph: every plane's scales)
+            sz = self.scale_zero[:, start:stop].to(torch.float32)  # [P*K/32, rows, 2]
+            scale, zero = sz[..., 0], sz[..., 1]
+        zero = zero - 8 * scale
         if torch.compiler.is_compiling():  # one fused loop
             w = (f.view(kp // GROUP, GROUP, r) * scale[:, None] + zero[:, None]).view(kp, r)
             if self.planes > 1:
@@ -573,7 +576,7 @@ class QuantizedLinear(nn.Module):
         # A multiply, then an add: the compiled loop's two roundings (addcmul would fuse them).
         # Contiguous scales: broadcasting the strided ``sz[..., 0]`` costs 2.5x the pass.
         f3 = f.view(kp // GROUP, GROUP, r)
-        f3.mul_(scale.contiguous()[:, None]).add_(zero.contiguous()[:, None])
+        f3.mul_(scale[:, None]).add_(zero[:, None])
         return f.to(dtype)
 
     def _compiled_tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -588,21 +591,32 @@ class QuantizedLinear(nn.Module):
         """The `infer.quant.tiles` kernel and arguments of rows ``start:stop``'s tile."""
         k = self.in_features
         packed = self.packed[start:stop]
+        scale, zero = self._tile_scales(start, stop)
         if self.paired:
-            sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/16, rows, 2]
-            scale, zero = sz[..., 0].contiguous(), (17 * sz[..., 1]).contiguous()
             return tiles.paired, (packed, scale, zero, k, dtype)
         if self.planes == 2:
-            sz = self.scale_zero[: k // GROUP, start:stop].to(torch.float32)  # the low plane's
-            scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()
             hi = self.packed_hi[start:stop] if self.split else None
             return tiles.two_planes, (packed, hi, scale, zero, k, dtype)
         if self.planes == 1:
-            sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/32, rows, 2]
-            scale = sz[..., 0]
-            zero = (sz[..., 1] - 8 * scale).contiguous()
-            return tiles.one_plane, (packed, scale.contiguous(), zero, k, dtype)
+            return tiles.one_plane, (packed, scale, zero, k, dtype)
         return None
+
+    def _tile_scales(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros of rows ``start:stop``'s tile (two planes: the low plane's), each
+        ``[groups, rows]`` float32, contiguous.
+
+        ``scale_zero`` interleaves them (``[groups, N, 2]``). Eagerly, a bfloat16 pair read as one
+        int32 widens by two integer passes over the slice (a bfloat16 is a float32's high half),
+        where widening and then gathering each half takes three strided passes: a fifth of a tile.
+        In a graph the plain expression fuses (inductor would scalarize the bit casts).
+        """
+        groups = self.in_features // (16 if self.paired else GROUP)
+        sz = self.scale_zero[:groups, start:stop]
+        if sz.dtype == torch.bfloat16 and sys.byteorder == "little" and not torch.compiler.is_compiling():
+            bits = sz.view(torch.int32)[..., 0]  # [groups, rows]: the scale's bits low, the zero's high
+            return (bits << 16).view(torch.float32), (bits & -65536).view(torch.float32)
+        f = sz.to(torch.float32)
+        return f[..., 0].contiguous(), f[..., 1].contiguous()
 
     def _tiles_fast(self) -> bool:
         """Whether this weight's tiles run in one pass (`infer.quant.tiles.fast`: compiled, or
@@ -633,8 +647,7 @@ class QuantizedLinear(nn.Module):
         hi = self.packed_hi if self.split else None
         joined = int4.unpack_joined_transposed(self.packed, start, stop, k, hi)  # [K, rows] uint8
         f = joined.to(torch.float32).sub_(136.0)
-        sz = self.scale_zero[: k // GROUP, start:stop].to(torch.float32)  # the low plane's [K/32, rows, 2]
-        scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()  # strided broadcasts cost 2.5x
+        scale, zero = self._tile_scales(start, stop)  # the low plane's [K/32, rows]
         f3 = f.view(k // GROUP, GROUP, r)
         f3.mul_(scale[:, None]).add_(zero[:, None])
         return f.to(dtype)
@@ -646,8 +659,8 @@ class QuantizedLinear(nn.Module):
         nib = int4.unpack_transposed(self.packed, start, stop)  # [2K, rows] uint8
         pairs = nib.view(k // 16, 2, 16, r)
         c = torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])  # [K/16, 16, rows]
-        sz = self.scale_zero[:, start:stop].to(torch.float32)  # [K/16, rows, 2]
-        scale, zero = sz[..., 0].contiguous(), (17 * sz[..., 1]).contiguous()
+        scale, zero = self._tile_scales(start, stop)  # [K/16, rows]
+        zero = 17 * zero
         if torch.compiler.is_compiling():  # one fused loop
             w = (c.to(torch.float32) - 136) * scale[:, None] + zero[:, None]
             return w.reshape(k, r).to(dtype)

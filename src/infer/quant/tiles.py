@@ -70,11 +70,11 @@ def one_plane(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """One int4 plane: ``packed`` ``[rows, K/2]`` (whole blocks), ``scale`` / ``zero`` ``[K/32, rows]``
-    float32 (``zero`` already less ``8 * scale``): ``q * scale + zero`` as ``[K, rows]``."""
+    float32: ``q * scale + (zero - 8 * scale)`` as ``[K, rows]``."""
     nb = packed.shape[0] // int4.BLOCK_N
     byte = packed.reshape(nb, k, int4.BLOCK_N // 2).permute(1, 0, 2)  # [K, nb, 32]
     q = _nibbles(byte).reshape(k // GROUP, GROUP, nb * int4.BLOCK_N).to(torch.float32)
-    w = q * scale[:, None, :] + zero[:, None, :]
+    w = q * scale[:, None, :] + (zero - 8 * scale)[:, None, :]
     return w.reshape(k, nb * int4.BLOCK_N).to(dtype)
 
 
@@ -110,11 +110,12 @@ def paired(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The paired form (`infer.quant.planes`): each group of 32 packed columns holds a group of 16
-    weights, low nibbles first; ``scale`` / ``zero`` (already times 17) ``[K/16, rows]``: ``[K, rows]``."""
+    weights, low nibbles first; ``scale`` / ``zero`` ``[K/16, rows]`` float32, a weight
+    ``scale * (c - 136) + 17 * zero``: ``[K, rows]``."""
     nb = packed.shape[0] // int4.BLOCK_N
     half = int4.BLOCK_N // 2
     byte = packed.reshape(nb, k // 16, 2, 16, half).permute(1, 3, 2, 0, 4)  # [K/16, 16, half, nb, 32]
-    return joined(byte[:, :, 0], byte[:, :, 1], scale, zero, k // 16, 16, dtype)
+    return joined(byte[:, :, 0], byte[:, :, 1], scale, 17 * zero, k // 16, 16, dtype)
 
 
 @functools.cache
