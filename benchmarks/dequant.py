@@ -10,11 +10,14 @@ plane, Q6_K paired, Q5_0 / Q8_0 two planes); a tile is what `QuantizedLinear` de
 GEMM (its columns as the product picks them), in bfloat16. Prints the rates and the machine; the
 compiled and packaged tiles are checked equal to the eager one. Each rate is the best of `ROUNDS`
 rounds' medians, the modes interleaved (a shared machine slows some moments, never speeds one).
+The same tile again and again finds its bytes in cache; "packaged, cold" sweeps every tile of
+copies of the matrix larger than any L3, so each tile's bytes come from memory, as in a prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import os
 import platform
@@ -42,6 +45,7 @@ FORMS = [  # (type, out, in): the 1.5B's matrices
     (T.Q8_0, 2048, 1536),  # two planes
 ]
 ROUNDS = 3  # the machine varies between moments: each mode's figure is its fastest round's median
+SWEEP_BYTES = 512 << 20  # the cold sweep's copies of a matrix: more packed bytes than any CPU's L3
 
 
 def cpuinfo() -> str:
@@ -76,8 +80,10 @@ def main() -> None:
     info = cpuinfo()
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f" {f}" in info]
     print(f"CPU: {cpu_name(info)} ({', '.join(isa)}); torch {torch.__version__}")
-    print("| form (out x in) | threads | tile | eager | compiled | packaged | packaged/eager |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ["form (out x in)", "threads", "tile", "eager", "compiled", "packaged", "packaged/eager",
+               "packaged, cold"]  # fmt: skip
+    print(f"| {' | '.join(columns)} |")
+    print("|---|---|---|---|---|---|---|---|")
     os.environ["INFER_AOT"] = "use"  # packages used, none queued (this process builds them)
     with tempfile.TemporaryDirectory(prefix="infer-dequant-") as cache:
         settings.CACHE_DIR = Path(cache)
@@ -118,7 +124,25 @@ def row(qtype: T, n: int, k: int, threads: int, reps: int) -> None:
     w = cols * k / 1e9
     form = "paired" if lin.paired else f"{lin.planes} plane{'s' * (lin.planes > 1)}"
     print(f"| {qtype.name} {form} ({n} x {k}) | {threads} | {k} x {cols} | {w / te:.2f} | {w / tc:.2f} | "
-          f"{w / tp:.2f} | {te / tp:.1f}x |", flush=True)  # fmt: skip
+          f"{w / tp:.2f} | {te / tp:.1f}x | {cold_rate(lin, cols):.2f} |", flush=True)  # fmt: skip
+
+
+def cold_rate(lin: QuantizedLinear, cols: int) -> float:
+    """G weights/s of packaged tiles over every whole tile of copies of ``lin`` holding
+    `SWEEP_BYTES` in all, as a prefill meets them: each tile's bytes come from memory, not cache."""
+    os.environ["INFER_DEQUANT"] = "packaged"
+    size = sum(t.numel() * t.element_size() for t in (lin.packed, lin.scale_zero))
+    copies = [copy.deepcopy(lin) for _ in range(max(1, SWEEP_BYTES // size))]
+    spans = [(a, a + cols) for a in range(0, lin.packed.shape[0] - cols + 1, cols)]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            for m in copies:
+                for a, b in spans:
+                    m._compiled_tile(a, b, torch.bfloat16)
+            best = min(best, time.perf_counter() - t0)
+    return len(copies) * len(spans) * cols * lin.in_features / 1e9 / best
 
 
 if __name__ == "__main__":

@@ -175,6 +175,22 @@ def test_joined_planes_unpack_as_both_planes(rows: int) -> None:
         assert torch.equal(int4.unpack_joined_transposed(lo, start, stop, k, hi), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+def test_a_tiles_scales_are_the_widened_scale_zero(qtype: T, dtype: torch.dtype) -> None:
+    """`_tile_scales` (a bfloat16 pair widened by integer shifts) = ``scale_zero``'s slice widened
+    to float32 and split, bitwise, for each form's groups (two planes: the low plane's) and every
+    scale dtype, and contiguous (what a tile package reads)."""
+    n, k = 320, 512
+    lin = QuantizedLinear.from_gguf(random_gguf(qtype, n, k, seed=1), qtype, (n, k), compute_dtype=dtype)
+    groups = k // (16 if lin.paired else 32)
+    for start, stop in [(0, 64), (64, 256), (256, lin.packed.shape[0])]:
+        scale, zero = lin._tile_scales(start, stop)
+        want = lin.scale_zero[:groups, start:stop].to(torch.float32)
+        assert scale.is_contiguous() and zero.is_contiguous() and scale.dtype == torch.float32
+        assert torch.equal(scale, want[..., 0]) and torch.equal(zero, want[..., 1])
+
+
 # ---- embeddings -------------------------------------------------------------------
 
 
