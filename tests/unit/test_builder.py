@@ -228,6 +228,16 @@ def test_a_worker_stopped_too_long_is_killed_and_tried_again_a_bounded_number_of
     assert builder.queued(cache) == [] and not list(cache.glob("*.failed"))
 
 
+def _build_order(b: builder.Builder) -> list[str]:
+    """The keys ``b`` takes, in order, each removed from the queue as if built."""
+    order = []
+    while (found := b.next()) is not None:
+        order.append(found[0].stem)
+        found[0].unlink()
+    print("build order:", order)
+    return order
+
+
 def test_the_newest_submission_is_built_first_in_its_own_order(tmp_path: Path) -> None:
     """A process's own model goes ahead of what other processes queued earlier (they may be long
     gone); its requests keep the order it gave; a request whose workers were killed goes last."""
@@ -236,11 +246,7 @@ def test_the_newest_submission_is_built_first_in_its_own_order(tmp_path: Path) -
     builder.add(cache, [_request(cache, ckpt, k) for k in ("old-a", "old-b")])
     builder.add(cache, [_request(cache, ckpt, k) for k in ("new-a", "new-b", "new-c")])
     b = builder.Builder(cache, tmp_path / "run.lock")
-    order = []
-    while (found := b.next()) is not None:
-        order.append(found[0].stem)
-        found[0].unlink()
-    print("build order:", order)
+    order = _build_order(b)
     assert order == ["new-a", "new-b", "new-c", "old-a", "old-b"]
     builder.add(cache, [_request(cache, ckpt, k) for k in ("x", "y")])
     b.tries["x"] = 1  # a worker for x was killed: y first
@@ -256,10 +262,5 @@ def test_decode_steps_are_built_before_dequantized_tiles(tmp_path: Path) -> None
     builder.add(cache, [{"key": tile, "tile": {}, "out": str(cache / "tiles" / f"{tile}.pt2")}])
     builder.add(cache, [_request(cache, ckpt, "step")])
     builder.add(cache, [{"key": f"{tile}9", "tile": {}, "out": str(cache / "tiles" / f"{tile}9.pt2")}])
-    b = builder.Builder(cache, tmp_path / "run.lock")
-    order = []
-    while (found := b.next()) is not None:
-        order.append(found[0].stem)
-        found[0].unlink()
-    print("build order:", order)
+    order = _build_order(builder.Builder(cache, tmp_path / "run.lock"))
     assert order == ["step", f"{tile}9", tile]

@@ -191,6 +191,22 @@ def test_a_tiles_scales_are_the_widened_scale_zero(qtype: T, dtype: torch.dtype)
         assert torch.equal(scale, want[..., 0]) and torch.equal(zero, want[..., 1])
 
 
+def test_a_paired_tile_at_an_odd_offset_is_not_read_as_words() -> None:
+    """The read in order before a paired tile (`_read_in_order`) views the bytes as int64 words:
+    packed bytes at an odd offset (a view into a larger buffer) are left unread, never an error,
+    and the tile is the same."""
+    lin = QuantizedLinear.from_gguf(random_gguf(T.Q6_K, 128, 512, seed=2), T.Q6_K, (128, 512))
+    assert lin.paired
+    want = lin._dequant_tile_t(0, 64)
+    buffer = torch.empty(lin.packed.numel() + 1, dtype=torch.uint8)
+    odd = buffer[1:].view(lin.packed.shape)
+    odd.copy_(lin.packed)
+    lin.packed = odd
+    assert odd.storage_offset() % 8
+    lin._read_in_order(0, 64)  # would raise if it viewed them
+    assert torch.equal(lin._dequant_tile_t(0, 64), want)
+
+
 # ---- embeddings -------------------------------------------------------------------
 
 
