@@ -394,6 +394,25 @@ def test_full_queue_raises_engine_full(llama: infer.LLM) -> None:
         engine.close(drain=False)
 
 
+def test_submit_many_queues_a_group_whole_or_not_at_all(llama: infer.LLM) -> None:
+    """One call's requests (a server response's choices) are one group: admitted together while the
+    queue has room, past the bound if they are many; refused together when it is full."""
+    engine = Engine(llama, max_batch=1, max_waiting=1)
+    try:
+        running = engine.submit(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+        next(iter(running))  # admitted: the waiting queue is empty again
+        group = engine.submit_many([PROMPT] * 4, [SamplingParams(max_tokens=2)] * 4)
+        assert engine.stats()["waiting"] == 4  # more than max_waiting, as one group
+        with pytest.raises(EngineFull, match="max_waiting=1"):
+            engine.submit_many([PROMPT] * 2, [SamplingParams(max_tokens=2)] * 2)
+        assert engine.stats()["waiting"] == 4  # nothing of the refused group was queued
+        running.cancel()
+        assert [drain(h)[-1].finish_reason in ("length", "stop") for h in group] == [True] * 4
+        assert engine.stats()["waiting"] == 0
+    finally:
+        engine.close(drain=False)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

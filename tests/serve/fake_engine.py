@@ -65,6 +65,9 @@ class FakeEngine:
     def submit(self, prompt: list[int], params: SamplingParams) -> Any:
         raise NotImplementedError("each test's engine submits its own way")
 
+    def submit_many(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Any]:
+        return [self.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+
     def stats(self) -> dict[str, int]:
         return {"running": 0, "waiting": 0}
 

@@ -80,25 +80,37 @@ class Driver:
     # ---- the callers' side ------------------------------------------------------------------------
 
     def submit(self, requests: Sequence[Request], max_waiting: int, *, wait: bool, drive: bool) -> None:
-        """Queue ``requests`` in order (`Engine.submit_many`): `EngineFull` past ``max_waiting``
-        waiting requests unless ``wait`` (then block for room; with ``drive``, by running the loop),
-        `EngineClosed` after `close`."""
+        """Queue ``requests`` in order (`Engine.submit_many`), `EngineClosed` after `close`. Without
+        ``wait`` they are one group, queued whole or not at all: `EngineFull` when ``max_waiting``
+        requests wait as it arrives (a group never fails halfway, and a server request of more
+        choices than the bound is not refused forever). ``wait``: each blocks for room (with
+        ``drive``, by running the loop)."""
         engine = self.engine()
         assert engine is not None
         s = engine.scheduler
+        if not wait:
+            with self.cond:
+                if self.closed:
+                    raise EngineClosed("the engine is closed")
+                if requests and s.full(max_waiting):
+                    raise EngineFull(f"{s.waiting_count()} requests are waiting (max_waiting={max_waiting})")
+                for r in requests:
+                    s.enqueue(r)
+                if not drive:
+                    self.start_locked()
+                self.cond.notify_all()
+            return
         for r in requests:
-            while wait and drive and self._full(s, max(1, max_waiting)):
+            while drive and self._full(s, max(1, max_waiting)):
                 self.drive_once()  # make room by running the loop (or wait while another does)
             with self.cond:
-                while not self.closed and s.full(max(1, max_waiting)) and wait:
+                while not self.closed and s.full(max(1, max_waiting)):
                     if drive:
                         break  # filled since the check above by another caller: one more waits
                     self.start_locked()
                     self.cond.wait(0.5)
                 if self.closed:
                     raise EngineClosed("the engine is closed")
-                if s.full(max_waiting) and not wait:
-                    raise EngineFull(f"{s.waiting_count()} requests are waiting (max_waiting={max_waiting})")
                 s.enqueue(r)
                 if not drive:
                     self.start_locked()

@@ -95,7 +95,7 @@ def create_app(
         scorer = PromptScorer.of(llm_or_engine)
     else:
         engine = llm_or_engine
-        if not all(hasattr(engine, name) for name in ("served", "submit", "stats")):
+        if not all(hasattr(engine, name) for name in ("served", "submit_many", "stats")):
             raise TypeError(f"create_app takes an infer.LLM or an engine, got {type(engine).__name__}")
         if max_batch is not None or max_waiting is not None:
             raise ValueError("create_app: max_batch / max_waiting configure the LLM's engine: pass the LLM")

@@ -56,9 +56,12 @@ class EngineClient(Protocol):
         """The compiled constraints (a schema it cannot enforce is a 400 before submitting)."""
         ...
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> HandleClient:
-        """Queue a request: `infer.engine.EngineFull` when the queue is full, `infer.engine.EngineClosed`
-        after `close`, `ValueError` (`infer.params.ParamError` naming the argument) for a bad one."""
+    def submit_many(
+        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    ) -> Sequence[HandleClient]:
+        """Queue the requests of one response (its prompts' choices) whole or not at all:
+        `infer.engine.EngineFull` when the queue is full, `infer.engine.EngineClosed` after `close`,
+        `ValueError` (`infer.params.ParamError` naming the argument) for a bad one."""
         ...
 
     def stats(self) -> Mapping[str, float | int]:

@@ -85,10 +85,15 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
             (ids, sampling_params(state, kind, body, len(ids), prompt_field, constraint))
             for ids, _ in prompts
         ]
-        for p, (ids, params) in enumerate(rows):
-            for i in range(body.n):  # each choice draws its own (`SamplingParams.row`)
-                row = params.row(p * body.n + i)
-                handles.append(await run_in_threadpool(state.engine.submit, ids, row))
+        # Each choice draws its own (`SamplingParams.row`); the response's choices queue together.
+        choices = [
+            (ids, params.row(p * body.n + i)) for p, (ids, params) in enumerate(rows) for i in range(body.n)
+        ]
+        handles = list(
+            await run_in_threadpool(
+                state.engine.submit_many, [c[0] for c in choices], [c[1] for c in choices]
+            )
+        )
     except BaseException as e:
         for h in handles:  # choices already queued go with the request
             h.cancel()
