@@ -434,11 +434,12 @@ class LLM(NotebookMethods):
         )  # fmt: skip
         params = dataclasses.replace(params, constraint=chat.constraint)
         result = self._generate([self.encode(chat.ids)], params)[0]
-        content, calls = read_reply(self, chat, result.token_ids, result.text)
+        cut = result.finish_reason == "length"  # cut inside its calls: it ended by length, not in calls
+        content, calls = read_reply(self, chat, result.token_ids, result.text, cut=cut)
+        result.text = content
         if calls:
-            result.text = content
             result.tool_calls = calls
-            result.finish_reason = "tool_calls"
+            result.finish_reason = result.finish_reason if cut else "tool_calls"
             result.parsed = None
         return result
 

@@ -209,11 +209,32 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, str | None]] = [
     ("n 0", "completions", {"prompt": "hi", "n": 0}, "n"),
     ("n past 128", "completions", {"prompt": "hi", "n": 129}, "n"),
     ("stream a string", "completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("temperature a string", "completions", {"prompt": "hi", "temperature": "0"}, "temperature"),
+    ("temperature a boolean", "completions", {"prompt": "hi", "temperature": True}, "temperature"),
+    ("top_p a string", "completions", {"prompt": "hi", "top_p": "0.5"}, "top_p"),
+    (
+        "presence_penalty a string",
+        "completions",
+        {"prompt": "hi", "presence_penalty": "2"},
+        "presence_penalty",
+    ),
+    (
+        "a logit_bias value a string",
+        "completions",
+        {"prompt": "hi", "logit_bias": {"42": "100"}},
+        "logit_bias.42",
+    ),
     ("unknown model", "completions", {"prompt": "hi", "model": "gpt-5"}, "model"),
     ("logprobs too many", "completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("no messages", "chat", {"messages": []}, "messages"),
     ("bad role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("content a number", "chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (
+        "an image part",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content",
+    ),
     ("chat too long", "chat", {"messages": [{"role": "user", "content": "word " * 300}]}, "messages"),
     (
         "max_completion_tokens past the context",
@@ -226,6 +247,12 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any] | bytes, str | None]] = [
         "chat",
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
         "max_completion_tokens",
+    ),
+    (
+        "max_tokens and max_completion_tokens differ",
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5, "max_completion_tokens": 3},
+        "max_tokens",
     ),
     (
         "top_logprobs past 20",
@@ -402,6 +429,21 @@ def test_full_queue_is_429_with_retry_after(live_server: LiveServer, tiny_llm: A
     assert r.status_code == 429
     assert int(r.headers["Retry-After"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+
+
+def test_more_choices_than_the_queue_holds_are_served(live_server: LiveServer, tiny_path: Path) -> None:
+    """A response's choices queue together: ``n`` past max_batch + max_waiting on an idle server is
+    served, not a 429 no retry could ever pass."""
+    import infer
+
+    base = live_server(infer.load(tiny_path, deterministic=True), max_batch=1, max_waiting=1)
+    body = {"prompt": ["hi", "there"], "n": 3, "max_tokens": 2, "temperature": 0.8, "seed": 1}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=TIMEOUT)
+    print(r.status_code, r.text[:300])
+    assert r.status_code == 200
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(6))
+    assert all(c["finish_reason"] in ("length", "stop") for c in choices)
 
 
 REFUSALS: list[tuple[Exception, str | None]] = [

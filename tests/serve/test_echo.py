@@ -119,6 +119,23 @@ REFUSED = [
     ("max_tokens 0 without echo", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("prompt past the context", {"prompt": [5] * 300, "echo": True, "max_tokens": 0}, "prompt"),
     ("suffix", {"prompt": "hi", "echo": True, "suffix": "x"}, "suffix"),
+    # Scored before the engine sees them: their ids are checked before scoring.
+    (
+        "an id past the vocabulary, scored",
+        {"prompt": [1, 10**8], "echo": True, "max_tokens": 1, "logprobs": 0},
+        "prompt",
+    ),
+    ("a negative id, scored", {"prompt": [-3, 1, 2], "echo": True, "max_tokens": 1, "logprobs": 0}, "prompt"),
+    (
+        "a batch with one bad id, scored",
+        {"prompt": [[1, 2], [1, 10**8]], "echo": True, "logprobs": 1},
+        "prompt",
+    ),
+    (
+        "prompt past the context, scored",
+        {"prompt": [5] * 300, "echo": True, "max_tokens": 1, "logprobs": 0},
+        "prompt",
+    ),
 ]
 
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from infer.text.prompts import tool_chat
+from infer.text.prompts import read_reply, tool_chat
 
 from .clients import openai_client, served_model
 from .fake_engine import FakeEngine, FakeHandle
@@ -253,15 +253,15 @@ SCRIPT = f"I will check.\n<tool_call>\n{CALL}\n</tool_call>"
 class _Scripted(FakeEngine):
     """Replies with ``script``, one byte-level token per event (what a model that calls tools writes)."""
 
-    def __init__(self, llm: Any, script: str) -> None:
+    def __init__(self, llm: Any, script: str, reason: str = "stop") -> None:
         super().__init__(llm)
-        self.script = script
+        self.script, self.reason = script, reason
 
     def submit(self, prompt: list[int], params: Any) -> Any:
         from infer.engine import Delta
 
         ids = self.llm.tokenizer.encode(self.script, add_special_tokens=False)
-        decode = self.llm.tokenizer.decode
+        decode, reason = self.llm.tokenizer.decode, self.reason
 
         class Handle(FakeHandle):
             id = "scripted"
@@ -270,12 +270,53 @@ class _Scripted(FakeEngine):
             def __iter__(self) -> Iterator[Delta]:
                 for i, t in enumerate(ids):
                     yield Delta([t], decode(ids[i : i + 1]), None, None)
-                yield Delta([], "", None, "stop")
+                yield Delta([], "", None, reason)
 
             def cancel(self) -> None:
                 pass
 
         return Handle()
+
+
+CUT = SCRIPT + '\n<tool_call>\n{"name": "no'  # a second call, cut by max_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_cut_inside_a_call_finishes_with_length(
+    live_server: LiveServer, llm: Any, stream: bool
+) -> None:
+    """Out of tokens in its second call: the first call is kept, the unfinished one is not content,
+    and the finish reason says the reply was cut ("length"), not that it ended in its calls."""
+    base = live_server(_Scripted(llm, CUT, reason="length"))
+    client = openai_client(base)
+    kwargs: dict[str, Any] = dict(model=_model(base), messages=ASK, tools=[WEATHER, CLOCK])
+    if stream:
+        calls, finish, content = _streamed(list(client.chat.completions.create(stream=True, **kwargs)))[0]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish, content = _calls(choice.message), choice.finish_reason, choice.message.content or ""
+    print(stream, calls, finish, repr(content))
+    assert (calls, finish, content) == (
+        [("get_weather", {"city": "Rome", "days": 2})],
+        "length",
+        "I will check.",
+    )
+
+
+def test_read_reply_drops_an_unfinished_call_only_when_cut(llm: Any) -> None:
+    chat = tool_chat(llm, ASK, tools=[WEATHER, CLOCK])
+    ids = llm.tokenizer.encode(CUT, add_special_tokens=False)
+    whole, calls = read_reply(llm, chat, ids, CUT)
+    assert [c.name for c in calls] == [
+        "get_weather"
+    ] and whole == 'I will check.\n\n<tool_call>\n{"name": "no'
+    cut, calls = read_reply(llm, chat, ids, CUT, cut=True)
+    assert [c.name for c in calls] == ["get_weather"] and cut == "I will check."
+    alone = "Sure.\n<tool_call>\n{"  # cut in its only call: no call, and the markup is not content
+    assert read_reply(llm, chat, llm.tokenizer.encode(alone, add_special_tokens=False), alone, cut=True) == (
+        "Sure.",
+        [],
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -457,6 +498,20 @@ def test_a_field_infer_cannot_honour_is_a_400_naming_it(
     error = r.json()["error"]
     assert error["param"].startswith(param) and error["type"] == "invalid_request_error"
     assert param.split("[")[0] in error["message"]
+
+
+def test_known_fields_sent_as_null_take_their_defaults(base: str) -> None:
+    """OpenAI's nullable fields: null is as if not sent, the same answer as without them."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "seed": None, "top_p": None}
+    plain = httpx.post(base + "/v1/chat/completions", json={**CHAT, "temperature": 0}, timeout=TIMEOUT)
+    r = httpx.post(base + "/v1/chat/completions", json={**CHAT, **nulls, "temperature": 0}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    text = {"prompt": "hi", "max_tokens": 2, "n": None, "echo": None, "stream": None, "ignore_eos": None}
+    r = httpx.post(base + "/v1/completions", json=text, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
 
 
 def test_fields_that_change_nothing_are_accepted(base: str) -> None:

@@ -75,8 +75,9 @@ class Choice:
         text = "".join(self.text)
         self.reason, self.content = reason, text
         if self.chat is not None and self.chat.format is not None:
-            self.content, self.calls = read_reply(model, self.chat, self.token_ids, text)
-            if self.calls:
+            cut = reason == "length"  # a reply cut inside its calls ended by length, not in calls
+            self.content, self.calls = read_reply(model, self.chat, self.token_ids, text, cut=cut)
+            if self.calls and not cut:
                 self.reason = "tool_calls"
 
     def rest(self) -> str:

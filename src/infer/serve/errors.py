@@ -67,6 +67,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = param_of(loc)
     if loc == ("body",):
         return bad(f"the body must be a JSON object: {first.get('msg')}", None, "invalid_body")
+    for e in errors:  # a validator's own message, without pydantic's prefix
+        e["msg"] = str(e.get("msg", "")).removeprefix("Value error, ")
     # A union (str | list[...]) reports one error per member: name the field and what it takes.
     same_field = [e for e in errors if param_of(tuple(e.get("loc", ()))) == param]
     if len(same_field) > 1:

@@ -6,14 +6,25 @@ The bodies' shape is checked here (types, required fields, what only the HTTP AP
 a 400 naming the field too; the completions' ``logprobs`` int goes to 20 there, 5 at OpenAI).
 A top-level field infer does not know is kept (``model_extra``) for
 `infer.serve.fields.check_unhonoured`: a 400 naming it unless it is one of the fields that
-change nothing (``user``, ``store``, ``metadata``, ...) or is null.
+change nothing (``user``, ``store``, ``metadata``, ...) or is null. A known field sent as null
+takes its default; a number is a JSON number (a string or a boolean is a 400, never converted).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 128  # OpenAI's bound on choices per request
 MAX_STOPS = 16  # OpenAI's bound on stop strings
@@ -55,6 +66,17 @@ class ChatMessage(_Part):
     name: StrictStr | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: StrictStr | None = None  # tool messages
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part infer cannot read (an image, audio, a file) is named, not a type error."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: only 'text' parts")
+        return content
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
@@ -134,21 +156,31 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # -1 or 0: off (vLLM: -1)
     seed: StrictInt | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # vLLM's
+    logit_bias: dict[str, StrictFloat] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
     return_token_ids: StrictBool = False  # vLLM's extension: each choice also lists its "token_ids"
     user: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field sent as null is as if not sent (OpenAI's nullable ``n``, ``stream``, ``logprobs``,
+        ``echo``, ...), for those whose default is not null too."""
+        if not isinstance(data, dict):
+            return data
+        defaults = {name for name, f in cls.model_fields.items() if f.default is not None}
+        return {k: v for k, v in data.items() if v is not None or k not in defaults}
 
 
 class ChatCompletionRequest(_Common):

@@ -64,7 +64,8 @@ def completion_prompts(state: ServeState, body: Any) -> list[tuple[list[int], st
 
 def check_echo(state: ServeState, body: Any, prompts: list[tuple[list[int], str | None]]) -> None:
     """What ``echo`` cannot be asked with: a 400 naming the field (streaming, logprobs past what is
-    kept or without a scorer, ``max_tokens: 0`` without echo, a prompt past the context)."""
+    kept or without a scorer, ``max_tokens: 0`` without echo, a prompt past the context or with
+    ids outside the vocabulary: an echoed prompt is scored before the engine sees it)."""
     if body.max_tokens == 0 and not body.echo:
         raise bad("max_tokens is 0: only echo: true scores a prompt without generating", "max_tokens")
     if not body.echo:
@@ -79,15 +80,14 @@ def check_echo(state: ServeState, body: Any, prompts: list[tuple[list[int], str 
                 "echo with logprobs needs the model resident in the server's process "
                 "(not under tensor/pipeline parallelism or layer streaming)", "echo", "unsupported",
             )  # fmt: skip
-    if body.max_tokens == 0:
-        for ids, _ in prompts:
-            if len(ids) > state.context:
-                raise bad(
-                    f"prompt: the prompt has {len(ids)} tokens; the context is {state.context} tokens",
-                    "prompt", "context_length_exceeded",
-                )  # fmt: skip
-            if max(ids) >= state.model.vocab_size or min(ids) < 0:
-                raise bad(f"prompt: token ids must be in [0, {state.model.vocab_size})", "prompt")
+    for ids, _ in prompts:
+        if len(ids) > state.context:
+            raise bad(
+                f"prompt: the prompt has {len(ids)} tokens; the context is {state.context} tokens",
+                "prompt", "context_length_exceeded",
+            )  # fmt: skip
+        if ids and (max(ids) >= state.model.vocab_size or min(ids) < 0):
+            raise bad(f"prompt: token ids must be in [0, {state.model.vocab_size})", "prompt")
 
 
 def compile_constraint(state: ServeState, constraint: Constraint | None, param: str) -> None:
@@ -149,6 +149,11 @@ def sampling_params(
     field_name = "max_tokens"
     max_tokens = body.max_tokens
     if kind == "chat" and body.max_completion_tokens is not None:
+        if max_tokens is not None and max_tokens != body.max_completion_tokens:
+            raise bad(
+                f"max_tokens ({max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
+                "differ: send one of them", "max_tokens",
+            )  # fmt: skip
         field_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
         max_tokens = room if kind == "chat" else min(DEFAULT_COMPLETION_TOKENS, room)

@@ -181,9 +181,13 @@ def _inline(constraint: Constraint) -> str:
     return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
-def read_reply(llm: Any, chat: ToolChat, token_ids: Sequence[int], text: str) -> tuple[str, list[ToolCall]]:
+def read_reply(
+    llm: Any, chat: ToolChat, token_ids: Sequence[int], text: str, *, cut: bool = False
+) -> tuple[str, list[ToolCall]]:
     """``(content, calls)`` of a reply to ``chat``: the calls in the model's format, the content the
-    text around them (``text`` itself when there are none, or no tools were offered)."""
+    text around them (``text`` itself when there are none, or no tools were offered). ``cut``: the
+    reply ran out of tokens, so markup that opens a call and did not parse is an unfinished call,
+    not content, and is dropped."""
     if chat.format is None:
         return text, []
     tokenizer = llm.tokenizer
@@ -191,8 +195,11 @@ def read_reply(llm: Any, chat: ToolChat, token_ids: Sequence[int], text: str) ->
         list(token_ids), skip_special_tokens=False
     )  # calls may begin with a control token
     content, calls = chat.format.parse(full)
-    if not calls:
+    unfinished = chat.format.call_start(content) if cut else None
+    if not calls and unfinished is None:
         return text, []
+    if unfinished is not None:
+        content = content[:unfinished]
     for special in sorted(tokenizer.special_tokens, key=len, reverse=True):
         content = content.replace(special, "")
     if not chat.parallel:
