@@ -22,6 +22,10 @@ MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's limit)
 PENALTY_MAX = 2.0  # OpenAI's bound on presence / frequency penalties
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
 MAX_SPECULATIVE = 32  # tokens proposed per speculative pass at most (any setting)
+# Below this temperature a row is greedy: ``logits / t`` overflows float32 as t nears 0 (at 1e-40
+# every positive logit became +inf and the draw took the first), and from 1e-5 down the draw is
+# the argmax but for logits closer than that (vLLM's ``_SAMPLING_EPS``).
+MIN_TEMPERATURE = 1e-5
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -187,7 +191,10 @@ class SamplingParams:
 
         temperature = check_float("temperature", self.temperature)
         if temperature < 0:
-            raise ParamError("temperature", f"temperature must be >= 0 (0 is greedy), got {temperature}")
+            raise ParamError(
+                "temperature",
+                f"temperature must be >= 0 (0, or below {MIN_TEMPERATURE}, is greedy), got {temperature}",
+            )
         top_p = check_float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {top_p}")
@@ -228,7 +235,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether rows with these settings take the argmax: temperature 0, or below `MIN_TEMPERATURE`."""
+        return self.temperature < MIN_TEMPERATURE
 
     def row(self, index: int) -> SamplingParams:
         """The settings of the ``index``-th prompt of a batch (or choice of a request) made with these:
@@ -255,6 +263,7 @@ __all__ = [
     "LOGIT_BIAS_MAX",
     "MAX_LOGPROBS",
     "MAX_SPECULATIVE",
+    "MIN_TEMPERATURE",
     "PENALTY_MAX",
     "SEED_MAX",
     "TOP_K_MAX",

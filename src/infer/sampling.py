@@ -34,7 +34,7 @@ class Sampling:
 class SamplingValues:
     """Per-row sampling values, ``[B]`` each."""
 
-    temperature: torch.Tensor  # [B] float32, 0 = greedy row
+    temperature: torch.Tensor  # [B] float32, 0 = greedy row (`SamplingParams.greedy`)
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1 = off
 
@@ -43,14 +43,17 @@ def sampling_inputs(
     rows: Sequence[SamplingParams], device: torch.device, exact_head: bool = False
 ) -> tuple[Sampling, SamplingValues | None]:
     """The static mode and the per-row values of ``rows`` (None when every row is greedy)."""
-    greedy = all(r.temperature == 0.0 for r in rows)
-    if greedy:
+    if all(r.greedy for r in rows):
         return Sampling(greedy=True, exact_head=exact_head), None
-    filtered = any(r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
-    values = SamplingValues(
-        temperature=torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
-        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
-        top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+    filtered = any(not r.greedy and (r.top_k > 0 or r.top_p < 1.0) for r in rows)
+    values = (
+        SamplingValues(  # a greedy row's temperature is 0 (`SamplingParams.greedy`: below MIN_TEMPERATURE)
+            temperature=torch.tensor(
+                [0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32, device=device
+            ),
+            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+            top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+        )
     )
     return Sampling(greedy=False, filtered=filtered, exact_head=exact_head), values
 

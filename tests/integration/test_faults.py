@@ -202,6 +202,21 @@ def test_one_dimensional_input_ids_are_a_value_error(tiny_ckpt_factory: Callable
         llm.model(torch.zeros(1, 3))
 
 
+def test_token_ids_outside_the_vocabulary_are_a_value_error(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Named before the lookup, for a dense embedding (which raised torch's bare IndexError) and the
+    shipped GGUF's packed one (which wrapped -1 to the last row, and failed on a packed row index)."""
+    for llm in (infer.load(tiny_ckpt_factory("llama")), infer.load("smollm2", compile=False)):
+        vocab = llm.config.vocab_size
+        for bad in (-1, vocab):
+            with pytest.raises(
+                ValueError, match=rf"input_ids: token id {bad} is out of range \[0, {vocab}\)"
+            ):
+                llm.model(torch.tensor([[1, bad]]))
+            with pytest.raises(ValueError, match=rf"token id {bad} is out of range"):
+                llm.model(torch.tensor([[1, bad]]), output_hidden_states=True)
+        assert llm.model(torch.tensor([[1, vocab - 1]])).shape[-1] >= vocab
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [(["--top-k", str(10**30)], "--top-k"), (["--stop", ""], "--stop")],

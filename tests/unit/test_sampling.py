@@ -98,6 +98,20 @@ def test_greedy_and_top_k_1_pick_the_argmax() -> None:
     assert torch.equal(draw(logits, SamplingParams(temperature=5.0, top_k=1), gen), expected)
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 9e-6])
+def test_a_temperature_below_the_floor_is_greedy(temperature: float) -> None:
+    """A tiny temperature is the argmax, alone and beside a sampled row: ``logits / 1e-40`` made
+    every positive logit +inf, and the draw took the first of them."""
+    logits = torch.tensor([shuffled_logits(9, 7), shuffled_logits(9, 8)]) * 10  # [2, 9], some > 0
+    tiny = SamplingParams(temperature=temperature, seed=1)
+    assert tiny.greedy
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(draw(logits, tiny, gen), logits.argmax(-1))
+    mixed = draw(logits, [tiny, SamplingParams(temperature=1.0)], gen)
+    assert int(mixed[0]) == int(logits[0].argmax())
+    assert not SamplingParams(temperature=2e-5).greedy
+
+
 def test_same_seed_same_draws() -> None:
     rows = torch.tensor([shuffled_logits(10, 9)]).repeat(1000, 1)
     params = SamplingParams(temperature=0.9, top_k=5, top_p=0.9)

@@ -225,8 +225,10 @@ def pad_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pad
 
 
-def check_input_ids(input_ids: object) -> None:
-    """`ValueError` unless ``input_ids`` is a ``[batch, length]`` tensor of integer token ids."""
+def check_input_ids(input_ids: object, vocab_size: int | None = None) -> None:
+    """`ValueError` unless ``input_ids`` is a ``[batch, length]`` tensor of integer token ids (in
+    ``[0, vocab_size)`` when given: an embedding's lookup would wrap a negative id to the last rows,
+    or fail on a packed row index that names nothing the caller sent)."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids: expected a tensor of token ids, got {type(input_ids).__name__}")
     if input_ids.ndim != 2 or 0 in input_ids.shape:
@@ -236,6 +238,10 @@ def check_input_ids(input_ids: object) -> None:
         )
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
+    if vocab_size is not None:
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids: token id {lo if lo < 0 else hi} is out of range [0, {vocab_size})")
 
 
 class DecoderLM(nn.Module):
@@ -447,7 +453,7 @@ class DecoderLM(nn.Module):
         With a ``cache`` every row continues its cached sequence with all ``T`` tokens.
         Positions past ``max_position_embeddings`` are refused here, on the host.
         """
-        check_input_ids(input_ids)
+        check_input_ids(input_ids, self.config.vocab_size)
         T = input_ids.shape[1]
         limit = self.config.max_position_embeddings
         if cache is not None:
@@ -509,7 +515,7 @@ class DecoderLM(nn.Module):
                 raise ValueError(
                     "output_hidden_states / output_attentions run a whole sequence: pass no cache"
                 )
-            check_input_ids(input_ids)
+            check_input_ids(input_ids, self.config.vocab_size)
             return record_forward(self, input_ids, attention_mask, output_hidden_states, output_attentions)
         return self.head(self.forward_hidden(input_ids, cache, attention_mask))
 
