@@ -72,6 +72,11 @@ def test_the_mask_admits_exactly_what_the_grammar_does(tiny_ckpt_factory: Callab
     q = RowProcessor(V, [], matcher=grammars.matcher(Constraint.regex("a")))
     q.accept(tok("z"))
     assert q.error is not None and "refused" in q.error
+    # One that matches no text is refused when it is compiled, naming it, not at the first token.
+    with pytest.raises(ConstraintError, match=r"regex: matches no text"):
+        grammars.matcher(Constraint.regex(r"[^\s\S]"))
+    with pytest.raises(ConstraintError, match=r"regex: matches no text"):
+        grammars.matcher(Constraint.regex(r"a[^\s\S]b"))
 
 
 def test_constraints_are_made_and_refused_with_the_argument_named() -> None:

@@ -175,6 +175,10 @@ class Grammars:
         pristine = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
         if pristine.is_error():
             raise ConstraintError(f"{constraint.what}: {_first_line(pristine.get_error())}")
+        probe = pristine.deep_copy()  # a constraint that matches no text fails at its first mask
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ConstraintError(f"{constraint.what}: matches no text ({_first_line(probe.get_error())})")
         with self._lock:
             self._compiled[constraint] = pristine
             while len(self._compiled) > GRAMMAR_CACHE:
