@@ -444,6 +444,18 @@ UNHONOURED: list[tuple[str, str, dict[str, Any], str]] = [
     ("best_of", "completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("suffix", "completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     (
+        "response_format on completions",
+        "completions",
+        {"prompt": "hi", "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    (
+        "stream_options without stream",
+        "chat",
+        {**CHAT, "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    (
         "an unenforceable schema",
         "chat",
         {
@@ -498,6 +510,20 @@ def test_a_field_infer_cannot_honour_is_a_400_naming_it(
     error = r.json()["error"]
     assert error["param"].startswith(param) and error["type"] == "invalid_request_error"
     assert param.split("[")[0] in error["message"]
+
+
+def test_an_unsupported_field_and_a_wrong_value_have_their_own_codes(base: str) -> None:
+    """OpenAI's ``code``: a field infer does not serve is "unsupported_parameter" on either endpoint
+    (``response_format`` on completions too); a schema infer cannot enforce is "invalid_schema"."""
+    text = {"prompt": "hi", "response_format": {"type": "json_object"}}
+    r = httpx.post(base + "/v1/completions", json=text, timeout=TIMEOUT)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "unsupported_parameter")
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+    }
+    r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "response_format": schema}, timeout=TIMEOUT)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_schema")
 
 
 def test_known_fields_sent_as_null_take_their_defaults(base: str) -> None:

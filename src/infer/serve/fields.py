@@ -40,16 +40,19 @@ REFUSED = {
 
 
 class FieldError(ValueError):
-    """A field infer cannot honour: ``param`` names it."""
+    """A field infer cannot honour: ``param`` names it, ``code`` says why (OpenAI's error code:
+    "unsupported_parameter", or None for a value that is wrong rather than unsupported)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = "unsupported_parameter") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def check_unhonoured(kind: str, body: Any) -> None:
     """`FieldError` for the first field of ``body`` that would change the answer and that infer does
     not honour (``kind``: "chat" or "text")."""
+    if body.stream_options is not None and not body.stream:
+        raise FieldError("stream_options is only allowed with stream: true", "stream_options", None)
     extra: dict[str, Any] = dict(body.model_extra or {})
     for name, value in extra.items():
         if name in IGNORED or value is None:
@@ -75,7 +78,7 @@ def constraint_of(body: Any) -> Constraint | None:
     try:
         return Constraint.json_schema(schema)
     except (ConstraintError, TypeError) as e:
-        raise FieldError(f"response_format.json_schema.schema: {e}", "response_format") from None
+        raise FieldError(f"response_format.json_schema.schema: {e}", "response_format", None) from None
 
 
 def tool_chat_of(llm: Any, body: Any, constraint: Constraint | None) -> ToolChat:
@@ -104,7 +107,7 @@ def tool_chat_of(llm: Any, body: Any, constraint: Constraint | None) -> ToolChat
                 break
         if param == "messages" and not message.startswith("messages"):
             message = f"messages: {message}"
-        raise FieldError(message, param) from None
+        raise FieldError(message, param, None) from None
 
 
 __all__ = ["IGNORED", "REFUSED", "FieldError", "check_unhonoured", "constraint_of", "tool_chat_of"]

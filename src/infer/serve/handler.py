@@ -62,9 +62,7 @@ async def generate(state: ServeState, kind: str, body: Any, request: Request) ->
             check_unhonoured(kind, body)
             constraint = constraint_of(body) if kind == "chat" else None
         except FieldError as e:
-            raise bad(
-                str(e), e.param, "unsupported_parameter" if e.param != "response_format" else None
-            ) from None
+            raise bad(str(e), e.param, e.code) from None
         compile_constraint(state, constraint, "response_format")
         echoes = None
         if kind == "chat":
