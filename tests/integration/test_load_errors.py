@@ -124,13 +124,19 @@ def test_edited_checkpoint_is_refused(
 def test_tied_checkpoint_with_stored_lm_head_reuses_embedding(
     tiny_ckpt_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """Like Qwen3-1.7B: tied, yet lm_head.weight stored; the head is the embedding regardless."""
+    """Like Qwen3-1.7B: tied, yet lm_head.weight stored (a copy of the embedding): loads tied.
+
+    A stored head that differs is refused (transformers would keep it, untied):
+    tests/integration/test_config_fields.py measures both.
+    """
     src = tiny_ckpt_factory("qwen3")
     embedding = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
-    path = _edited_copy(src, tmp_path / "tied", {"lm_head.weight": torch.zeros_like(embedding)}, [])
+    path = _edited_copy(src, tmp_path / "tied", {"lm_head.weight": embedding.clone()}, [])
     llm = infer.load(path)
     assert llm.model.lm_head.weight is llm.model.embed_tokens.weight
-    assert llm.model.lm_head.weight.abs().sum() > 0
+    zeros = _edited_copy(src, tmp_path / "zeros", {"lm_head.weight": torch.zeros_like(embedding)}, [])
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' .* differs from the embedding"):
+        infer.load(zeros)
 
 
 def test_unsupported_model_type(tiny_ckpt_factory: Callable[..., Path], tmp_path: Path) -> None:

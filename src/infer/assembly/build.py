@@ -24,7 +24,7 @@ from infer.assembly.place import PlaceOptions, place_module, tied_head
 from infer.assembly.repack_cache import RepackCache
 from infer.host.pages import release_freed_memory
 from infer.loader.config import ModelConfig
-from infer.loader.source import Slice, WeightSource
+from infer.loader.source import Slice, WeightSource, read_tensor
 from infer.models import architecture
 from infer.models.base import DecoderLM
 from infer.models.common import RotaryEmbedding
@@ -82,6 +82,37 @@ def _check_types(entries: dict[str, Entry], source: str) -> None:
                 f"{source}: tensor {entry.stored.name!r} has unsupported quant type {qtype.name}; "
                 f"supported: {supported}"
             )
+
+
+COMPARE_BYTES = 64 << 20  # rows read at a time when a stored head is compared with the embedding
+
+
+def _check_tied_head(entries: dict[str, Entry], source: WeightSource) -> None:
+    """A tied model whose checkpoint also stores ``lm_head.weight``: it must hold the embedding.
+
+    transformers ties such a head only when its values are the embedding's; a differing one it
+    keeps, untied. infer takes the tie from config.json in every mode (streaming and parallel
+    plans too), so a differing head is refused, naming it, rather than dropped. Equal ones (a
+    redundant copy, common in real checkpoints) load tied; the comparison reads both tensors
+    in row blocks of `COMPARE_BYTES`.
+    """
+    head, embed = entries.get("lm_head.weight"), entries.get("embed_tokens.weight")
+    if head is None or embed is None:
+        return
+    h, e = head.stored, embed.stored
+    same = h.shape == e.shape and h.dtype == e.dtype and h.qtype == e.qtype and head.fix == embed.fix
+    step = max(1, COMPARE_BYTES // max(1, h.row_bytes))
+    for start in range(0, h.rows, step) if same else ():
+        rows = (start, min(h.rows, start + step))
+        if not torch.equal(read_tensor(source, h.name, rows), read_tensor(source, e.name, rows)):
+            same = False
+            break
+    if not same:
+        raise ValueError(
+            f"{source.description}: tensor {h.name!r} (the output head) differs from the embedding "
+            f"{e.name!r}, but config.json says tie_word_embeddings: true; transformers would use the "
+            "stored head, untied: set tie_word_embeddings to false to load it as transformers does"
+        )
 
 
 class Sharding(Protocol):
@@ -146,6 +177,8 @@ class ModelBuilder:
             raise ValueError(
                 f"{desc}: no 'lm_head.weight' and tie_word_embeddings is false: the output head is missing"
             )
+        if config.tie_word_embeddings:
+            _check_tied_head(entries, source)
         tp = partition.tensor_parallel if partition is not None else None
         local = tp.local_config if tp is not None else config
         self.partition = partition

@@ -6,7 +6,9 @@ from the architecture records (`infer.models.arch.Architecture.to_hf`) and the m
 own parameter names, so they cannot drift from what the loader accepts.
 
 ``lm_head.weight`` is always listed. Real checkpoints are inconsistent about storing
-it when embeddings are tied; reusing ``embed_tokens.weight`` is the model's decision.
+it when embeddings are tied; reusing ``embed_tokens.weight`` is the model's decision, and
+a stored head must then equal the embedding (`infer.assembly.build.ModelBuilder` refuses
+one that differs, which transformers would keep untied).
 """
 
 from __future__ import annotations

@@ -164,6 +164,20 @@ _FLOAT_FIELDS = (
 )
 _REQUIRED_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")  # no null
 _BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings")
+# `ModelConfig` fields only some architectures' transformers configs read (Gemma's soft-capping,
+# query scale and local RoPE base; sliding windows and per-layer types). Each architecture lists
+# the ones it reads (`ConfigRules.reads`); the reader drops the others before anything derives
+# from them, as transformers ignores them for that model (a Llama config with
+# ``final_logit_softcapping`` is still a plain Llama there).
+ARCH_FIELDS = (
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "rope_local_base_freq",
+    "sliding_window",
+    "sliding_window_pattern",
+    "layer_types",
+)
 # Activation names the models implement (`infer.models.common.ACTIVATIONS` maps each to its function).
 ACTIVATION_NAMES = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
 
@@ -181,6 +195,8 @@ class ConfigRules(Protocol):
     def nested_defaults(self) -> Mapping[str, Any]: ...
     @property
     def normalize(self) -> Callable[[dict[str, Any], str], None] | None: ...
+    @property
+    def reads(self) -> tuple[str, ...]: ...  # the `ARCH_FIELDS` its transformers config reads
 
 
 # model_type -> its rules, filled by the model side (`register_architecture`).
@@ -189,6 +205,11 @@ _REGISTRY: dict[str, ConfigRules] = {}
 
 def register_architecture(rules: ConfigRules) -> None:
     """Make ``rules.model_type`` readable; registering a second record for one type is an error."""
+    unknown = sorted(set(rules.reads) - set(ARCH_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"model_type {rules.model_type!r} reads unknown fields {unknown}; known: {ARCH_FIELDS}"
+        )
     known = _REGISTRY.get(rules.model_type)
     if known is not None and known is not rules:
         raise ValueError(f"model_type {rules.model_type!r} is already registered")
@@ -327,12 +348,17 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfi
 
     # JSON nulls fall back to the defaults.
     raw = {k: v for k, v in raw.items() if v is not None}
+    # What this architecture's transformers config ignores (set aside: layer_types is still checked).
+    ignored = {key: raw.pop(key) for key in sorted(set(ARCH_FIELDS) - set(arch.reads)) if key in raw}
     for key in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):
         if key in raw:
             _as_int(raw, key, source)
     layers = raw.get("num_hidden_layers")
     if layers is not None and not 0 < layers <= MAX_LAYERS:  # before anything makes a list per layer
         raise _fail(source, "num_hidden_layers", layers, f"an integer in [1, {MAX_LAYERS}]")
+    if "layer_types" in ignored and layers is not None:
+        listed = ignored["layer_types"]
+        _check_layer_types(list(listed) if isinstance(listed, tuple) else listed, layers, source)
     if arch.normalize is not None:
         arch.normalize(raw, source)
 
@@ -420,18 +446,7 @@ def validate_config(config: ModelConfig, source: str) -> None:
             f"(partial_rotary_factor {c.partial_rotary_factor}); expected an even, positive number"
         )
     if c.layer_types is not None:
-        if not isinstance(c.layer_types, list) or len(c.layer_types) != c.num_hidden_layers:
-            listed = isinstance(c.layer_types, list)
-            found = f"{len(c.layer_types)} entries" if listed else repr(c.layer_types)
-            raise ValueError(
-                f"{source}: 'layer_types' = {found[:100]}, expected a list of num_hidden_layers="
-                f"{c.num_hidden_layers} layer types"
-            )
-        unknown = sorted({str(t) for t in c.layer_types if t not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(
-                f"{source}: unsupported layer type(s) {unknown} in layer_types; known: {LAYER_TYPES}"
-            )
+        _check_layer_types(c.layer_types, c.num_hidden_layers, source)
         if SLIDING_ATTENTION in c.layer_types and c.sliding_window is None:
             raise ValueError(f"{source}: layer_types has sliding-window layers but sliding_window is not set")
     if c.rope_scaling is not None:
@@ -454,6 +469,22 @@ def validate_config(config: ModelConfig, source: str) -> None:
             )
     if c.torch_dtype is not None and not isinstance(c.torch_dtype, str):
         raise _fail(source, "torch_dtype", c.torch_dtype, "a dtype name or null")
+
+
+def _check_layer_types(layer_types: Any, num_hidden_layers: int, source: str) -> None:
+    """``layer_types`` is a list of one known layer type per layer (transformers checks this of
+    every config, also where the model ignores the list)."""
+    if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
+        found = f"{len(layer_types)} entries" if isinstance(layer_types, list) else repr(layer_types)
+        raise ValueError(
+            f"{source}: 'layer_types' = {found[:100]}, expected a list of num_hidden_layers="
+            f"{num_hidden_layers} layer types"
+        )
+    unknown = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(
+            f"{source}: unsupported layer type(s) {unknown} in layer_types; known: {LAYER_TYPES}"
+        )
 
 
 def _validate_rope_scaling(c: ModelConfig, source: str) -> None:
@@ -508,6 +539,7 @@ def load_config(model_path: str | Path) -> ModelConfig:
 
 __all__ = [
     "ACTIVATION_NAMES",
+    "ARCH_FIELDS",
     "FREQ_FACTORS",
     "FULL_ATTENTION",
     "LAYER_TYPES",

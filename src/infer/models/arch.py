@@ -148,6 +148,9 @@ class Architecture:
     * ``renames``: hub config field -> `ModelConfig` field (GPT-2's ``n_embd``).
     * ``defaults``: transformers' defaults for fields a hub config may leave out.
     * ``nested_defaults``: defaults a multimodal wrapper's ``text_config`` leaves out.
+    * ``reads``: the architecture-specific `ModelConfig` fields
+      (`infer.loader.config.ARCH_FIELDS`) its transformers config reads; the reader drops
+      the others, which transformers ignores for this model.
     * ``normalize(raw, source)``: derive fields from others (in place, before defaults).
     * ``from_hf(name)``: safetensors tensor name -> our parameter name, or None when the
       name is not one of this architecture's; ``to_hf`` is its inverse.
@@ -165,6 +168,7 @@ class Architecture:
     renames: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     nested_defaults: Mapping[str, Any] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()
     normalize: Callable[[dict[str, Any], str], None] | None = None
     from_hf: Callable[[str], str | None] = hf_model_prefix
     to_hf: Callable[[str], str] = hf_name
@@ -176,15 +180,39 @@ class Architecture:
 
 
 def sliding_everywhere(raw: dict[str, Any], source: str) -> None:
-    """Mistral / Phi-3: a set ``sliding_window`` applies to every layer (unless layer_types say otherwise)."""
+    """Mistral / Phi-3: a set ``sliding_window`` applies to every layer, unless ``layer_types`` say
+    otherwise (Mistral's; Phi3Config ignores them, so the reader has dropped Phi-3's)."""
     if raw.get("sliding_window") is not None and raw.get("layer_types") is None:
         n = raw.get("num_hidden_layers")
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             raw["layer_types"] = ["sliding_attention"] * n
 
 
+# Qwen2Config / Qwen3Config's default for ``max_window_layers``.
+MAX_WINDOW_LAYERS = 28
+
+
+def sliding_from_max_window_layers(raw: dict[str, Any], source: str) -> None:
+    """Qwen 2 / 3: ``use_sliding_window`` and ``max_window_layers`` say which layers use the window.
+
+    As transformers' Qwen2Config / Qwen3Config: without ``use_sliding_window`` there is no
+    window at all (``sliding_window`` is dropped, whatever ``layer_types`` says); with it and
+    no ``layer_types``, the layers from ``max_window_layers`` on are sliding.
+    """
+    if not raw.get("use_sliding_window"):
+        raw.pop("sliding_window", None)
+    if raw.get("layer_types") is not None or raw.get("sliding_window") is None:
+        return
+    n, first = raw.get("num_hidden_layers"), raw.get("max_window_layers", MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int):
+        raise ValueError(f"{source}: 'max_window_layers' = {first!r}, expected an integer")
+    if isinstance(n, int) and not isinstance(n, bool):
+        raw["layer_types"] = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+
+
 __all__ = [
     "GGUF_NONLAYER",
+    "MAX_WINDOW_LAYERS",
     "ROPE_BUFFERS",
     "TP_ROLES",
     "Architecture",
@@ -195,5 +223,6 @@ __all__ = [
     "hf_model_prefix",
     "hf_name",
     "sliding_everywhere",
+    "sliding_from_max_window_layers",
     "unpermute_rows",
 ]

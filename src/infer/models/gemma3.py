@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from infer.loader.config import ARCH_FIELDS, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from infer.models.arch import Architecture, Fix, GGUFKeys, GGUFRules
 from infer.models.base import DecoderLM
 from infer.models.common import RMSNorm, attention_from_config, mlp_from_config
@@ -95,6 +95,20 @@ _NORMS = (
 )
 
 
+def normalize(raw: dict[str, Any], source: str) -> None:
+    """Refuse ``use_bidirectional_attention`` (EmbeddingGemma): infer serves causal LMs.
+
+    transformers then attends both ways (and halves the sliding window): a different model,
+    which a causal KV cache cannot run, so it is rejected rather than run causally.
+    """
+    value = raw.get("use_bidirectional_attention", False)
+    if value is not False:
+        raise ValueError(
+            f"{source}: 'use_bidirectional_attention' = {value!r}, expected false: bidirectional "
+            "(encoder / embedding) Gemma 3 models are not supported; infer serves causal LMs"
+        )
+
+
 def gguf_metadata(meta: GGUFKeys) -> dict[str, Any]:
     hidden, heads = meta.int("embedding_length"), meta.int("attention.head_count")
     n_layers = meta.int("block_count")
@@ -139,6 +153,8 @@ ARCH = Architecture(
     model_type="gemma3_text",
     model_class=Gemma3ForCausalLM,
     renames={"hidden_activation": "hidden_act"},
+    reads=ARCH_FIELDS,  # Gemma3TextConfig reads every one of them
+    normalize=normalize,
     # transformers' defaults for fields hub configs leave out (gemma-3-1b-it has no
     # tie_word_embeddings: Gemma3TextConfig defaults it to True).
     defaults={

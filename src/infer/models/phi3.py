@@ -90,6 +90,7 @@ def write_gguf_metadata(w: Any, arch: str, c: ModelConfig) -> None:
 ARCH = Architecture(
     model_type="phi3",
     model_class=Phi3ForCausalLM,
+    reads=("sliding_window",),  # Phi3Config ignores layer_types: a set window is on every layer
     normalize=sliding_everywhere,
     gguf=GGUFRules(
         architectures=("phi3",),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infer.models.arch import Architecture, GGUFRules
+from infer.models.arch import Architecture, GGUFRules, sliding_from_max_window_layers
 from infer.models.llama import GGUF_LAYER, LlamaForCausalLM, LlamaTransformerBlock
 
 
@@ -20,5 +20,7 @@ ARCH = Architecture(
     model_type="qwen3",
     model_class=Qwen3ForCausalLM,
     defaults={"rms_norm_eps": 1e-6},
+    reads=("sliding_window", "layer_types"),
+    normalize=sliding_from_max_window_layers,
     gguf=GGUFRules(architectures=("qwen3",), layer={**GGUF_LAYER, **GGUF_QK_NORM}),
 )
