@@ -19,6 +19,7 @@ from infer.loading import build_model, open_checkpoint
 from infer.loading import resolve_checkpoint as resolve_checkpoint  # kept importable here
 from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it from here)
 from infer.models.base import DecoderLM
+from infer.params import MAX_SPECULATIVE, check_int
 from infer.realmodels import resolve_name
 
 if TYPE_CHECKING:
@@ -32,6 +33,13 @@ from infer.llm import Prompt as Prompt
 from infer.llm import SamplingOptions as SamplingOptions
 
 ProgressFn = Callable[[int, int], None]
+MAX_LOOKUP = 16  # n-gram lookup matches the last N tokens at most (`infer.speculative.Speculative`)
+
+
+def check_bool(name: str, value: object) -> None:
+    """`TypeError` naming ``name`` unless ``value`` is a bool (``1``, ``"no"`` and None are not)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
 
 def load(
@@ -67,7 +75,10 @@ def load(
     ``streaming`` runs the layers through the device under a memory budget instead of
     keeping them resident. ``validate`` refuses weights holding NaN or inf (a pass over
     every weight; streamed weights are checked the first time they are read).
-    ``progress(done, total)`` is called as modules load.
+    ``progress(done, total)`` is called as modules load. Each keyword is checked before anything is
+    read: the bool options (``validate``, ``deterministic``, ``cache``) take bools only, the int ones
+    (``tensor_parallel``, ``pipeline_parallel``, ``lookup``, ``speculative_tokens``) ints only, not
+    bools (a `TypeError` naming the argument, what it expected and what it got).
 
     ``tensor_parallel`` / ``pipeline_parallel`` (T, P): run across ``T x P`` processes of
     `torch.distributed` (under ``torchrun``, or any initialized default process group;
@@ -113,8 +124,19 @@ def load(
     plain decoding's (bitwise in the deterministic mode); sampled tokens are distributed as the
     model's.
     """
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    for name, flag in (("validate", validate), ("deterministic", deterministic), ("cache", cache)):
+        check_bool(name, flag)
+    check_int("tensor_parallel", tensor_parallel, 1)
+    check_int("pipeline_parallel", pipeline_parallel, 1)
+    check_int("lookup", lookup, 0, MAX_LOOKUP)
+    if speculative_tokens is not None:
+        check_int("speculative_tokens", speculative_tokens, 1, MAX_SPECULATIVE)
+    from infer.streaming import StreamingConfig
+
+    if streaming is not None and not isinstance(streaming, StreamingConfig):
+        raise TypeError(f"streaming must be an infer.StreamingConfig or None, got {type(streaming).__name__}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable (done, total) or None, got {progress!r}")
     device = torch.device(device)
     parallel = tensor_parallel != 1 or pipeline_parallel != 1
     if compile is not None and not isinstance(compile, bool) and compile != "auto":

@@ -28,7 +28,8 @@ class Intervention:
     ``head`` of that block. A value broadcasts against the edited slice: ``[D]`` (``[hd]`` for a
     head) for every token, ``[T, D]`` or ``[B, T, D]`` for a whole-sequence forward; it is cast to
     the activations' dtype and device. ``positions``: only these token positions (an int, a slice or
-    a list), in whole-sequence forwards."""
+    a non-empty list of ints; a negative position counts from the end, as Python indexes), in
+    whole-sequence forwards; a position past the input is a `ValueError` when the forward runs."""
 
     layer: int
     add: torch.Tensor | None = None
@@ -51,6 +52,7 @@ class Intervention:
             raise TypeError(f"layer must be an int, got {self.layer!r}")
         if self.head is not None and (not isinstance(self.head, int) or isinstance(self.head, bool)):
             raise TypeError(f"head must be an int or None, got {self.head!r}")
+        _check_positions(self.positions)
 
     @property
     def value(self) -> torch.Tensor | None:
@@ -91,13 +93,71 @@ class Interventions:
         return f"Interventions({'; '.join(i.describe() for i in self.items)}; {state})"
 
 
-def _index(positions: Positions) -> Any:
-    """``positions`` as an index of the token axis."""
-    if positions is None or isinstance(positions, slice):
+def _is_int(value: Any) -> bool:
+    """An int, or an int-like (numpy's, a 0-d integer tensor: ``__index__``), but not a bool."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:  # a 0-d float tensor has __index__, which refuses
+        return False
+    return True
+
+
+def _check_positions(positions: object) -> None:
+    """`TypeError` / `ValueError` naming ``positions`` unless it is None, an int, a slice of ints
+    (step not 0) or a non-empty sequence of ints (a list, a tuple, a range, a 1-d integer tensor)."""
+    expected = "an int, a slice or a non-empty list of ints (or None)"
+    if positions is None or _is_int(positions):
+        return
+    if isinstance(positions, slice):
+        parts = (positions.start, positions.stop, positions.step)
+        if not all(p is None or _is_int(p) for p in parts):
+            raise TypeError(f"positions: expected a slice of ints, got {positions!r}")
+        if positions.step is not None and operator.index(positions.step) == 0:
+            raise ValueError(f"positions: a slice's step cannot be zero, got {positions!r}")
+        return
+    if isinstance(positions, torch.Tensor):
+        if positions.ndim != 1 or positions.dtype.is_floating_point or positions.dtype.is_complex:
+            shape = tuple(positions.shape)
+            raise TypeError(
+                f"positions: expected {expected}, got a tensor of shape {shape}, {positions.dtype}"
+            )
+        items: list[object] = positions.tolist()
+    elif isinstance(positions, Sequence) and not isinstance(positions, str | bytes):
+        items = list(positions)
+    else:
+        raise TypeError(f"positions: expected {expected}, got {positions!r} ({type(positions).__name__})")
+    bad = [p for p in items if not _is_int(p)]
+    if bad:
+        what = f"{bad[0]!r}, a {type(bad[0]).__name__}"
+        raise TypeError(f"positions: expected {expected}, got {positions!r} (holding {what})")
+    if not items:
+        raise ValueError(f"positions: expected {expected}, got an empty {type(positions).__name__}")
+
+
+def _index(item: Intervention, length: int) -> Any:
+    """``item.positions`` as an index of a token axis of ``length`` tokens; `ValueError` naming
+    them and the input's length when a position is past it (or a slice selects none of it)."""
+    positions: Any = item.positions
+    if positions is None:
+        return None
+    if isinstance(positions, slice):
+        if not range(length)[positions]:
+            raise ValueError(
+                f"intervention ({item.describe()}): positions {positions!r} selects none of the "
+                f"input's {length} tokens"
+            )
         return positions
-    if isinstance(positions, int | torch.SymInt) or hasattr(type(positions), "__index__"):
-        return operator.index(positions)  # type: ignore[arg-type]
-    return list(positions)
+    single = _is_int(positions)
+    index = [operator.index(p) for p in ([positions] if single else positions)]
+    outside = [p for p in index if not -length <= p < length]
+    if outside:
+        raise ValueError(
+            f"intervention ({item.describe()}): positions {outside[0]} is past the input's {length} "
+            f"tokens (positions must be in [{-length}, {length}))"
+        )
+    return index[0] if single else index
 
 
 def _edit(x: torch.Tensor, item: Intervention, head_dims: tuple[int, int] | None) -> torch.Tensor:
@@ -106,7 +166,7 @@ def _edit(x: torch.Tensor, item: Intervention, head_dims: tuple[int, int] | None
     B, T, _ = x.shape
     y = x.clone()
     view = y if head_dims is None else y.view(B, T, *head_dims)[:, :, item.head]  # [B, T, D | hd]
-    pos = _index(item.positions)
+    pos = _index(item, T)
     target = view if pos is None else view[:, pos]  # a list of positions: a copy, written back below
     value = item.value
     try:

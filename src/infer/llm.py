@@ -149,16 +149,30 @@ class LLM(NotebookMethods):
 
     def start_engine(self, **options: Any) -> Engine:
         """The engine, made with ``options`` (`infer.engine.Engine`'s keywords: ``max_batch``,
-        ``max_waiting``, ...) if it does not exist yet; `ValueError` if it runs with others."""
+        ``max_waiting``, ...) if it does not exist yet; `ValueError` if it runs with others, and
+        `TypeError` for a keyword the engine does not take (whether or not it exists yet)."""
         if not self.primary:
             raise RuntimeError(
                 f"rank {self.parallel.rank if self.parallel else 0} follows rank 0's engine: "
                 "only rank 0 has one (call the same LLM methods on every rank)"
             )
+        import inspect
+
+        from infer.engine import Engine
+
+        keywords = [
+            name
+            for name, p in inspect.signature(Engine.__init__).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "runner"  # runner: this LLM's own
+        ]
+        unknown = [key for key in options if key not in keywords]
+        if unknown:
+            raise TypeError(
+                f"start_engine() got an unexpected keyword argument {unknown[0]!r}; "
+                f"the engine's settings are {', '.join(keywords)}"
+            )
         with self._engine_lock:
             if self._engine is None:
-                from infer.engine import Engine
-
                 runner = None if self.parallel is None else self.ranks.runner
                 self._engine = Engine(self, runner=runner, **options)
             engine = self._engine

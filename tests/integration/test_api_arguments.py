@@ -242,6 +242,58 @@ def test_dtype_of_the_wrong_type_is_refused(tiny_ckpt_factory: Callable[..., Pat
         infer.load(tiny_ckpt_factory("llama"), dtype=32)  # type: ignore[arg-type]
 
 
+BAD_LOAD_TYPES = [
+    ({"validate": "no"}, r"validate must be a bool \(True or False\), got 'no' \(str\)"),
+    ({"validate": None}, r"validate must be a bool \(True or False\), got None \(NoneType\)"),
+    ({"cache": "no"}, r"cache must be a bool \(True or False\), got 'no' \(str\)"),
+    ({"cache": 0}, r"cache must be a bool \(True or False\), got 0 \(int\)"),
+    ({"deterministic": 1}, r"deterministic must be a bool \(True or False\), got 1 \(int\)"),
+    ({"tensor_parallel": 1.0}, r"tensor_parallel must be an int, got 1.0 \(float\)"),
+    ({"tensor_parallel": True}, r"tensor_parallel must be an int, got True \(bool\)"),
+    ({"pipeline_parallel": "1"}, r"pipeline_parallel must be an int, got '1' \(str\)"),
+    ({"lookup": 0.0}, r"lookup must be an int, got 0.0 \(float\)"),
+    ({"lookup": False}, r"lookup must be an int, got False \(bool\)"),
+    ({"lookup": 2, "speculative_tokens": 4.0}, r"speculative_tokens must be an int, got 4.0 \(float\)"),
+    ({"progress": 3}, r"progress must be a callable \(done, total\) or None, got 3"),
+    (
+        {"streaming": {"memory_budget": "1GB"}},
+        r"streaming must be an infer.StreamingConfig or None, got dict",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_LOAD_TYPES, ids=lambda v: str(v)[:40])
+def test_load_keywords_of_the_wrong_type_are_refused(
+    tiny_ckpt_factory: Callable[..., Path], kwargs: dict[str, Any], message: str
+) -> None:
+    """Bool options take bools only, int options ints only (not bools): ``validate="no"`` used to
+    turn validation on and ``tensor_parallel=1.0`` to load; now each names itself, up front."""
+    with pytest.raises(TypeError, match=message):
+        infer.load(tiny_ckpt_factory("llama"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel": 0}, "tensor_parallel must be an int >= 1, got 0"),
+        ({"pipeline_parallel": -1}, "pipeline_parallel must be an int >= 1, got -1"),
+        ({"lookup": 17}, r"lookup must be an int in \[0, 16\], got 17"),
+        ({"lookup": -1}, r"lookup must be an int in \[0, 16\], got -1"),
+    ],
+)
+def test_load_ints_out_of_range_are_refused_up_front(
+    tiny_ckpt_factory: Callable[..., Path], kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        infer.load(tiny_ckpt_factory("llama"), **kwargs)
+
+
+def test_load_takes_numpy_ints_and_plain_bools(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    one: Any = np.int64(1)
+    llm = infer.load(tiny_ckpt_factory("llama"), tensor_parallel=one, validate=False, cache=False, lookup=0)
+    assert llm.parallel is None
+
+
 # ---- non-finite logits ---------------------------------------------------------------------
 
 
@@ -314,3 +366,31 @@ def test_generate_samples_the_first_token_from_the_right_distribution(
     )
     assert np.all(observed[~kept] == 0.0)
     assert z <= 5.0
+
+
+# ---- start_engine ----------------------------------------------------------------------------
+
+
+def test_start_engine_refuses_unknown_keywords_alike(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Before and after the engine exists: one TypeError naming the keyword (after, it used to be an
+    AttributeError from reading the engine's attribute of that name)."""
+    llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32, compile=False)
+    message = (
+        r"start_engine\(\) got an unexpected keyword argument 'foo'; the engine's settings are "
+        r"max_batch, max_waiting, context, prefill_chunk, idle_prefill_chunk"
+    )
+    try:
+        with pytest.raises(TypeError, match=message):
+            llm.start_engine(foo=1)
+        assert llm._engine is None  # nothing was made
+        engine = llm.start_engine(max_batch=2)
+        with pytest.raises(TypeError, match=message):
+            llm.start_engine(foo=1)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'runner'"):
+            llm.start_engine(runner=None)
+        with pytest.raises(ValueError, match="already runs with max_batch=2, not 3"):
+            llm.start_engine(max_batch=3)
+        assert llm.start_engine(max_batch=2) is engine
+    finally:
+        if llm._engine is not None:
+            llm._engine.close()

@@ -224,3 +224,132 @@ def test_a_one_line_error_keeps_its_reason(
     with pytest.raises(RuntimeError) as raised:
         main([*argv, "--debug"])  # the traceback, the whole message
     assert str(raised.value) == message
+
+
+# ---- positionals, and options that need another -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "what"), [("generate", "prompt"), ("perplexity", "text file")], ids=["generate", "perplexity"]
+)
+@pytest.mark.parametrize("kind", ["checkpoint", "gguf", "directory"])
+def test_a_model_path_and_no_prompt_is_a_usage_error(
+    command: str,
+    what: str,
+    kind: str,
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one positional names a model on disk: the user forgot the prompt (or the file); the
+    shipped model must not run with the path as its prompt."""
+    import infer
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing may load")
+
+    monkeypatch.setattr(infer, "load", no_load)
+    path = tiny_ckpt_factory("llama")
+    if kind == "gguf":
+        path = tmp_path / "model.gguf"
+        path.write_bytes(b"GGUF")
+    elif kind == "directory":  # no checkpoint in it, but written as a path
+        path = tmp_path / "out"
+        path.mkdir()
+    capsys.readouterr()
+    assert main([command, str(path), "--max-new-tokens" if command == "generate" else "--bytes", "6"]) == 2
+    err = capsys.readouterr().err
+    usage = "infer generate [MODEL] PROMPT" if command == "generate" else "infer perplexity [MODEL] FILE"
+    assert err == (
+        f"infer: error: a model path ({path}) and no {what}: give the {what} after the model: {usage}\n"
+    )
+
+
+def test_a_prompt_alone_still_runs_the_default_model(
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``infer generate PROMPT``: the one positional is the prompt (also one too long to be a path)."""
+    import infer
+    from infer.cli import commands
+
+    path = tiny_ckpt_factory("llama")
+    monkeypatch.setattr(commands, "_default_model", lambda: str(path))
+    (tmp_path / "notes").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for prompt in ("Hello", "x" * 200, "notes"):  # "notes": a directory here, but no model, no path
+        assert main(["generate", prompt, "--max-new-tokens", "4", "--quiet", "--raw"]) == 0
+        assert capsys.readouterr().out == infer.load(path).generate(prompt, max_new_tokens=4).text + "\n"
+    for prompt in ("x" * 5000, "a\0b", "~no-such-user-here/x"):  # no possible path: never a model
+        assert not commands._model_path(prompt)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate"], "no prompt given: infer generate [MODEL] PROMPT"),
+        (["perplexity"], "no text file given: infer perplexity [MODEL] FILE"),
+        (["perplexity", "MODEL", "DIR"], "FILE: expected a UTF-8 text file, found a directory: DIR"),
+    ],
+    ids=["generate", "perplexity", "perplexity of a directory"],
+)
+def test_missing_positionals_are_usage_errors(
+    argv: list[str],
+    message: str,
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    names = {"MODEL": str(tiny_ckpt_factory("llama")), "DIR": str(tmp_path)}
+    capsys.readouterr()
+    assert main([names.get(a, a) for a in argv]) == 2
+    assert capsys.readouterr().err == f"infer: error: {message.replace('DIR', str(tmp_path))}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "perplexity"])
+def test_group_size_without_a_memory_budget_is_a_usage_error(
+    command: str,
+    tiny_ckpt_factory: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--group-size sizes the streamed groups only: alone it used to be ignored."""
+    import infer
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing may load")
+
+    monkeypatch.setattr(infer, "load", no_load)
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    extra = {"generate": ["Hello"], "perplexity": [str(text)]}.get(command, [])
+    capsys.readouterr()
+    assert main([command, str(tiny_ckpt_factory("llama")), *extra, "--group-size", "3", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "infer: error: --group-size 3 applies only to layer streaming: give --memory-budget too "
+        "(or leave --group-size out)\n"
+    )
+
+
+def test_group_size_defaults_to_the_chosen_one(
+    tiny_ckpt_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --group-size the streamed groups are StreamingConfig's default (None: chosen to fit)."""
+    import infer
+
+    seen: list[object] = []
+
+    def record(*args: object, streaming: object = None, **kwargs: object) -> None:
+        seen.append(streaming)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(infer, "load", record)
+    path = str(tiny_ckpt_factory("llama"))
+    assert main(["generate", path, "Hi", "--memory-budget", "1GB", "--quiet"]) == 1
+    assert main(["generate", path, "Hi", "--memory-budget", "1GB", "--group-size", "2", "--quiet"]) == 1
+    groups = [getattr(s, "layer_group_size", "missing") for s in seen]
+    assert groups == [infer.StreamingConfig(memory_budget="1GB").layer_group_size, 2] == [None, 2]

@@ -243,3 +243,74 @@ def test_a_hook_on_a_packed_head_runs_in_greedy_generation() -> None:
     finally:
         handle.remove()
     assert llm.generate("Hello", 4).token_ids != [42] * 4
+
+
+BAD_POSITIONS = [
+    (1.5, TypeError, r"positions: expected an int, a slice or a non-empty list of ints \(or None\), "
+                     r"got 1.5 \(float\)"),
+    ("1", TypeError, r"got '1' \(str\)"),
+    (True, TypeError, r"got True \(bool\)"),
+    ([0, 1.0], TypeError, r"got \[0, 1.0\] \(holding 1.0, a float\)"),
+    ([0, None], TypeError, r"holding None, a NoneType"),
+    ({1, 2}, TypeError, r"got \{1, 2\} \(set\)"),
+    ([], ValueError, r"got an empty list"),
+    (slice(0, 2.5), TypeError, r"positions: expected a slice of ints, got slice\(0, 2.5, None\)"),
+    (slice(None, None, 0), ValueError, r"a slice's step cannot be zero"),
+    (torch.tensor([0.5]), TypeError, r"got a tensor of shape \(1,\), torch.float32"),
+    (torch.zeros(2, 2, dtype=torch.long), TypeError, r"got a tensor of shape \(2, 2\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("positions", "error", "message"), BAD_POSITIONS, ids=lambda v: repr(v)[:24])
+def test_bad_positions_are_refused_when_made(
+    llm: infer.LLM, positions: Any, error: type[Exception], message: str
+) -> None:
+    """``positions=1.5`` used to fail inside the forward ('float' object is not iterable), and '1' to
+    index the token axis as a list of characters."""
+    with pytest.raises(error, match=message):
+        llm.intervene(layer=0, zero=True, positions=positions)
+    with pytest.raises(error, match=message):
+        Intervention(0, zero=True, positions=positions)
+    assert not llm.model.hooks.active()
+
+
+@pytest.mark.parametrize(
+    ("positions", "message"),
+    [
+        (10, r"positions 10 is past the input's 3 tokens \(positions must be in \[-3, 3\)\)"),
+        (-4, r"positions -4 is past the input's 3 tokens"),
+        ([0, 2, 3], r"positions 3 is past the input's 3 tokens"),
+        (slice(5, None), r"positions slice\(5, None, None\) selects none of the input's 3 tokens"),
+    ],
+    ids=["10", "-4", "[0, 2, 3]", "5:"],
+)
+def test_a_position_past_the_input_is_named(llm: infer.LLM, positions: Any, message: str) -> None:
+    """Checked when the forward runs (the input's length is known only then): it used to be an
+    IndexError from inside the hook."""
+    with (
+        llm.intervene(layer=0, zero=True, positions=positions),
+        pytest.raises(ValueError, match=message) as info,
+    ):
+        llm.model(torch.tensor([[5, 6, 7]]))
+    assert "intervention (zero at layer 0, positions" in str(info.value)
+
+
+def test_good_positions_edit_those_tokens(llm: infer.LLM) -> None:
+    """Ints (numpy's too), negatives from the end, lists, tuples, ranges, integer tensors and slices
+    edit the same tokens as the list of the positions they name."""
+    import numpy as np
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = {}
+        for p in ([3], [1, 2]):
+            with llm.intervene(layer=0, zero=True, positions=p):
+                want[tuple(p)] = llm.model(ids)
+        same: list[tuple[Any, tuple[int, ...]]] = [
+            (3, (3,)), (-1, (3,)), (np.int64(3), (3,)), (torch.tensor(3), (3,)), ([-3, 2], (1, 2)),
+            ((1, 2), (1, 2)), (range(1, 3), (1, 2)), (torch.tensor([1, 2]), (1, 2)), (slice(1, 3), (1, 2)),
+            (slice(-1, None), (3,)),
+        ]  # fmt: skip
+        for p, key in same:
+            with llm.intervene(layer=0, zero=True, positions=p):
+                assert torch.equal(llm.model(ids), want[key]), p

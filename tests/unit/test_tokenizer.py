@@ -93,6 +93,50 @@ def test_generation_config_eos_adds_to_tokenizer_eos(tokenizer_dir: Path, tmp_pa
     assert Tokenizer(path).eos_token_id == [EOS, EOT]  # the tokenizer's own EOS is never dropped
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1]", r"generation_config.json: expected a JSON object, found list \[1\]"),
+        ('"eos"', r"generation_config.json: expected a JSON object, found str 'eos'"),
+        ("{not json", r"generation_config.json: not valid JSON \(Expecting property name"),
+        ("", r"generation_config.json: not valid JSON"),
+        ('{"eos_token_id": [99999, -3]}', r"'eos_token_id' = \[99999, -3\], expected ids in the "
+         r"tokenizer's vocabulary \[0, VOCAB\); 99999, -3 are not"),
+        ('{"eos_token_id": -1}', r"'eos_token_id' = -1, expected ids in .*; -1 is not"),
+        ('{"eos_token_id": "2"}',
+         r"'eos_token_id' = '2', expected an integer token id, a list of them or null"),
+        ('{"eos_token_id": [2, 1.0]}', r"'eos_token_id' = \[2, 1.0\], expected an integer token id"),
+        ('{"eos_token_id": true}', r"'eos_token_id' = True, expected an integer token id"),
+        ('{"eos_token_id": {"id": 2}}', r"'eos_token_id' = \{'id': 2\}, expected an integer token id"),
+    ],
+    ids=["list", "string", "invalid JSON", "empty", "outside the vocabulary", "negative", "a string id",
+         "a float id", "a bool", "an object"],
+)  # fmt: skip
+def test_a_bad_generation_config_is_named(
+    tokenizer_dir: Path, tmp_path: Path, text: str, message: str
+) -> None:
+    """A generation_config.json that is present but wrong is an error naming it (it used to be an
+    AttributeError, or was ignored, or gave stop ids no token has)."""
+    path = with_generation_config(tokenizer_dir, tmp_path, None)
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=message.replace("VOCAB", str(TOKENIZER_VOCAB))) as info:
+        Tokenizer(path)
+    print(info.value)
+    assert str(info.value).startswith(str(path / "generation_config.json"))
+
+
+def test_a_generation_config_without_eos_is_absent(tokenizer_dir: Path, tmp_path: Path) -> None:
+    eos: list[int] | None
+    for eos in (None, []):
+        path = with_generation_config(tokenizer_dir, tmp_path / str(eos), eos)
+        assert Tokenizer(path).eos_token_ids == [EOS]
+    (path / "generation_config.json").write_text('{"max_length": 20}')
+    assert Tokenizer(path).eos_token_ids == [EOS]
+    assert Tokenizer(path, eos_token_id=[EOT]).eos_token_ids == [EOS, EOT]  # config.json's: no file read
+    (path / "generation_config.json").write_text("[1]")
+    assert Tokenizer(path, eos_token_id=[EOT]).eos_token_ids == [EOS, EOT]
+
+
 def test_explicit_eos_argument(tokenizer_dir: Path) -> None:
     assert Tokenizer(tokenizer_dir, eos_token_id=[EOT, PAD]).eos_token_id == [EOS, EOT, PAD]
     assert Tokenizer(tokenizer_dir, eos_token_id=EOS).eos_token_id == EOS

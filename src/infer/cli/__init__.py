@@ -1,8 +1,8 @@
 """The `infer` command: generate, chat, serve, inspect, perplexity, eval.
 
 Exit status: 0 success, 1 error (one line on stderr; ``--debug`` raises it with its
-traceback), 2 usage error (unknown option, or an option value out of range),
-130 interrupted (Ctrl-C).
+traceback), 2 usage error (unknown option, an option value out of range, a missing prompt
+or an option that needs another), 130 interrupted (Ctrl-C).
 
 This module is the program: `main` (exit status, Ctrl-C, torchrun's SIGTERM) and `build_parser`
 (which command runs which handler). The options are defined in `infer.cli.options`, what each
@@ -31,6 +31,7 @@ from infer.cli.commands import (
 from infer.cli.options import (
     EXIT_CODES,
     IntermixedParser,
+    UsageError,
     command,
     dtype_option,
     eval_parser,
@@ -194,6 +195,10 @@ def _run(argv: Sequence[str] | None) -> int:
             raise KeyboardInterrupt from e
         if args.debug:
             raise
+        if isinstance(e, UsageError):  # the command line itself: exit 2, as argparse's errors
+            if primary():
+                print(f"infer: error: {_error_message(e)}", file=sys.stderr)
+            return 2
         if primary() or _every_rank_tells(e):  # every rank of a parallel run raises the same error
             prefix = f"rank {os.environ.get('RANK')}: " if not primary() else ""
             print(f"infer: error: {prefix}{_error_message(e)}", file=sys.stderr)

@@ -9,8 +9,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infer.cli.options import UsageError
 from infer.text.chat_history import fit_history, repair_utf8
 
 if TYPE_CHECKING:
@@ -59,9 +61,58 @@ LOAD_OPTIONS = (
 SERVE_OPTIONS = ("host", "port", "max_batch", "max_waiting", "max_body_bytes", "shutdown_timeout")
 
 
+def _model_path(text: str) -> bool:
+    """Whether ``text`` names a model on disk: an existing ``.gguf`` file, or a directory that
+    holds a checkpoint (``config.json`` or a ``.gguf`` file) or is written as a path (``./out``,
+    ``/data/m``, ``~/m``: a one-word prompt such as ``src`` stays a prompt)."""
+    try:  # a prompt may be no possible path at all (too long a name, a NUL)
+        path = Path(text).expanduser()
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            return True
+        if not path.is_dir():
+            return False
+        written_as_path = "/" in text or os.sep in text or text.startswith((".", "~"))
+        return written_as_path or (path / "config.json").is_file() or any(path.glob("*.gguf"))
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: "~nosuchuser"
+        return False
+
+
+def _is_dir(text: str) -> bool:
+    """Whether ``text`` names an existing directory (False for what can be no path)."""
+    try:
+        return Path(text).expanduser().is_dir()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _positionals(args: argparse.Namespace, second: str, usage: str) -> None:
+    """Fill ``args.model`` and ``args.<second>`` (the prompt, or the text file) from the
+    positionals, as ``usage`` (``infer generate [MODEL] PROMPT``) reads them: one alone is the
+    second. `UsageError` when it is missing, or when the one given is a model path (a directory
+    or a ``.gguf`` file): the user gave the model and forgot the rest."""
+    what = "prompt" if second == "prompt" else "text file"
+    if getattr(args, second) is None:
+        args.model, only = None, args.model
+        setattr(args, second, only)
+        if only is not None and _model_path(only):
+            raise UsageError(f"a model path ({only}) and no {what}: give the {what} after the model: {usage}")
+    if getattr(args, second) is None:
+        raise UsageError(f"no {what} given: {usage}")
+
+
+def _check_streaming(args: argparse.Namespace) -> None:
+    """`UsageError` for --group-size without --memory-budget (it sizes the streamed groups only)."""
+    if getattr(args, "group_size", None) is not None and not getattr(args, "memory_budget", None):
+        raise UsageError(
+            f"--group-size {args.group_size} applies only to layer streaming: give --memory-budget "
+            "too (or leave --group-size out)"
+        )
+
+
 def _load(args: argparse.Namespace) -> Any:
     import infer
 
+    _check_streaming(args)
     model = args.model if args.model is not None else _default_model()
     streaming = None
     if getattr(args, "memory_budget", None):
@@ -115,10 +166,7 @@ def _sampling(args: argparse.Namespace) -> SamplingOptions:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.prompt is None:  # `infer generate "prompt"`: the one positional is the prompt
-        args.model, args.prompt = None, args.model
-    if args.prompt is None:
-        raise ValueError("no prompt given: infer generate [MODEL] PROMPT")
+    _positionals(args, "prompt", "infer generate [MODEL] PROMPT")
     from infer.text.prompts import prompt_ids
 
     llm = _load(args)
@@ -203,10 +251,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from infer.perplexity import perplexity, read_text
 
-    if args.file is None:  # `infer perplexity FILE`: the one positional is the file
-        args.model, args.file = None, args.model
-    if args.file is None:
-        raise ValueError("no text file given: infer perplexity [MODEL] FILE")
+    _positionals(args, "file", "infer perplexity [MODEL] FILE")
+    _check_streaming(args)
+    if _is_dir(args.file):
+        raise UsageError(f"FILE: expected a UTF-8 text file, found a directory: {args.file}")
     text = read_text(args.file, args.bytes)
     llm = _load(args)
     bar: Any = None

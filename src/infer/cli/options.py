@@ -13,10 +13,15 @@ from infer.params import SEED_MAX, TOP_K_MAX  # torch-free: --help does not impo
 DEFAULT_MODEL_HELP = "checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, shipped)"
 EXIT_CODES = (
     "exit status: 0 success, 1 error (one line; --debug shows the traceback), "
-    "2 usage error (bad option or value), 130 interrupted"
+    "2 usage error (bad option or value, missing prompt), 130 interrupted"
 )
 # An option that takes one value: (flag, argparse type, default, help).
 ValueOption = tuple[str, Callable[[str], Any], Any, str]
+
+
+class UsageError(ValueError):
+    """A command line that parses but does not make sense (a model path and no prompt, an option
+    that needs another): `infer.cli.main` prints ``infer: error: MESSAGE`` and exits 2."""
 
 
 def int_option(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -182,7 +187,12 @@ def load_options(
     p.add_argument(
         "--memory-budget", type=_bytes_option, default=None, help="stream layers under this budget, e.g. 2GB"
     )
-    p.add_argument("--group-size", type=int_option(1), default=4, help="layers per streamed group (>= 1)")
+    p.add_argument(
+        "--group-size",
+        type=int_option(1),
+        default=None,
+        help="layers per streamed group (>= 1; needs --memory-budget; default: chosen to fit the budget)",
+    )
     if parallel is not None:
         p.add_argument(
             "--tensor-parallel",

@@ -142,7 +142,7 @@ class Tokenizer:
                 message = f"{path}: could not load a tokenizer ({type(e).__name__}: {e})"
                 raise ValueError(message[:2000]) from e
         if eos_token_id is None:
-            eos_token_id = _eos_from_generation_config(path)
+            eos_token_id = _eos_from_generation_config(path, len(tok))
         self._init(tok, eos_token_id)
 
     @classmethod
@@ -404,16 +404,42 @@ def _plain_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, An
     return plain
 
 
-def _eos_from_generation_config(path: Path) -> int | list[int] | None:
-    """``generation_config.json`` lists every stop id (Llama 3.2 has three); the tokenizer knows one."""
+def _eos_from_generation_config(path: Path, vocab_size: int) -> int | list[int] | None:
+    """``generation_config.json`` lists every stop id (Llama 3.2 has three); the tokenizer knows one.
+
+    None when the file or its ``eos_token_id`` is absent (or null); `ValueError` naming the file
+    when it is not a JSON object, or ``eos_token_id`` is not an id (or a list of ids) in
+    ``[0, vocab_size)``, the tokenizer's vocabulary."""
     file = path / "generation_config.json"
     if not file.is_file():
         return None
     try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError:
-        return None
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__} {_short(data)}")
     eos = data.get("eos_token_id")
-    if isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
-        return eos
-    return None
+    if eos is None:
+        return None
+    expected = "an integer token id, a list of them or null"
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file}: 'eos_token_id' = {_short(eos)}, expected {expected}")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        verb = "is" if len(outside) == 1 else "are"
+        raise ValueError(
+            f"{file}: 'eos_token_id' = {_short(eos)}, expected ids in the tokenizer's vocabulary "
+            f"[0, {vocab_size}); {', '.join(map(str, outside[:5]))} {verb} not"
+        )
+    checked: int | list[int] = eos
+    return checked
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to a length an error message can hold."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
