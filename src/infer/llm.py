@@ -137,6 +137,7 @@ class LLM(NotebookMethods):
     speculative: Speculative | None = None  # speculative decoding (`infer.speculative`; set by `load`)
     parallel: Parallel | None = field(default=None, init=False)
     _engine: Engine | None = field(default=None, init=False)
+    _engine_options: dict[str, Any] = field(default_factory=dict, init=False)  # what it was made with
     _engine_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     @property
@@ -160,26 +161,30 @@ class LLM(NotebookMethods):
 
         from infer.engine import Engine
 
-        keywords = [
-            name
+        defaults = {
+            name: p.default
             for name, p in inspect.signature(Engine.__init__).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "runner"  # runner: this LLM's own
-        ]
-        unknown = [key for key in options if key not in keywords]
+        }
+        unknown = [key for key in options if key not in defaults]
         if unknown:
             raise TypeError(
                 f"start_engine() got an unexpected keyword argument {unknown[0]!r}; "
-                f"the engine's settings are {', '.join(keywords)}"
+                f"the engine's settings are {', '.join(defaults)}"
             )
         with self._engine_lock:
             if self._engine is None:
                 runner = None if self.parallel is None else self.ranks.runner
                 self._engine = Engine(self, runner=runner, **options)
-            engine = self._engine
+                self._engine_options = dict(options)
+                return self._engine
+            engine, made = self._engine, {**defaults, **self._engine_options}
+        # Asked as it was made (what was asked then, not what the engine derived: context=None
+        # is the model's positions, a streamed model's max_batch is lowered to what fits).
         for key, value in options.items():
-            if getattr(engine, key) != value:
+            if made[key] != value:
                 raise ValueError(
-                    f"this LLM's engine already runs with {key}={getattr(engine, key)}, not {value} "
+                    f"this LLM's engine already runs with {key}={made[key]!r}, not {value!r} "
                     "(its settings are fixed when it is made)"
                 )
         return engine

@@ -394,3 +394,21 @@ def test_start_engine_refuses_unknown_keywords_alike(tiny_ckpt_factory: Callable
     finally:
         if llm._engine is not None:
             llm._engine.close()
+
+
+def test_start_engine_compares_what_was_asked_not_what_was_derived(
+    tiny_ckpt_factory: Callable[..., Path],
+) -> None:
+    """``context=None`` is made into the model's positions: asking for it again (or making the
+    engine with it) is the same setting, not a conflict; a default asked explicitly is too."""
+    llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32, compile=False)
+    try:
+        engine = llm.start_engine(context=None)
+        assert engine.context == llm.config.max_position_embeddings
+        assert llm.start_engine(context=None) is engine
+        assert llm.start_engine(max_waiting=64) is engine  # the default it was made with
+        with pytest.raises(ValueError, match="already runs with context=None, not 64"):
+            llm.start_engine(context=64)
+    finally:
+        if llm._engine is not None:
+            llm._engine.close()
