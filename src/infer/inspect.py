@@ -53,9 +53,7 @@ def inspect_checkpoint(
     run_dtype = checkpoint.options(dtype).dtype
     context = context or config.max_position_embeddings
     if context > config.max_position_embeddings:  # an estimate for a context no run could have
-        raise ValueError(
-            f"context {context} is past the model's {config.max_position_embeddings} positions"
-        )
+        raise ValueError(f"context {context} is past the model's {config.max_position_embeddings} positions")
     params = sum(r.numel for r in rows)
     stored = sum(r.nbytes for r in rows)
     as_float = params * torch.empty((), dtype=run_dtype).element_size()

@@ -126,7 +126,9 @@ def test_inspect_names_a_layer_past_the_config(
     print(report.splitlines()[-2])
     assert "layer 7 (past the config's 3 layers: a load refuses it" in report
     positions = infer.loader.config.load_config(path).max_position_embeddings
-    with pytest.raises(ValueError, match=rf"context {positions + 1} is past the model's {positions} positions"):
+    with pytest.raises(
+        ValueError, match=rf"context {positions + 1} is past the model's {positions} positions"
+    ):
         inspect_checkpoint(path, context=positions + 1)
     with pytest.raises(ValueError, match="unexpected"):
         infer.load(path)
