@@ -372,25 +372,39 @@ class LLM(NotebookMethods):
         The sampling keywords are `generate`'s (`SamplingOptions`: ``temperature``, ``top_k``,
         ``top_p``, ``seed``, ``stop``, the constraints and penalties), checked on the call, not on
         the first ``next()``. Under tensor/pipeline parallelism ranks other than 0 yield the
-        whole text once, at the end."""
+        whole text once, at the end. Made inside ``with llm.hooks(...)``, the stream carries that
+        block's hooks (captured on this call, as `generate` carries them); its first ``next()``
+        after the block ended is a `RuntimeError` (the hooks are off: it would run unhooked)."""
         params = _generation_args("stream", max_new_tokens, sampling)
         prompts, batch = self._encode_batch(prompt)
         if batch:
             raise TypeError("stream() takes one prompt; use generate() for a batch")
         if params.constraint is not None and self.primary:  # compiled now: its errors belong to this call
             self.engine.grammars.matcher(params.constraint)
-        return self._stream(prompts[0], params)
+        from infer.models.hooks import submission_scope
 
-    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
+        return self._stream(prompts[0], params, submission_scope())
+
+    def _stream(self, ids: list[int], params: SamplingParams, scope: Any = None) -> Iterator[str]:
+        """The generator of `stream`: submits at its first ``next()``, under ``scope`` (the
+        `infer.lens.hooks` session `stream` was called in, None: none)."""
+        from infer.models.hooks import submitting
+
         if not self.primary:
             text: str = self.ranks.followed()
             if text:
                 yield text
             return
+        if scope is not None and getattr(scope, "closed", False):
+            raise RuntimeError(
+                "stream(): made inside llm.hooks(...) but first read after the block ended: its hooks "
+                "are off, so it would run unhooked; read the stream inside the block"
+            )
         pieces: list[str] = []
         failure: Exception | None = None
         try:
-            (handle,) = self._submit([ids], params, text=True)
+            with submitting(scope):  # the hooks of the block `stream` was called in
+                (handle,) = self._submit([ids], params, text=True)
             try:
                 for delta in handle:
                     if delta.finish_reason == "error":

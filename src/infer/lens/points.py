@@ -14,7 +14,7 @@ order where several share a place: ``hook_embed`` before ``blocks.0.hook_resid_p
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -163,6 +163,13 @@ def select(names: Sequence[str], which: NameFilter, what: str = "names_filter") 
     """
     if which is None:
         return list(names)
+    if isinstance(which, bool | bytes | bytearray) or not (
+        isinstance(which, str) or callable(which) or isinstance(which, Iterable)
+    ):
+        raise TypeError(
+            f"{what}: expected None (every point), a hook point name, a list of names or a predicate "
+            f"on names, got {which!r:.80} ({type(which).__name__})"
+        )
     if isinstance(which, str):
         if which not in names:
             raise unknown_name(which, names)
@@ -175,7 +182,7 @@ def select(names: Sequence[str], which: NameFilter, what: str = "names_filter") 
     wanted = list(which)
     for n in wanted:
         if not isinstance(n, str):
-            raise TypeError(f"{what}: expected hook point names (str), got {type(n).__name__}")
+            raise TypeError(f"{what}: expected hook point names (str), got {n!r:.80} ({type(n).__name__})")
         if n not in names:
             raise unknown_name(n, names)
     if not wanted:

@@ -18,7 +18,10 @@ point's name; a returned tensor (same shape and dtype) replaces the activation, 
 * ``hook_resid_mid`` is read at the second norm's input; an edit of it is also added to the
   block's output (the residual add reads the unedited sum): equal within one rounding.
 * Backward hooks are tensor hooks (``register_hook``) on the points' activations: they run
-  whenever a backward passes through them, also after the call returned.
+  whenever a backward passes through them, also after the call returned. Packed (quantized)
+  weights have no backward: refused up front; so is ``hooks(bwd_hooks=...)`` (no gradients).
+* A point a run never reaches (past ``stop_at_layer``, the head with ``return_type=None``) is an
+  error before the forward where it was named (`Session.reach`); a filter keeps those it reaches.
 """
 
 from __future__ import annotations
@@ -101,10 +104,12 @@ def _check_result(result: Any, value: torch.Tensor, name: str, fn: Any, kind: st
             f"{kind} hook {_fn_name(fn)} on {name} returned {type(result).__name__}; "
             "expected a tensor or None"
         )
-    if result.shape != value.shape or result.dtype != value.dtype:
+    if result.shape != value.shape or result.dtype != value.dtype or result.device != value.device:
+        moved = result.device != value.device  # the devices named when they differ
+        got, want = (f" on {result.device}", f" on {value.device}") if moved else ("", "")
         raise ValueError(
-            f"{kind} hook {_fn_name(fn)} on {name} returned shape {tuple(result.shape)} {result.dtype}; "
-            f"expected shape {tuple(value.shape)} {value.dtype} (the activation's)"
+            f"{kind} hook {_fn_name(fn)} on {name} returned shape {tuple(result.shape)} {result.dtype}{got}; "
+            f"expected shape {tuple(value.shape)} {value.dtype}{want} (the activation's)"
         )
     return result
 
@@ -131,15 +136,25 @@ class Session:
         self.names = [*by_name, *self.sub]
         self.fwd: dict[str, list[HookFn]] = {}
         self.bwd: dict[str, list[HookFn]] = {}
+        # What each argument asked for: (argument, the names it picks, named explicitly), for
+        # `Session.reach` (a point a run never reaches is an error where it was named)
+        self.asked: list[tuple[str, list[str], bool]] = [(f"splices[{n!r}]", [n], True) for n in self.splices]
         for table, given, what in ((self.fwd, fwd, "fwd_hooks"), (self.bwd, bwd, "bwd_hooks")):
+            if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+                raise TypeError(f"{what}: expected a list of (name or filter, fn) pairs, got {given!r:.80}")
             for i, entry in enumerate(given):
                 if not (isinstance(entry, tuple | list) and len(entry) == 2 and callable(entry[1])):
-                    raise TypeError(f"{what}[{i}]: expected a (name or filter, fn) pair, got {entry!r}")
-                for name in select(self.names, entry[0], f"{what}[{i}]"):
+                    raise TypeError(f"{what}[{i}]: expected a (name or filter, fn) pair, got {entry!r:.80}")
+                picked = select(self.names, entry[0], f"{what}[{i}]")
+                self.asked.append((f"{what}[{i}]", picked, not callable(entry[0])))
+                for name in picked:
                     table.setdefault(name, []).append(entry[1])
         self.cached: set[str] = set()
         if cache is not False:
-            self.cached = set(select(self.names, None if cache is True else cache))
+            which = None if cache is True else cache
+            self.cached = set(select(self.names, which, "names_filter"))
+            picked = [n for n in self.names if n in self.cached]
+            self.asked.append(("names_filter", picked, which is not None and not callable(which)))
         self.cache = ActivationCache()
         self.used = set(self.fwd) | set(self.bwd) | self.cached | set(self.splices)
         self.hook_points = {n: HookPoint(n, (by_name.get(n) or self.sub[n]).layer) for n in self.names}
@@ -149,6 +164,7 @@ class Session:
         self.thread = threading.get_ident()
         self.requests: list[RequestSession] = []
         self.cache_bytes = 0  # what a request may keep (`hooks(cache=...)`)
+        self.closed = False  # the `hooks` block ended: its hooks act no more
 
     # ---- what the installed hooks call ---------------------------------------------------
 
@@ -208,6 +224,50 @@ class Session:
 
     # ---- installing ----------------------------------------------------------------------
 
+    def reach(self, stop: int | None, logits: bool, stop_at_layer: int | None) -> None:
+        """Keep to the points a forward that stops before block ``stop`` (None: runs every block)
+        and runs the head only with ``logits`` reaches: a point named explicitly that it never
+        reaches is a `ValueError` naming it and what excludes it (its hook would never be called,
+        its cache entry never filled); a filter (None, a predicate) keeps the points it reaches,
+        and is an error if it reaches none."""
+        why: dict[str, str] = {}
+        for p in self.points:
+            if p.name == f"blocks.{stop}.hook_resid_pre":  # what the run returns: reached (`install`)
+                continue
+            if stop is not None and p.layer is not None and p.layer >= stop:
+                why[p.name] = f"stop_at_layer={stop_at_layer} runs blocks 0..{stop - 1} only"
+            elif stop is not None and p.layer is None and p.module in ("norm", "lm_head"):
+                why[p.name] = f"stop_at_layer={stop_at_layer} returns before the final norm and the head"
+            elif not logits and p.module == "lm_head":
+                why[p.name] = "return_type=None never runs the head (lm_head)"
+        if stop == 0:
+            why = {
+                k: v if "head" in v else f"stop_at_layer={stop_at_layer} runs no block"
+                for k, v in why.items()
+            }
+        for name, point in self.sub.items():  # an SAE's points: where the SAE is
+            if point.name in why:
+                why[name] = why[point.name]
+        if not why:
+            return
+        for what, picked, explicit in self.asked:
+            missed = [x for x in picked if x in why]
+            if explicit and missed:
+                raise ValueError(
+                    f"{what}: {missed[0]} is never reached in this run: {why[missed[0]]} "
+                    "(a hook there would never be called, nothing would be cached)"
+                )
+            if missed and len(missed) == len(picked):
+                raise ValueError(
+                    f"{what}: the points it picks are never reached in this run: {why[missed[0]]} "
+                    f"(first: {missed[0]})"
+                )
+        for table in (self.fwd, self.bwd, self.splices):
+            for x in [x for x in table if x in why]:
+                del table[x]
+        self.cached -= set(why)
+        self.used -= set(why)
+
     @property
     def internal(self) -> list[str]:
         """The used points computed inside attention."""
@@ -228,8 +288,15 @@ class Session:
             layers = self.model.layers
             assert isinstance(layers, nn.ModuleList)
 
-            # TransformerLens' stop_at_layer=0 still runs hook_embed (here the first block's input)
-            first = [p for p in self.points if p.layer is None and p.module == f"layers.{stop_at_layer}"]
+            # TransformerLens' stop_at_layer=0 still runs hook_embed (here the first block's input);
+            # the block's hook_resid_pre is what the run returns: it runs too (TransformerLens' does not)
+            first = [
+                p
+                for p in self.points
+                if p.module == f"layers.{stop_at_layer}"
+                and p.side == "input"
+                and p.layer in (None, stop_at_layer)
+            ]
 
             def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
                 if self.acting() is self:
@@ -452,6 +519,20 @@ def token_ids(llm: LLM, input: Input) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=llm.model.device)
 
 
+def _check_differentiable(model: nn.Module) -> None:
+    """`ValueError` before any work when ``model`` holds packed (quantized) weights: their kernels
+    (``aten._weight_int4pack_mm_for_cpu``, int8's) have no backward."""
+    from infer.quant import QuantizedLinear
+
+    packed = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    if packed:
+        raise ValueError(
+            f"bwd_hooks: this model's weights are packed (quantized: {len(packed)} layers, e.g. "
+            f"{packed[0]}), and packed matrix products have no backward. Gradients need float weights: "
+            "load a float checkpoint (safetensors, or a GGUF of F32 / F16 / BF16 tensors) without quantize="
+        )
+
+
 def _stop_index(model: nn.Module, stop_at_layer: int | None) -> int | None:
     if stop_at_layer is None:
         return None
@@ -475,6 +556,7 @@ def _forward(
     head = model.get_submodule("lm_head")
     if logits and stop is None and all(t.is_meta for t in head.state_dict().values()):
         raise ValueError(f"logits: {NO_HEAD}; or return_type=None")  # before any work
+    session.reach(stop, logits, stop_at_layer)  # before any work: a point never reached is an error
     handles = session.install(stop if stop is not None and stop < n else None)
     try:
         with _probing(session) as probe_handles, reusing_blocks(ids.numel()):
@@ -550,6 +632,11 @@ def run_with_cache(
     (`infer.lens.sae`). Without gradients."""
     if return_type not in ("logits", None):
         raise ValueError(f"return_type: expected 'logits' or None, got {return_type!r}")
+    if isinstance(names_filter, bool):  # (False would cache nothing, True is no filter)
+        raise TypeError(
+            "names_filter: expected None (every point), a name, a list of names or a predicate, "
+            f"got {names_filter!r}"
+        )
     model = _model(llm)
     session = Session(model, fwd_hooks, cache=True if names_filter is None else names_filter, splices=splices)
     with torch.no_grad():
@@ -569,15 +656,17 @@ def run_with_hooks(
     """Logits of one forward of ``input`` with ``fwd_hooks`` (pairs ``(name or filter, fn)``) run at
     their points, TransformerLens' ``run_with_hooks``. With ``bwd_hooks`` the forward records
     gradients (outside inference mode, whatever the caller's mode) and each ``fn(grad, hook)`` runs
-    when a backward from the result passes its point (a returned tensor replaces the gradient)."""
+    when a backward from the result passes its point (a returned tensor replaces the gradient);
+    packed (quantized) weights have no backward: refused (`_check_differentiable`). Without, the
+    caller's grad mode holds, as in TransformerLens: the weights need no gradient, so a graph is
+    recorded only from a tensor a hook brings in that requires one (a steering vector trained)."""
     model = _model(llm)
     session = Session(model, fwd_hooks, bwd_hooks, splices=splices)
     with contextlib.ExitStack() as modes:
-        if bwd_hooks:
+        if session.bwd:
+            _check_differentiable(model)
             modes.enter_context(torch.inference_mode(False))
             modes.enter_context(torch.enable_grad())
-        else:
-            modes.enter_context(torch.no_grad())
         out = _forward(llm, session, input, stop_at_layer)
     assert out is not None  # (logits or the residual: `_forward` returns None only without logits)
     return out
@@ -621,8 +710,14 @@ def hooks(
     Other callers' requests batched meanwhile run as without hooks. ``cache``: the points each
     request keeps for every position it feeds (`Hooked.activations`, `GenerationResult.activations`;
     True: all), at most ``cache_bytes`` a request (checked at its first forward). The points inside
-    attention are refused (they need a whole-sequence forward: `run_with_hooks`)."""
+    attention are refused (they need a whole-sequence forward: `run_with_hooks`), and so are
+    ``bwd_hooks`` (generation records no gradients: they would never be called)."""
     model = _model(llm)
+    if bwd_hooks:  # generation records no gradients: they would never be called
+        raise ValueError(
+            "hooks(): bwd_hooks are never called: generation runs without gradients; "
+            "use run_with_hooks(..., bwd_hooks=...) and a backward from its result"
+        )
     if cache is True:  # every point generation reaches
         cache = [p.name for p in points(model) if not p.internal]
     session = Session(model, fwd_hooks, bwd_hooks, cache=cache, splices=splices)
@@ -640,6 +735,7 @@ def hooks(
         with submitting(session):
             yield Hooked(session)
     finally:
+        session.closed = True  # a stream made inside but first read after: refused (`LLM.stream`)
         for handle in handles:
             handle.remove()
         session.pending.clear()

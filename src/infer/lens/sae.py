@@ -73,6 +73,7 @@ class SAE(nn.Module):
         if "threshold" in weights:
             self.threshold = nn.Parameter(weights["threshold"], requires_grad=False)
         self.d_in, self.d_sae = self.W_enc.shape
+        self.path: str | None = None  # the directory `load_sae` read, for errors
 
     def pre(self, sae_in: torch.Tensor) -> torch.Tensor:
         """The pre-activations ``[..., d_sae]`` of ``sae_in [..., d_in]`` (already in the SAE's dtype)."""
@@ -122,10 +123,24 @@ class _Spliced(run.Splice):
 
     names = SAE_POINTS
 
-    def __init__(self, sae: SAE, use_error_term: bool) -> None:
-        self.sae, self.use_error_term = sae, use_error_term
+    def __init__(self, sae: SAE, use_error_term: bool, label: str = "saes[0]") -> None:
+        self.sae, self.use_error_term, self.label = sae, use_error_term, label
+
+    def check(self, x: torch.Tensor) -> None:
+        """`ValueError` naming the SAE, its point and both widths unless ``x`` is ``d_in`` wide."""
+        sae = self.sae
+        width = x.shape[-2] * x.shape[-1] if sae.reshape_hook_z and x.ndim >= 2 else x.shape[-1]
+        if width != sae.d_in:
+            flat = " (heads flattened: a hook_z SAE)" if sae.reshape_hook_z else ""
+            source = f" from {sae.path}" if sae.path else ""
+            raise ValueError(
+                f"{self.label}: the SAE{source} at {sae.hook_name} reads d_in={sae.d_in} values a position, "
+                f"but {sae.hook_name} is {width} wide{flat} (shape {tuple(x.shape)}): an SAE of another "
+                "model or point"
+            )
 
     def run(self, x: torch.Tensor, apply: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        self.check(x)
         sae = self.sae
         sae_in = apply("hook_sae_input", sae.flat(x))
         acts = apply("hook_sae_acts_post", sae.activation(apply("hook_sae_acts_pre", sae.pre(sae_in))))
@@ -145,7 +160,7 @@ def _splices(saes: Sequence[SAE], use_error_term: bool) -> dict[str, run.Splice]
             raise TypeError(f"saes[{i}]: expected an infer.lens.sae.SAE (load_sae), got {type(sae).__name__}")
         if sae.hook_name in out:
             raise ValueError(f"saes[{i}]: two SAEs at {sae.hook_name}")
-        out[sae.hook_name] = _Spliced(sae, use_error_term)
+        out[sae.hook_name] = _Spliced(sae, use_error_term, f"saes[{i}]")
     return out
 
 
@@ -250,7 +265,7 @@ def load_sae(
     file_dtype = getattr(torch, str(cfg.get("dtype", "float32")).removeprefix("torch."), None)
     target = dtype or (file_dtype if isinstance(file_dtype, torch.dtype) else weights["W_enc"].dtype)
     weights = {n: t.to(device=device, dtype=target) for n, t in weights.items()}
-    return SAE(
+    sae = SAE(
         weights,
         architecture,
         hook_name,
@@ -259,6 +274,8 @@ def load_sae(
         reshape_hook_z=reshape == "hook_z",
         rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
     )
+    sae.path = str(path)
+    return sae
 
 
 __all__ = ["SAE", "SAE_POINTS", "load_sae", "run_with_cache_with_saes", "run_with_saes", "saes"]
