@@ -32,6 +32,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from infer.loglikelihood import RowScores, score_rows
+from infer.params import check_int
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -46,13 +47,12 @@ Request = tuple[Any, list[int], list[int]]  # (cache key, context ids, continuat
 
 
 def _batch_size(value: Any) -> int:
+    """lm-eval's ``batch_size``: an int >= 1 (a digit string, as model_args may carry it), or
+    "auto" / "auto:N" (`DEFAULT_BATCH`); a float or a bool is refused, not truncated."""
     if value is None or value == "auto" or (isinstance(value, str) and value.startswith("auto")):
         return DEFAULT_BATCH
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"batch_size: expected an int >= 1 or 'auto', got {value!r}") from None
-    if n < 1:
+    n = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"batch_size: expected an int >= 1 or 'auto', got {value!r}")
     return n
 
@@ -83,6 +83,7 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
         add_bos_token: bool | None = None,
     ) -> None:
         super().__init__()
+        from infer.api import check_bool
         from infer.llm import LLM
 
         if isinstance(pretrained, LLM):
@@ -90,9 +91,10 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
         elif isinstance(pretrained, str | Path):
             import infer
 
+            check_bool("deterministic", deterministic)  # model_args' "deterministic=maybe" is a str
             llm = infer.load(
                 pretrained, device=device or "cpu", dtype=None if dtype in (None, "auto") else dtype,
-                quantize=quantize, deterministic=bool(deterministic), kv_dtype=kv_dtype,
+                quantize=quantize, deterministic=deterministic, kv_dtype=kv_dtype,
                 compile=compile,
             )  # fmt: skip
         else:
@@ -101,12 +103,12 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
         self.tokenizer = llm.tokenizer
         self.batch = _batch_size(batch_size)
         positions = int(llm.config.max_position_embeddings)
-        self._max_length = positions if max_length is None else int(max_length)
+        self._max_length = positions if max_length is None else check_int("max_length", max_length, 1)
         if not 1 <= self._max_length <= positions:
             raise ValueError(
                 f"max_length: expected 1 .. {positions} (the model's positions), got {max_length}"
             )
-        self._max_gen_toks = int(max_gen_toks)
+        self._max_gen_toks = check_int("max_gen_toks", max_gen_toks, 1)
         self.add_bos_token = add_bos_token
         self._device = str(llm.model.device)
 
@@ -230,7 +232,7 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
             contexts = [c for c, _ in chunk]
             kwargs = normalize_gen_kwargs(dict(chunk[0][1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_new = int(kwargs.pop("max_gen_toks"))
+            max_new = check_int("max_gen_toks", kwargs.pop("max_gen_toks"), 1)
             room = self.max_length - max_new
             if room < 1:
                 raise ValueError(
@@ -239,7 +241,17 @@ class InferLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type inform
             ids = [self._context_ids(c, contexts[0], room) for c in contexts]
             sampling = self._sampling(kwargs)
             stops = [s for s in until if s][:16]
-            results = self.llm.generate(ids, max_new_tokens=max_new, stop=stops or None, **sampling)
+            # A seed is each request's: the prompts of one call draw row seeds derived from it
+            # (`SamplingParams.row`), so seeded requests go one a call and draw as alone, at any
+            # batch size and place in it.
+            calls = [[i] for i in range(len(ids))] if "seed" in sampling else [list(range(len(ids)))]
+            results = [
+                r
+                for call in calls
+                for r in self.llm.generate(
+                    [ids[i] for i in call], max_new_tokens=max_new, stop=stops or None, **sampling
+                )
+            ]
             for (context, gen_kwargs), result in zip(chunk, results, strict=True):
                 text = self.tok_decode(result.token_ids)
                 text = postprocess_generated_text(text, until, None)

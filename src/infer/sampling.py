@@ -160,6 +160,13 @@ def sample_row(row: torch.Tensor, params: SamplingParams, noise: torch.Tensor | 
     return pick if positions is None else int(positions[pick])
 
 
+def global_seed() -> int:
+    """A seed for a request that gave none, drawn from torch's global generator: after
+    ``torch.manual_seed(s)`` the same calls draw the same seeds (`torch.seed()` would reseed the
+    global generator instead, undoing the caller's seed)."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
 def gumbel_noise(batch: int, vocab: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """``-log(E)``, ``E ~ Exp(1)``, ``[batch, vocab]`` float32 from ``generator`` (outside any graph)."""
     e = torch.empty(batch, vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
@@ -190,6 +197,7 @@ __all__ = [
     "CANDIDATES",
     "Sampling",
     "SamplingValues",
+    "global_seed",
     "gumbel_noise",
     "narrow",
     "probabilities",

@@ -114,6 +114,37 @@ def test_bad_arguments_are_named(checkpoint: Path) -> None:
         InferLM(None)
     with pytest.raises(ValueError, match="num_beams"):
         InferLM._sampling({"do_sample": False, "temperature": 0.0, "num_beams": 4})
+    # Refused, not converted: a string deterministic turned the mode on, 2.7 became 2.
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        InferLM(str(checkpoint), deterministic="False")
+    for bad in (2.7, True, "x"):
+        with pytest.raises(ValueError, match="batch_size"):
+            InferLM(llm, batch_size=bad)
+    assert InferLM(llm, batch_size="3").batch == 3
+    with pytest.raises(TypeError, match="max_length must be an int"):
+        InferLM(llm, max_length="abc")
+    with pytest.raises(ValueError, match="max_gen_toks must be an int >= 1"):
+        InferLM(llm, max_gen_toks=0)
+
+
+def test_a_requests_seed_draws_as_alone_at_any_batch_size(checkpoint: Path) -> None:
+    """lm-eval's ``seed`` gen_kwarg is the request's own: three equal seeded requests in one batch
+    give the text the request gives alone (before, rows 1 and 2 drew derived seeds)."""
+    import infer
+    from lm_eval.api.instance import Instance
+
+    from infer.evaluation import InferLM
+
+    llm = infer.load(checkpoint, dtype="float32")
+    kwargs = {"do_sample": True, "temperature": 0.8, "seed": 3, "max_gen_toks": 8}
+
+    def request() -> Instance:
+        return Instance("generate_until", {}, ("Once upon a time", dict(kwargs)), 0)
+
+    alone = InferLM(llm, batch_size=1).generate_until([request()])
+    batched = InferLM(llm, batch_size=3).generate_until([request(), request(), request()])
+    print(alone, batched)
+    assert batched == alone * 3
 
 
 @pytest.mark.slow

@@ -202,6 +202,20 @@ def test_one_dimensional_input_ids_are_a_value_error(tiny_ckpt_factory: Callable
         llm.model(torch.zeros(1, 3))
 
 
+def test_unseeded_sampling_follows_torch_manual_seed(tiny_ckpt_factory: Callable[..., Path]) -> None:
+    """Without a seed a request draws its seed from torch's global generator: torch.manual_seed
+    makes the run reproducible, and the caller's random stream goes on from it (torch.seed() used
+    to reseed it at random: lm-eval's seeded runs of sampled tasks differed)."""
+    llm = infer.load(tiny_ckpt_factory("llama"), dtype=torch.float32)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        tokens = llm.generate(["hello", "there"], max_new_tokens=6, temperature=1.0)
+        runs.append(([r.token_ids for r in tokens], torch.rand(2).tolist()))
+    print(runs)
+    assert runs[0] == runs[1]
+
+
 def test_token_ids_outside_the_vocabulary_are_a_value_error(tiny_ckpt_factory: Callable[..., Path]) -> None:
     """Named before the lookup, for a dense embedding (which raised torch's bare IndexError) and the
     shipped GGUF's packed one (which wrapped -1 to the last row, and failed on a packed row index)."""

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from infer.sampling import global_seed
+
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 0.5  # each rank bumps its counter in the rendezvous store this often
 SILENT_S = 1.5  # a rank whose counter has not moved for this long has stopped answering
@@ -384,7 +386,7 @@ def agree(parallel: Parallel | None, work: Callable[[], T]) -> T:
 
 def shared_seed(parallel: Parallel) -> int:
     """A random seed drawn on rank 0 and sent to every rank."""
-    box = [torch.seed() % 2**63 if parallel.rank == 0 else 0]
+    box = [global_seed() if parallel.rank == 0 else 0]
     with peer_failures(parallel):
         dist.broadcast_object_list(box, src=0)
     return int(box[0])

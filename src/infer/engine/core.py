@@ -30,7 +30,7 @@ from infer.kv.slots import KVSlots
 from infer.models.base import DecoderLM
 from infer.models.hooks import submission_scope
 from infer.params import SamplingParams, check_int
-from infer.sampling import Sampling
+from infer.sampling import Sampling, global_seed
 from infer.speculative import Drafter, NoiseQueue, Speculative, Speculator
 from infer.text.structured import Grammars, RowProcessor, check_logit_bias
 
@@ -193,7 +193,9 @@ class Engine:
         generator = None
         if not p.greedy:
             generator = torch.Generator(device=self.model.device)
-            generator.manual_seed(p.seed if p.seed is not None else torch.seed())
+            # Unseeded: a seed drawn from torch's global generator, so torch.manual_seed makes the
+            # run reproducible (as lm-eval and transformers' sampling expect); torch.seed() reseeded it.
+            generator.manual_seed(p.seed if p.seed is not None else global_seed())
         eos = frozenset(p.stop_token_ids) if p.ignore_eos else self.eos | set(p.stop_token_ids)
         max_new = min(p.max_tokens, self.context - len(toks))
         r = Request(handle, toks, p, max_new, eos, generator, time.perf_counter(), processor=processor)
