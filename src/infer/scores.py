@@ -85,7 +85,9 @@ def score(
     progress: Progress | None = None,
 ) -> TokenScores | list[TokenScores]:
     """`TokenScores` of ``texts`` (a string or token ids: one result; a list of them: a list).
-    ``batch_size`` texts go through one left-padded forward; ``progress`` wraps the batches."""
+    ``batch_size`` texts go through one right-padded forward (causal: a text's positions are its
+    own and never see the padding, so in the deterministic mode a text's scores are bitwise those
+    of the text alone); ``progress`` wraps the batches."""
     top_k = check_int("top_k", top_k, 1)
     check_int("batch_size", batch_size, 1)
     one = isinstance(texts, str) or (isinstance(texts, list) and bool(texts) and isinstance(texts[0], int))
@@ -105,14 +107,12 @@ def score(
 def _score_batch(llm: Scorable, batch: list[list[int]], top_k: int) -> list[TokenScores]:
     model, device = llm.model, llm.model.device
     T = max(len(t) for t in batch)
-    pad = [T - len(t) for t in batch]
-    ids = torch.tensor([[0] * p + t for p, t in zip(pad, batch, strict=True)], device=device)  # [B, T]
-    mask = torch.tensor([[0] * p + [1] * len(t) for p, t in zip(pad, batch, strict=True)], device=device)
-    h = model.forward_hidden(ids, None, mask if any(pad) else None)  # [B, T, D]
+    ids = torch.tensor([t + [0] * (T - len(t)) for t in batch], device=device)  # [B, T], right-padded
+    h = model.forward_hidden(ids, None, None)  # [B, T, D]
     out = []
     for b, tokens in enumerate(batch):
         n = len(tokens)
-        rows = h[b, pad[b] : pad[b] + n - 1]  # [n - 1, D]: the positions that predict tokens[1:]
+        rows = h[b, : n - 1]  # [n - 1, D]: the positions that predict tokens[1:]
         target = torch.tensor(tokens[1:], device=device)
         logprobs, top_ids, top_lp = [], [], []
         for start in range(0, n - 1, HEAD_ROWS):

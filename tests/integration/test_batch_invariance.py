@@ -124,3 +124,21 @@ def test_smollm2_real() -> None:
     reversed_ = llm.generate(ps[::-1], max_new_tokens=40)
     assert [r.token_ids for r in reversed_] == alone[::-1]
     assert_batch_invariant(llm, "SmolLM2 Q4_1")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_scores_in_a_batch_are_bitwise_the_text_alone(
+    arch: str, tiny_ckpt_factory: Callable[..., Path]
+) -> None:
+    """`LLM.score` of a text beside longer ones (right-padded, one forward) is bitwise the text alone
+    (left padding shifted its keys within the attention tiles: 1.9e-6 apart)."""
+    llm = infer.load(tiny_ckpt_factory(arch), dtype=torch.float32, deterministic=True)
+    short, long = prompts(llm.config.vocab_size, [9, 40])
+    alone = llm.score(short)
+    for batch, row in (([short, long], 0), ([long, short], 1)):
+        together = llm.score(batch, batch_size=2)
+        assert isinstance(together, list) and not isinstance(alone, list)
+        diff = (together[row].logprobs - alone.logprobs).abs().max().item()
+        print(f"{arch}: text of 9 tokens at row {row} beside 40: largest logprob difference {diff}")
+        assert torch.equal(together[row].logprobs, alone.logprobs)
+        assert torch.equal(together[row].top_logprobs, alone.top_logprobs)

@@ -130,9 +130,9 @@ def test_bad_arguments_are_named(checkpoint: Path) -> None:
 def test_a_requests_seed_draws_as_alone_at_any_batch_size(checkpoint: Path) -> None:
     """lm-eval's ``seed`` gen_kwarg is the request's own: three equal seeded requests in one batch
     give the text the request gives alone (before, rows 1 and 2 drew derived seeds)."""
-    import infer
     from lm_eval.api.instance import Instance
 
+    import infer
     from infer.evaluation import InferLM
 
     llm = infer.load(checkpoint, dtype="float32")

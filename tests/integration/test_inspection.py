@@ -96,7 +96,7 @@ def _hf_head(hf: Any, arch: str, h: torch.Tensor, normed: bool) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_scores_and_logit_lens_match_transformers(pair: tuple[infer.LLM, Any], arch: str) -> None:
     llm, hf = pair
-    texts = [IDS[0, :40].tolist(), IDS[1, :23].tolist(), IDS[1, 5:9].tolist()]  # one batch, left-padded
+    texts = [IDS[0, :40].tolist(), IDS[1, :23].tolist(), IDS[1, 5:9].tolist()]  # one batch, padded
     got = llm.score(texts, top_k=4)
     assert isinstance(got, list) and len(got) == 3
     err_lp = err_top = 0.0
