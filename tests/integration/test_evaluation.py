@@ -116,13 +116,13 @@ def test_bad_arguments_are_named(checkpoint: Path) -> None:
         InferLM._sampling({"do_sample": False, "temperature": 0.0, "num_beams": 4})
     # Refused, not converted: a string deterministic turned the mode on, 2.7 became 2.
     with pytest.raises(TypeError, match="deterministic must be a bool"):
-        InferLM(str(checkpoint), deterministic="False")
+        InferLM(str(checkpoint), deterministic="False")  # type: ignore[arg-type]
     for bad in (2.7, True, "x"):
         with pytest.raises(ValueError, match="batch_size"):
-            InferLM(llm, batch_size=bad)
+            InferLM(llm, batch_size=bad)  # type: ignore[arg-type]
     assert InferLM(llm, batch_size="3").batch == 3
     with pytest.raises(TypeError, match="max_length must be an int"):
-        InferLM(llm, max_length="abc")
+        InferLM(llm, max_length="abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_gen_toks must be an int >= 1"):
         InferLM(llm, max_gen_toks=0)
 
