@@ -183,3 +183,11 @@ def test_cli_names_an_unknown_task(checkpoint: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     print(err)
     assert code == 1 and "no_such_task" in err and "--tasks" in err
+    missing = main(
+        ["eval", str(checkpoint), "--tasks", "tiny_choices", "--include-path", str(TASKS_DIR / "nope")]
+    )
+    err = capsys.readouterr().err
+    assert missing == 2 and "--include-path" in err and "not a directory" in err
+    from infer.cli import build_parser
+
+    assert build_parser().parse_args(["eval", "--tasks", "x", "--batch-size", "auto"]).batch_size == "auto"

@@ -293,6 +293,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from infer.evaluation import InferLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise UsageError(f"--include-path: {args.include_path}: not a directory")
     manager = TaskManager(include_path=args.include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:

@@ -24,6 +24,16 @@ class UsageError(ValueError):
     that needs another): `infer.cli.main` prints ``infer: error: MESSAGE`` and exits 2."""
 
 
+def _auto_or(parse: Callable[[str], int]) -> Callable[[str], int | str]:
+    """An option that takes "auto" (lm-eval's word) or what ``parse`` takes."""
+
+    def parse_auto(text: str) -> int | str:
+        return "auto" if text == "auto" else parse(text)
+
+    parse_auto.__name__ = getattr(parse, "__name__", "value")
+    return parse_auto
+
+
 def int_option(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: an int in ``[minimum, maximum]`` (out of range is a usage error, exit 2)."""
 
@@ -378,7 +388,10 @@ def eval_parser(sub: Any) -> argparse.ArgumentParser:
         "--limit", type=_float_option(0.0, open_min=True), default=None, metavar="N",
         help="the first N documents of each task (a fraction when < 1)",
     )  # fmt: skip
-    p.add_argument("--batch-size", type=int_option(1), default=16, help="requests per forward (>= 1)")
+    p.add_argument(
+        "--batch-size", type=_auto_or(int_option(1)), default=16,
+        help="requests per forward (>= 1, or auto: 16, as lm-eval's 'auto' means for infer)",
+    )  # fmt: skip
     p.add_argument(
         "--max-length", type=int_option(1), default=None, help="tokens of context (default: the model's)"
     )
