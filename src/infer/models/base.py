@@ -277,7 +277,7 @@ class DecoderLM(nn.Module):
         self.kv_layers: range | None = None  # the layers whose K/V this process keeps (None: all)
         self.vocab_size = (
             config.vocab_size
-        )  # the logits' width (a tensor-parallel shard's config has its slice)
+        )  # the logits' width and the ids' range (a tensor-parallel shard's config has its slice)
 
     @property
     def hooks(self) -> HookWatch:
@@ -453,7 +453,7 @@ class DecoderLM(nn.Module):
         With a ``cache`` every row continues its cached sequence with all ``T`` tokens.
         Positions past ``max_position_embeddings`` are refused here, on the host.
         """
-        check_input_ids(input_ids, self.config.vocab_size)
+        check_input_ids(input_ids, self.vocab_size)
         T = input_ids.shape[1]
         limit = self.config.max_position_embeddings
         if cache is not None:
@@ -515,7 +515,7 @@ class DecoderLM(nn.Module):
                 raise ValueError(
                     "output_hidden_states / output_attentions run a whole sequence: pass no cache"
                 )
-            check_input_ids(input_ids, self.config.vocab_size)
+            check_input_ids(input_ids, self.vocab_size)
             return record_forward(self, input_ids, attention_mask, output_hidden_states, output_attentions)
         return self.head(self.forward_hidden(input_ids, cache, attention_mask))
 
