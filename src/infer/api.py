@@ -21,6 +21,7 @@ from infer.loading import resolve_dtype as resolve_dtype  # (the CLI imports it 
 from infer.models.base import DecoderLM
 from infer.params import MAX_SPECULATIVE, check_int
 from infer.realmodels import resolve_name
+from infer.speculative.settings import MAX_LOOKUP
 
 if TYPE_CHECKING:
     from infer.speculative import Speculative
@@ -33,7 +34,6 @@ from infer.llm import Prompt as Prompt
 from infer.llm import SamplingOptions as SamplingOptions
 
 ProgressFn = Callable[[int, int], None]
-MAX_LOOKUP = 16  # n-gram lookup matches the last N tokens at most (`infer.speculative.Speculative`)
 
 
 def check_bool(name: str, value: object) -> None:

@@ -229,6 +229,16 @@ def test_a_one_line_error_keeps_its_reason(
 # ---- positionals, and options that need another -------------------------------------------
 
 
+def _forbid_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A usage error must come before any model loads: `infer.load` fails the test if called."""
+    import infer
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing may load")
+
+    monkeypatch.setattr(infer, "load", no_load)
+
+
 @pytest.mark.parametrize(
     ("command", "what"), [("generate", "prompt"), ("perplexity", "text file")], ids=["generate", "perplexity"]
 )
@@ -244,12 +254,7 @@ def test_a_model_path_and_no_prompt_is_a_usage_error(
 ) -> None:
     """The one positional names a model on disk: the user forgot the prompt (or the file); the
     shipped model must not run with the path as its prompt."""
-    import infer
-
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("nothing may load")
-
-    monkeypatch.setattr(infer, "load", no_load)
+    _forbid_loading(monkeypatch)
     path = tiny_ckpt_factory("llama")
     if kind == "gguf":
         path = tmp_path / "model.gguf"
@@ -318,12 +323,7 @@ def test_group_size_without_a_memory_budget_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--group-size sizes the streamed groups only: alone it used to be ignored."""
-    import infer
-
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("nothing may load")
-
-    monkeypatch.setattr(infer, "load", no_load)
+    _forbid_loading(monkeypatch)
     text = tmp_path / "text.txt"
     text.write_text("some text")
     extra = {"generate": ["Hello"], "perplexity": [str(text)]}.get(command, [])

@@ -10,6 +10,7 @@ from infer.params import MAX_SPECULATIVE, check_int
 
 MAX_TOKENS = MAX_SPECULATIVE  # proposed tokens per pass at most (any setting)
 DEFAULT_TOKENS = 16  # proposed tokens per pass at most, unless set
+MAX_LOOKUP = 16  # n-gram lookup matches the last N tokens at most
 KNEE_TOKENS = 8  # cost prior: a forward of N tokens costs ~ (1 + N / KNEE_TOKENS) units
 PROBE_EVERY = 64  # passes skipped because they looked too costly before one is tried again
 DECAY = 0.9  # per pass: how fast a row's acceptance estimate forgets
@@ -31,7 +32,7 @@ class Speculative:
     max_tokens: int = DEFAULT_TOKENS
 
     def __post_init__(self) -> None:
-        check_int("lookup", self.lookup, 0, 16)
+        check_int("lookup", self.lookup, 0, MAX_LOOKUP)
         check_int("speculative_tokens", self.max_tokens, 1, MAX_TOKENS)
         if self.lookup == 0 and self.draft is None:
             raise ValueError("speculative decoding needs lookup >= 1 or a draft model")
